@@ -1,0 +1,8 @@
+"""`python -m distmerge` and `torchrun -m distmerge` both land here."""
+
+import sys
+
+from distmerge.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""The process group and the few collectives the phases use. With one process, all are no-ops.
+
+Call order (every rank makes every call, in the same order):
+    root_only   rank 0 does the work, the result or its error reaches every rank   (broadcast)
+    agree       every rank does its part; any rank's error is raised on all ranks   (all_gather)
+    gather      the same, and every rank gets every rank's small result             (all_gather)
+    all_to_all  fragment bytes from readers to owners                               (all_to_all_single)
+    close       destroy the group, on success and on failure
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+
+from distmerge import errors
+from distmerge.errors import DistmergeError
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Failure:
+    """An error crossing ranks: class name and message, so every rank raises the same thing."""
+
+    rank: int
+    kind: str
+    message: str
+    trace: str
+
+
+def launched_world() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+class Comm:
+    def __init__(self, *, device: str, timeout_s: float) -> None:
+        self.world = launched_world()
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.device = torch.device(device)
+        self._data = self._control = None
+        if self.world > 1:
+            import torch.distributed as dist
+
+            timeout = timedelta(seconds=timeout_s)
+            if self.device.type == "cuda":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+                self.device = torch.device("cuda", torch.cuda.current_device())
+                dist.init_process_group("nccl", timeout=timeout, device_id=self.device)
+                self._control = dist.new_group(backend="gloo", timeout=timeout)  # objects stay on the CPU
+            else:
+                dist.init_process_group("gloo", timeout=timeout)
+                self._control = dist.group.WORLD
+            self._data = dist.group.WORLD
+
+    # -- collectives -------------------------------------------------------------------------------
+    def root_only(self, work: Callable[[], T]) -> T:
+        box: list[Any] = [self._attempt(work) if self.rank == 0 else None]
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.broadcast_object_list(box, src=0, group=self._control)
+        return self._unwrap([box[0]])[0]
+
+    def agree(self, work: Callable[[], T]) -> T:
+        """Run `work` here; if any rank failed, raise the lowest failing rank's error on every rank."""
+        mine = self._attempt(work)
+        status = mine if isinstance(mine, Failure) else None
+        self._unwrap(self._all_gather(status))
+        return mine
+
+    def gather(self, work: Callable[[], T]) -> list[T]:
+        """Like agree, but every rank also gets every rank's (small, picklable) result."""
+        return self._unwrap(self._all_gather(self._attempt(work)))
+
+    def _all_gather(self, obj: Any) -> list[Any]:
+        if self.world == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        every: list[Any] = [None] * self.world
+        dist.all_gather_object(every, obj, group=self._control)
+        return every
+
+    def all_to_all(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
+        """Bytes for rank d are send[sum(send_splits[:d]) : ...]; returns what the others sent here."""
+        recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=send.device)
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self._data)
+        return recv
+
+    def close(self) -> None:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    # -- error transport ---------------------------------------------------------------------------
+    def _attempt(self, work: Callable[[], T]) -> T | Failure:
+        try:
+            return work()
+        except DistmergeError as err:
+            return Failure(rank=self.rank, kind=type(err).__name__, message=str(err), trace=traceback.format_exc())
+        except Exception as err:  # a bug or an environment fault: still one line, on every rank
+            message = f"internal error on rank {self.rank}: {type(err).__name__}: {err} (rerun with --debug)"
+            return Failure(rank=self.rank, kind="DistmergeError", message=message, trace=traceback.format_exc())
+
+    def _unwrap(self, outcomes: list[Any]) -> list[Any]:
+        failed = [o for o in outcomes if isinstance(o, Failure)]
+        if failed:
+            first = min(failed, key=lambda f: f.rank)
+            cls = getattr(errors, first.kind, DistmergeError)
+            err = cls(first.message)
+            err.trace = first.trace  # shown with --debug
+            err.origin_rank = first.rank
+            raise err
+        return outcomes

@@ -1,0 +1,173 @@
+"""The merge, phase by phase. Every rank runs `merge` and makes the same collective calls in order:
+
+    phase      who works                          collective
+    discover   rank 0 checks, lists, reads config broadcast            (comm.root_only)
+               each rank opens its input files    all_gather of inventories (comm.gather)
+    plan       every rank, identically, no I/O    all_gather of status (comm.agree)
+    per round: exchange  readers pack fragments   status, then all_to_all_single
+               assemble + write  owners            all_gather of bytes written (progress)
+    finalize   rank 0: config, tokenizer, index   broadcast (comm.root_only)
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from distmerge import discover as disc
+from distmerge import families
+from distmerge import plan as planning
+from distmerge.assemble import assemble_unit
+from distmerge.comm import Comm
+from distmerge.dtypes import CAST_CHOICES
+from distmerge.errors import InputError
+from distmerge.exchange import exchange
+from distmerge.finalize import finalize
+from distmerge.formats import registry
+from distmerge.formats.base import Fragment
+from distmerge.plan import Plan
+from distmerge.reader import Reader
+from distmerge.report import Progress
+from distmerge.writer import ShardWriter
+
+
+@dataclass(frozen=True, kw_only=True)
+class MergeOptions:
+    input: Path
+    output: Path
+    format: str = "auto"
+    hf_config: Path | None = None
+    dtype: str = "keep"
+    max_shard_bytes: int = 5 * 10**9
+    budget_bytes: int = 256 * 2**20
+    overwrite: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankStats:
+    rank: int
+    bytes_read: int
+    bytes_written: int
+    files_written: int
+    peak_rss: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class MergeResult:
+    output: str
+    format: str
+    input_world_size: int
+    processes: int
+    device: str
+    tensors: int
+    files: list[tuple[str, int]]
+    total_bytes: int
+    seconds: float
+    ranks: list[RankStats]
+    notes: list[str] = field(default_factory=list)
+    copied: list[str] = field(default_factory=list)
+
+
+def merge(opts: MergeOptions, comm: Comm, progress: Progress) -> MergeResult:
+    start = time.perf_counter()
+    found = comm.root_only(lambda: _discover(opts))
+    scan = found.scan
+    reader = Reader(Path(scan.root), registry.FORMATS[scan.format], scan.files)
+    readers = planning.assign_readers(scan.files, comm.world)
+    writers: dict[int, ShardWriter] = {}
+    try:
+        inventories = comm.gather(lambda: reader.open([i for i, r in enumerate(readers) if r == comm.rank]))
+        plan = comm.agree(lambda: _plan(opts, found, inventories, comm.world))
+        progress.start(plan.total_bytes, len(plan.files))
+        for units in plan.rounds:
+            received = exchange(plan, units, comm, reader)
+            done = comm.gather(lambda u=units, got=received: _build(plan, u, opts.output, comm, reader, got, writers))
+            progress.advance(sum(done))
+            del received, done
+        progress.stop()
+        ranks = comm.gather(lambda: _stats(comm.rank, reader, plan))
+        copied = comm.root_only(lambda: finalize(Path(opts.output), plan, found.config, Path(found.hf_dir)))
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        progress.stop()
+        raise
+    finally:
+        reader.close()
+    return MergeResult(
+        output=str(opts.output),
+        format=scan.format,
+        input_world_size=scan.world_size,
+        processes=comm.world,
+        device=str(comm.device),
+        tensors=sum(len(f.targets) for f in plan.files),
+        files=[(f.name, f.nbytes) for f in plan.files],
+        total_bytes=plan.total_bytes,
+        seconds=time.perf_counter() - start,
+        ranks=ranks,
+        notes=list(scan.notes),
+        copied=copied,
+    )
+
+
+def _discover(opts: MergeOptions) -> disc.Discovery:
+    root = disc.check_input(opts.input)
+    out = disc.check_output(opts.output, opts.input, opts.overwrite)
+    found = disc.discover(root, opts.format, opts.hf_config)
+    disc.prepare_output(out)
+    return found
+
+
+def _plan(opts: MergeOptions, found: disc.Discovery, inventories: list[list[Fragment]], world: int) -> Plan:
+    scan = found.scan
+    sources = planning.merge_inventories([f for inv in inventories for f in inv], scan.files)
+    if not sources:
+        raise InputError(f"{scan.root}: the rank files hold no tensors")
+    metas = {name: s.meta for name, s in sources.items()}
+    naming = scan.details.get("naming", "hf")
+    units = families.units_for(naming, metas, found.config, CAST_CHOICES[opts.dtype])
+    return planning.make_plan(
+        sources=sources,
+        units=units,
+        files=scan.files,
+        world=world,
+        max_shard_bytes=opts.max_shard_bytes,
+        budget_bytes=opts.budget_bytes,
+    )
+
+
+def _build(plan: Plan, units, out_dir: Path, comm: Comm, reader: Reader, received, writers) -> int:
+    """Assemble this rank's units of the round and write them; finish files that are complete."""
+    written = 0
+    for i in units:
+        if plan.owner_of_unit[i] != comm.rank:
+            continue
+        f = plan.file_of_unit[i]
+        if f not in writers:
+            writers[f] = ShardWriter(Path(out_dir), plan.files[f].name, plan.files[f].targets)
+        for target, tensor in assemble_unit(plan.units[i], comm.rank, plan, reader, received, comm.device):
+            written += writers[f].write(target.name, tensor)
+        if writers[f].complete:
+            writers[f].finish()
+    return written
+
+
+def _stats(rank: int, reader: Reader, plan: Plan) -> RankStats:
+    mine = [f for f in plan.files if f.owner == rank]
+    return RankStats(
+        rank=rank,
+        bytes_read=reader.bytes_read,
+        bytes_written=sum(f.nbytes for f in mine),
+        files_written=len(mine),
+        peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    )
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device

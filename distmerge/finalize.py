@@ -1,0 +1,72 @@
+"""Finalize (rank 0, after every output file is renamed into place): config, tokenizer and generation
+config, custom code, and last the index, the commit marker of a finished merge."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from distmerge import dtypes
+from distmerge.plan import INDEX_NAME, Plan
+
+# Files of huggingface/ that are weights or indexes, never copied (the merge writes its own).
+SKIP_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+
+
+def main_dtype(plan: Plan) -> str | None:
+    """The floating dtype holding most bytes: what config.json should announce."""
+    by_bytes: Counter[str] = Counter()
+    for f in plan.files:
+        for t in f.targets:
+            if dtypes.is_float(t.dtype):
+                by_bytes[t.dtype] += t.nbytes
+    return by_bytes.most_common(1)[0][0] if by_bytes else None
+
+
+def write_config(out: Path, config: dict[str, Any], dtype: str | None) -> None:
+    """config.json with the dtype updated: transformers 5 reads `dtype`, 4.x `torch_dtype`."""
+    config = dict(config)
+    if dtype:
+        keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["torch_dtype"]
+        for key in keys:
+            config[key] = dtypes.hf_dtype_name(dtype)
+    _atomic_write(out / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def copy_hf_files(hf_dir: Path, out: Path) -> list[str]:
+    """Tokenizer, generation config, chat template, custom code: regular files only, no links out."""
+    copied = []
+    for path in sorted(hf_dir.iterdir()):
+        if path.name == "config.json" or path.is_symlink() or not path.is_file():
+            continue
+        if path.name.endswith(SKIP_SUFFIXES):
+            continue
+        shutil.copyfile(path, out / path.name)
+        copied.append(path.name)
+    return copied
+
+
+def write_index(out: Path, plan: Plan) -> None:
+    weight_map = {t.name: f.name for f in plan.files for t in f.targets}
+    index = {"metadata": {"total_size": plan.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+    _atomic_write(out / INDEX_NAME, json.dumps(index, indent=2) + "\n")
+
+
+def finalize(out: Path, plan: Plan, config: dict[str, Any], hf_dir: Path) -> list[str]:
+    copied = copy_hf_files(hf_dir, out)
+    write_config(out, config, main_dtype(plan))
+    write_index(out, plan)  # last: its presence means every file above is complete
+    return copied
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    temp = path.with_name(f".{path.name}.partial")
+    with open(temp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temp, path)

@@ -1,0 +1,1 @@
+"""Input layouts. Each module answers: is this my layout, which files, which fragments, read one."""

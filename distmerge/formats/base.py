@@ -1,0 +1,71 @@
+"""What every input format hands the engine: the files of a checkpoint and the fragments inside them."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass(frozen=True, kw_only=True)
+class InputFile:
+    """One file of the checkpoint; `rank` is the training rank that wrote it (-1 when not per-rank)."""
+
+    index: int
+    path: str  # relative to the input folder
+    size: int
+    rank: int = -1
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scan:
+    """What rank 0 found in the input folder, broadcast to every rank before any file is opened."""
+
+    format: str
+    root: str
+    files: tuple[InputFile, ...]
+    hf_dir: str | None  # folder with config.json / tokenizer to copy, or None
+    world_size: int  # training world size the checkpoint was saved with
+    notes: tuple[str, ...] = ()
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fragment:
+    """A block of one global tensor held in one input file (the unit of reading and of transfer)."""
+
+    name: str
+    dtype: str  # safetensors code
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    file_index: int
+    byte_offset: int  # first byte in the file; -1: only readable through the view its reader keeps
+    key: str  # the entry's key in its file, for the view fallback and for messages
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.lengths)
+
+
+@dataclass
+class OpenedFile:
+    """A file opened by its reading rank: its fragments, plus views kept only for the fallback path."""
+
+    fragments: list[Fragment]
+    views: dict[tuple[str, tuple[int, ...]], torch.Tensor] = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)
+    layout: dict[str, int] = field(default_factory=dict)  # sharding description -> entry count
+
+
+class InputFormat(Protocol):
+    name: str
+
+    def detect(self, root: Path) -> bool: ...
+
+    def scan(self, root: Path) -> Scan: ...
+
+    def open(self, root: Path, file: InputFile) -> OpenedFile: ...

@@ -1,0 +1,117 @@
+"""verl's FSDP/FSDP2 layout: one `torch.save(model.state_dict())` per training rank.
+
+    ckpt/
+      model_world_size_{W}_rank_{r}.pt      DTensor (FSDP2, FSDP1 with a mesh), ShardedTensor (FSDP1
+                                            without a mesh) or plain tensors (W=1, buffers)
+      optim_world_size_*.pt, extra_state_*  ignored
+      fsdp_config.json                      {"FSDP_version": 1|2, "world_size": W}; older saves lack it
+      huggingface/                          config.json, tokenizer, generation config, custom code
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from distmerge import dtypes
+from distmerge.errors import InputError
+from distmerge.formats import torch_pickle
+from distmerge.formats.base import Fragment, InputFile, OpenedFile, Scan
+
+RANK_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
+OPTIM_FILE = re.compile(r"^optim_world_size_(\d+)_rank_(\d+)\.pt$")
+# Wrapper modules whose names can leak into state-dict keys (FSDP1 flat params, activation checkpointing).
+WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+class FsdpFormat:
+    name = "fsdp"
+
+    def detect(self, root: Path) -> bool:
+        return any(RANK_FILE.match(p.name) for p in root.iterdir())
+
+    def scan(self, root: Path) -> Scan:
+        found = {int(m[2]): (int(m[1]), p) for p in root.iterdir() if (m := RANK_FILE.match(p.name))}
+        if not found:
+            if any(OPTIM_FILE.match(p.name) for p in root.iterdir()):
+                raise InputError(f"{root} holds only optimizer files (optim_world_size_*): no model weights to merge")
+            raise InputError(f"{root} has no model_world_size_*_rank_*.pt files")
+        sizes = {w for w, _ in found.values()}
+        if len(sizes) > 1:
+            raise InputError(f"{root} mixes checkpoints of world sizes {sorted(sizes)}: keep one set of rank files")
+        world = sizes.pop()
+        notes = _check_config(root, world)
+        missing = sorted(set(range(world)) - found.keys())
+        extra = sorted(found.keys() - set(range(world)))
+        if missing:
+            raise InputError(f"{root}: rank files missing for ranks {_short(missing)} of world size {world}")
+        if extra:
+            raise InputError(f"{root}: unexpected rank files for ranks {_short(extra)} (world size is {world})")
+        files = tuple(
+            InputFile(index=r, path=found[r][1].name, size=found[r][1].stat().st_size, rank=r) for r in range(world)
+        )
+        hf = root / "huggingface"
+        return Scan(
+            format=self.name,
+            root=str(root),
+            files=files,
+            hf_dir=str(hf) if (hf / "config.json").is_file() else None,
+            world_size=world,
+            notes=tuple(notes),
+        )
+
+    def open(self, root: Path, file: InputFile) -> OpenedFile:
+        path = root / file.path
+        state = torch_pickle.load_pickle(path)
+        pieces, skipped, layout = [], [], {}
+        for key, value in state.items():
+            found = torch_pickle.local_pieces(key, value, file.rank)
+            if not found or key.endswith("_extra_state"):
+                skipped.append(key)
+                continue
+            pieces.extend((key, *p) for p in found)
+            kind = torch_pickle.describe(value)
+            layout[kind] = layout.get(kind, 0) + 1
+        base = torch_pickle.record_base(path, [t for _, t, _, _ in pieces])
+        opened = OpenedFile(fragments=[], skipped=skipped, layout=layout)
+        for key, tensor, shape, offsets in pieces:
+            where = torch_pickle.byte_offset_of(tensor, base)
+            frag = Fragment(
+                name=_clean(key),
+                dtype=dtypes.code_of(tensor.dtype),
+                global_shape=shape,
+                offsets=offsets,
+                lengths=tuple(tensor.shape),
+                file_index=file.index,
+                byte_offset=where,
+                key=key,
+            )
+            opened.fragments.append(frag)
+            if where < 0:
+                opened.views[(key, offsets)] = tensor
+        return opened
+
+
+def _check_config(root: Path, world: int) -> list[str]:
+    config = root / "fsdp_config.json"
+    if not config.exists():
+        return [f"fsdp_config.json is missing: world size {world} inferred from the file names"]
+    try:
+        saved = json.loads(config.read_text())["world_size"]
+    except (ValueError, KeyError, TypeError):
+        raise InputError(f"{config} is not valid JSON with a world_size: fix or remove it") from None
+    if saved != world:
+        raise InputError(f"{config} says world_size {saved} but the rank files are for world size {world}")
+    return []
+
+
+def _clean(key: str) -> str:
+    for segment in WRAPPER_SEGMENTS:
+        key = key.replace(segment, "")
+    return key
+
+
+def _short(ranks: list[int]) -> str:
+    shown = ", ".join(map(str, ranks[:8]))
+    return shown + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")

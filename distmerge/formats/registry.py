@@ -1,0 +1,26 @@
+"""Which input layouts exist, and how one is picked for a folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from distmerge.errors import InputError
+from distmerge.formats.base import InputFormat
+from distmerge.formats.fsdp import FsdpFormat
+
+FORMATS: dict[str, InputFormat] = {f.name: f for f in (FsdpFormat(),)}
+
+
+def pick(root: Path, requested: str = "auto") -> InputFormat:
+    if requested != "auto":
+        if requested not in FORMATS:
+            raise InputError(f"unknown format {requested!r}; known: {', '.join(FORMATS)}")
+        return FORMATS[requested]
+    for fmt in FORMATS.values():
+        if fmt.detect(root):
+            return fmt
+    listing = sorted(p.name for p in root.iterdir())[:8]
+    raise InputError(
+        f"{root} is not a checkpoint distmerge recognises (found: {', '.join(listing) or 'nothing'}); "
+        f"known formats: {', '.join(FORMATS)}"
+    )

@@ -1,0 +1,189 @@
+"""The one module that touches private PyTorch details: torch.save zip records, DTensor specs and the
+pickled form of FSDP1's ShardedTensor. A torch upgrade that changes any of them is a change here only.
+
+Everything is loaded with `torch.load(weights_only=True, mmap=True)`: nothing in a checkpoint can run
+code. ShardedTensor cannot be unpickled without the process group it was saved with, so its pickle
+globals are mapped to inert stand-ins (below) that only record the local shards and their offsets.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import pickle
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.tensor  # noqa: F401  (registers DTensor classes with the weights_only loader)
+
+from distmerge.errors import CorruptInputError, LayoutError
+
+
+
+class _QuietMeshUnpickle(logging.Filter):
+    """Unpickling a DeviceMesh without process groups warns about torch.compile, once per tensor."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "unpickling of the DeviceMesh" not in record.getMessage()
+
+
+logging.getLogger("torch.distributed.device_mesh").addFilter(_QuietMeshUnpickle())
+
+
+class _Record:
+    """Inert stand-in for a pickled helper object: keeps constructor args and state, runs nothing."""
+
+    def __new__(cls, *args: Any) -> _Record:
+        obj = object.__new__(cls)
+        obj.__dict__["_args"] = args
+        return obj
+
+    def __init__(self, *args: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
+            state = {**(state[0] or {}), **state[1]}  # (dict, slots) as pickle's BUILD gives it
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+        else:
+            self.__dict__["_state"] = state
+
+
+class _ShardedTensorStandIn(torch.Tensor):
+    """Stand-in for torch.distributed._shard.sharded_tensor.ShardedTensor (FSDP1 without a mesh)."""
+
+    def __setstate__(self, state: Any) -> None:
+        self.local_shards = state[0]  # list of Shard records: .tensor, .metadata.shard_offsets/sizes
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # plain attribute access, no dispatch
+
+
+_SHARDED_TENSOR_GLOBALS = [
+    (_ShardedTensorStandIn, "torch.distributed._shard.sharded_tensor.api.ShardedTensor"),
+    (_Record, "torch.distributed._shard.sharded_tensor.shard.Shard"),
+    (_Record, "torch.distributed._shard.metadata.ShardMetadata"),
+    (_Record, "torch.distributed._shard.sharded_tensor.metadata.ShardedTensorMetadata"),
+    (_Record, "torch.distributed._shard.sharded_tensor.metadata.TensorProperties"),
+    (_Record, "torch.distributed._shard.sharded_tensor.metadata.MEM_FORMAT_ENCODING"),
+    (_Record, "torch.distributed._shard.sharded_tensor.api.ShardedTensor.ProcessGroupState"),
+    (_Record, "torch.distributed._shard.sharding_spec.chunk_sharding_spec.ChunkShardingSpec"),
+    (_Record, "torch.distributed.remote_device._remote_device"),
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalPiece:
+    """One locally held block of a global tensor, with where its bytes sit in the file."""
+
+    key: str
+    tensor: torch.Tensor  # a view into the mmapped file
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    byte_offset: int  # -1 when the bytes are not one contiguous run in the file
+
+
+def load_pickle(path: Path) -> dict[str, Any]:
+    """torch.load(mmap=True, weights_only=True) with the ShardedTensor stand-ins; clear errors."""
+    if path.stat().st_size == 0:
+        raise CorruptInputError(f"{path} is empty (0 bytes): the save was interrupted; use another checkpoint")
+    if not zipfile.is_zipfile(path):
+        raise CorruptInputError(f"{path} is not a torch.save file (no zip directory): truncated or corrupt")
+    try:
+        with torch.serialization.safe_globals(_SHARDED_TENSOR_GLOBALS):
+            obj = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except pickle.UnpicklingError as err:
+        first = str(err).split("WeightsUnpickler error:")[-1].strip().splitlines()[0]
+        raise CorruptInputError(
+            f"{path} holds objects that are not tensors ({first[:160]}); distmerge loads checkpoints with "
+            "weights_only=True and never runs code from them"
+        ) from None
+    except (RuntimeError, EOFError, ValueError, OSError) as err:
+        reason = str(err).splitlines()[0][:160]
+        raise CorruptInputError(f"{path} cannot be read ({reason}): truncated or corrupt") from None
+    if not isinstance(obj, dict):
+        raise CorruptInputError(f"{path} holds a {type(obj).__name__}, not a state dict")
+    return obj
+
+
+def record_base(path: Path, tensors: list[torch.Tensor]) -> tuple[int, set[int]] | None:
+    """Address of file byte 0 in the mmap torch.load made, and the offsets of the data records.
+
+    torch.load(mmap=True) maps the whole file once and slices every storage out of it, so a storage's
+    address minus its record's offset is the same for all: the lowest address belongs to the lowest
+    record. Callers check each tensor against the record set and fall back to the view otherwise.
+    """
+    reader = torch._C.PyTorchFileReader(str(path))
+    offsets = {reader.get_record_offset(r) for r in reader.get_all_records() if r.startswith("data/")}
+    ptrs = [t.untyped_storage().data_ptr() for t in tensors if t.untyped_storage().nbytes() > 0]
+    if not offsets or not ptrs:
+        return None
+    return min(ptrs) - min(offsets), offsets
+
+
+def byte_offset_of(tensor: torch.Tensor, base: tuple[int, set[int]] | None) -> int:
+    """Where the tensor's bytes start in the file, or -1 when they are not one run we can locate."""
+    if base is None or not tensor.is_contiguous() or tensor.numel() == 0:
+        return -1
+    record = tensor.untyped_storage().data_ptr() - base[0]
+    if record not in base[1]:
+        return -1
+    return record + tensor.storage_offset() * tensor.element_size()
+
+
+def _dtensor_offsets(key: str, value: Any, file_rank: int) -> tuple[int, ...]:
+    """Global offsets of a DTensor's local block: torch.chunk rules, applied mesh dim by mesh dim."""
+    spec = value._spec
+    mesh = spec.mesh.mesh
+    where = (mesh == file_rank).nonzero()
+    if where.numel() == 0:
+        raise LayoutError(f"{key}: saved by rank {file_rank}, which is not in its device mesh {mesh.tolist()}")
+    coord = where[0].tolist()
+    shape = list(value.shape)
+    offsets = [0] * len(shape)
+    for mesh_dim, placement in enumerate(spec.placements):
+        kind = type(placement).__name__
+        if kind == "Replicate":
+            continue
+        if kind != "Shard":
+            raise LayoutError(f"{key}: placement {placement} is not supported (only Shard and Replicate)")
+        dim, parts, index = placement.dim, mesh.shape[mesh_dim], coord[mesh_dim]
+        chunk = math.ceil(shape[dim] / parts) if shape[dim] else 0
+        start = min(chunk * index, shape[dim])
+        shape[dim] = max(0, min(shape[dim], start + chunk) - start)
+        offsets[dim] += start
+    local = tuple(value._local_tensor.shape)
+    if tuple(shape) != local:
+        raise LayoutError(f"{key}: local shape {local} does not match its placements (expected {tuple(shape)})")
+    return tuple(offsets)
+
+
+def local_pieces(key: str, value: Any, file_rank: int) -> list[tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]]:
+    """(local tensor, global shape, offsets) for one state-dict entry: DTensor, ShardedTensor or plain."""
+    if isinstance(value, torch.distributed.tensor.DTensor):
+        return [(value._local_tensor, tuple(value.shape), _dtensor_offsets(key, value, file_rank))]
+    if isinstance(value, _ShardedTensorStandIn):
+        shape = tuple(value.shape)
+        return [
+            (s.tensor, shape, tuple(s.metadata.shard_offsets))
+            for s in value.local_shards
+            if s.tensor.numel() > 0
+        ]
+    if isinstance(value, torch.Tensor):
+        return [(value, tuple(value.shape), (0,) * value.dim())]
+    return []
+
+
+def describe(value: Any) -> str:
+    """A short human description of an entry's sharding, for `distmerge inspect`."""
+    if isinstance(value, torch.distributed.tensor.DTensor):
+        mesh = value._spec.mesh
+        names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.mesh.dim()))
+        dims = ", ".join(f"{n}={s}" for n, s in zip(names, mesh.mesh.shape, strict=True))
+        return f"DTensor mesh({dims}) {', '.join(map(str, value._spec.placements))}"
+    if isinstance(value, _ShardedTensorStandIn):
+        return "ShardedTensor (FSDP1, no mesh)"
+    return "plain tensor"

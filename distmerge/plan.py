@@ -1,0 +1,210 @@
+"""The plan: pure and deterministic, computed identically on every rank from the gathered inventories.
+
+    inventories --merge--> source tensors (coverage checked, one replica chosen per block)
+                --family--> units (source names -> target names + transform)
+                --split --> output files by size, natural name order, one owner each (bytes balanced)
+                --rounds--> per owner, batches of units under the byte budget; round k = every k-th batch
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+
+from distmerge import dtypes
+from distmerge.errors import LayoutError
+from distmerge.formats.base import Fragment, InputFile
+from distmerge.mapping import SourceMeta, Target, Unit
+
+INDEX_NAME = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SourceTensor:
+    meta: SourceMeta
+    fragments: tuple[Fragment, ...]  # one per block, replicas removed, covering the tensor exactly
+
+
+@dataclass(frozen=True, kw_only=True)
+class OutputFile:
+    name: str
+    owner: int
+    units: tuple[int, ...]  # indices into Plan.units
+    targets: tuple[Target, ...]  # in file order (natural name order)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.targets)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    world: int
+    readers: tuple[int, ...]  # input file index -> rank that reads it
+    sources: dict[str, SourceTensor]
+    units: tuple[Unit, ...]
+    files: tuple[OutputFile, ...]
+    rounds: tuple[tuple[int, ...], ...]  # round -> unit indices (all owners)
+    owner_of_unit: tuple[int, ...]
+    file_of_unit: tuple[int, ...]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.nbytes for f in self.files)
+
+
+def natural_key(name: str) -> list:
+    """layers.2 before layers.10: digits compare as numbers (split keeps str/int positions aligned)."""
+    return [int(t) if i % 2 else t for i, t in enumerate(re.split(r"(\d+)", name))]
+
+
+def assign_readers(files: tuple[InputFile, ...], world: int) -> tuple[int, ...]:
+    """Each input file is read by exactly one rank; largest first onto the least-loaded rank."""
+    load = [0] * world
+    readers = [0] * len(files)
+    for f in sorted(files, key=lambda f: (-f.size, f.index)):
+        rank = min(range(world), key=lambda r: (load[r], r))
+        readers[f.index] = rank
+        load[rank] += f.size
+    return tuple(readers)
+
+
+def merge_inventories(fragments: list[Fragment], files: tuple[InputFile, ...]) -> dict[str, SourceTensor]:
+    by_name: dict[str, list[Fragment]] = defaultdict(list)
+    for frag in fragments:
+        by_name[frag.name].append(frag)
+    return {name: _merge_one(name, frags, files) for name, frags in sorted(by_name.items())}
+
+
+def _merge_one(name: str, frags: list[Fragment], files: tuple[InputFile, ...]) -> SourceTensor:
+    first = min(frags, key=lambda f: f.file_index)
+    for f in frags:
+        if (f.global_shape, f.dtype) != (first.global_shape, first.dtype):
+            raise LayoutError(
+                f"{name}: {files[first.file_index].path} has shape {list(first.global_shape)} {first.dtype} but "
+                f"{files[f.file_index].path} has {list(f.global_shape)} {f.dtype}: rank files from different "
+                "models or runs; use one checkpoint's files only"
+            )
+    blocks: dict[tuple, Fragment] = {}
+    for f in sorted(frags, key=lambda f: f.file_index):
+        blocks.setdefault((f.offsets, f.lengths), f)  # replicas (HSDP, plain tensors): lowest file wins
+    chosen = tuple(blocks[k] for k in sorted(blocks))
+    _check_coverage(name, first.global_shape, chosen)
+    return SourceTensor(meta=SourceMeta(name=name, dtype=first.dtype, shape=first.global_shape), fragments=chosen)
+
+
+def _check_coverage(name: str, shape: tuple[int, ...], blocks: tuple[Fragment, ...]) -> None:
+    """Blocks must lie inside the tensor, not overlap, and add up to all of it."""
+    for b in blocks:
+        if any(o < 0 or o + n > s for o, n, s in zip(b.offsets, b.lengths, shape, strict=True)):
+            where = f"a block at {list(b.offsets)} of size {list(b.lengths)}"
+            raise LayoutError(f"{name}: {where} lies outside its shape {list(shape)}")
+    if shape and len(blocks) > 1:
+        dim = max(range(len(shape)), key=lambda d: len({b.offsets[d] for b in blocks}))
+        ordered = sorted(blocks, key=lambda b: b.offsets[dim])
+        for i, a in enumerate(ordered):
+            for b in ordered[i + 1 :]:
+                if b.offsets[dim] >= a.offsets[dim] + a.lengths[dim]:
+                    break
+                if _overlap(a, b):
+                    raise LayoutError(f"{name}: blocks at {list(a.offsets)} and {list(b.offsets)} overlap")
+    covered = sum(b.numel for b in blocks)
+    if covered != math.prod(shape):
+        raise LayoutError(
+            f"{name}: the rank files hold {covered} of its {math.prod(shape)} elements: a rank file is missing "
+            "or belongs to another checkpoint"
+        )
+
+
+def _overlap(a: Fragment, b: Fragment) -> bool:
+    return all(
+        ao < bo + bn and bo < ao + an
+        for ao, an, bo, bn in zip(a.offsets, a.lengths, b.offsets, b.lengths, strict=True)
+    )
+
+
+def split_files(units: list[Unit], max_bytes: int) -> list[list[int]]:
+    """Greedy split in natural name order; a unit never straddles two files."""
+    order = sorted(range(len(units)), key=lambda i: natural_key(units[i].targets[0].name))
+    groups: list[list[int]] = [[]]
+    size = 0
+    for i in order:
+        nbytes = sum(t.nbytes for t in units[i].targets)
+        if groups[-1] and size + nbytes > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += nbytes
+    return groups
+
+
+def file_names(count: int) -> list[str]:
+    if count == 1:
+        return ["model.safetensors"]
+    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def assign_owners(sizes: list[int], world: int) -> list[int]:
+    """Largest file first onto the rank with the fewest bytes to write."""
+    load = [0] * world
+    owners = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        rank = min(range(world), key=lambda r: (load[r], r))
+        owners[i] = rank
+        load[rank] += sizes[i]
+    return owners
+
+
+def make_plan(
+    *,
+    sources: dict[str, SourceTensor],
+    units: list[Unit],
+    files: tuple[InputFile, ...],
+    world: int,
+    max_shard_bytes: int,
+    budget_bytes: int,
+) -> Plan:
+    groups = split_files(units, max_shard_bytes)
+    names = file_names(len(groups))
+    sizes = [sum(t.nbytes for i in g for t in units[i].targets) for g in groups]
+    owners = assign_owners(sizes, world)
+    out, owner_of, file_of = [], [0] * len(units), [0] * len(units)
+    for f, group in enumerate(groups):
+        targets = sorted((t for i in group for t in units[i].targets), key=lambda t: natural_key(t.name))
+        out.append(OutputFile(name=names[f], owner=owners[f], units=tuple(group), targets=tuple(targets)))
+        for i in group:
+            owner_of[i], file_of[i] = owners[f], f
+    rounds = _rounds(units, out, sources, world, budget_bytes)
+    return Plan(
+        world=world,
+        readers=assign_readers(files, world),
+        sources=sources,
+        units=tuple(units),
+        files=tuple(out),
+        rounds=rounds,
+        owner_of_unit=tuple(owner_of),
+        file_of_unit=tuple(file_of),
+    )
+
+
+def _rounds(units, files, sources, world, budget) -> tuple[tuple[int, ...], ...]:
+    """Each owner takes its units in file order in batches whose source bytes fit the budget."""
+    batches: list[list[list[int]]] = [[] for _ in range(world)]
+    filled = [0] * world
+    for f in files:
+        for i in f.units:
+            need = sum(_source_bytes(sources[s].meta) for s in units[i].sources)
+            mine = batches[f.owner]
+            if not mine or filled[f.owner] + need > budget:
+                mine.append([])
+                filled[f.owner] = 0
+            mine[-1].append(i)
+            filled[f.owner] += need
+    depth = max((len(b) for b in batches), default=0)
+    return tuple(tuple(i for b in batches if k < len(b) for i in b[k]) for k in range(depth))
+
+
+def _source_bytes(meta: SourceMeta) -> int:
+    return math.prod(meta.shape) * dtypes.itemsize(meta.dtype)

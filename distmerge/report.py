@@ -1,0 +1,114 @@
+"""What the user sees: progress on rank 0 while the merge runs, one summary table at the end."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict
+from typing import TYPE_CHECKING
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    TaskProgressColumn,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+from rich.progress import Progress as RichProgress
+from rich.table import Table
+
+if TYPE_CHECKING:
+    from distmerge.engine import MergeResult
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n} B"
+
+
+class Progress:
+    """A rich bar on a terminal; plain lines at each 10% otherwise; nothing when disabled."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.total = self.done = 0
+        self._bar: RichProgress | None = None
+        self._task = None
+        self._next_line = 0.0
+        self._t0 = 0.0
+
+    def start(self, total: int, files: int) -> None:
+        if not self.enabled:
+            return
+        self.total, self._t0 = total, time.perf_counter()
+        if sys.stdout.isatty():
+            self._bar = RichProgress(
+                TextColumn(f"merging into {files} file(s)"),
+                BarColumn(),
+                TaskProgressColumn(),
+                DownloadColumn(),
+                TransferSpeedColumn(),
+                TimeRemainingColumn(),
+                console=Console(),
+            )
+            self._bar.start()
+            self._task = self._bar.add_task("merge", total=total)
+        else:
+            print(f"merging {human_bytes(total)} into {files} file(s)", flush=True)
+
+    def advance(self, nbytes: int) -> None:
+        if not self.enabled:
+            return
+        self.done += nbytes
+        if self._bar is not None:
+            self._bar.update(self._task, completed=self.done)
+        elif self.total and self.done / self.total >= self._next_line:
+            rate = self.done / max(time.perf_counter() - self._t0, 1e-9)
+            pct = 100 * self.done / self.total
+            done, total = human_bytes(self.done), human_bytes(self.total)
+            print(f"  {pct:5.1f}%  {done} of {total}  {human_bytes(rate)}/s", flush=True)
+            self._next_line = min(1.0, self.done / self.total + 0.1)
+
+    def stop(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+
+def summary_table(result: MergeResult) -> Table:
+    table = Table()
+    for column in ("rank", "read", "written", "files", "peak RSS"):
+        table.add_column(column, justify="right")
+    for r in result.ranks:
+        table.add_row(
+            str(r.rank), human_bytes(r.bytes_read), human_bytes(r.bytes_written), str(r.files_written),
+            human_bytes(r.peak_rss),
+        )
+    return table
+
+
+def print_summary(result: MergeResult) -> None:
+    console = Console(width=max(100, Console().width))
+    for note in result.notes:
+        console.print(f"note: {note}", markup=False)
+    rate = result.total_bytes / max(result.seconds, 1e-9)
+    console.print(summary_table(result))
+    console.print(
+        f"distmerge: {result.tensors} tensors, {len(result.files)} file(s), {human_bytes(result.total_bytes)} "
+        f"in {result.seconds:.2f} s ({human_bytes(rate)}/s), {result.processes} process(es) on {result.device} "
+        f"-> {result.output}",
+        markup=False,
+    )
+
+
+def summary_json(result: MergeResult) -> str:
+    data = asdict(result)
+    data["gb_per_s"] = result.total_bytes / max(result.seconds, 1e-9) / 1e9
+    data["files"] = [{"name": n, "bytes": b} for n, b in result.files]
+    return json.dumps(data, indent=2) + "\n"
