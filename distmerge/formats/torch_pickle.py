@@ -22,7 +22,6 @@ import torch.distributed.tensor  # noqa: F401  (registers DTensor classes with t
 from distmerge.errors import CorruptInputError, LayoutError
 
 
-
 class _QuietMeshUnpickle(logging.Filter):
     """Unpickling a DeviceMesh without process groups warns about torch.compile, once per tensor."""
 
