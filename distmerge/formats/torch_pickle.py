@@ -12,7 +12,6 @@ import logging
 import math
 import pickle
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -72,17 +71,6 @@ _SHARDED_TENSOR_GLOBALS = [
     (_Record, "torch.distributed._shard.sharding_spec.chunk_sharding_spec.ChunkShardingSpec"),
     (_Record, "torch.distributed.remote_device._remote_device"),
 ]
-
-
-@dataclass(frozen=True, kw_only=True)
-class LocalPiece:
-    """One locally held block of a global tensor, with where its bytes sit in the file."""
-
-    key: str
-    tensor: torch.Tensor  # a view into the mmapped file
-    global_shape: tuple[int, ...]
-    offsets: tuple[int, ...]
-    byte_offset: int  # -1 when the bytes are not one contiguous run in the file
 
 
 def load_pickle(path: Path) -> dict[str, Any]:
