@@ -61,7 +61,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
-    table = Table(title=f"distmerge inspect {info['input']}", title_justify="left", show_header=False)
+    table = Table(show_header=False)
     table.add_column(style="bold")
     table.add_column()
     rows = [
@@ -77,5 +77,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     rows += [("note", n) for n in info["notes"]]
     for row in rows:
         table.add_row(*row)
-    Console(width=max(100, Console().width)).print(table)
+    console = Console(width=max(100, Console().width))
+    console.print(f"distmerge inspect {info['input']}", markup=False)
+    console.print(table)
     return 0

@@ -59,8 +59,20 @@ class _ShardedTensorStandIn(torch.Tensor):
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # plain attribute access, no dispatch
 
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise TypeError(f"{func}: a ShardedTensor read by distmerge is only a record of its local shards")
+
+
+def _nested_class(owner: Any, name: str) -> Any:
+    """Pickle reaches nested classes through getattr(owner, name); allow exactly one such lookup."""
+    if owner is _ShardedTensorStandIn and name == "ProcessGroupState":
+        return _Record
+    raise pickle.UnpicklingError(f"getattr({getattr(owner, '__name__', owner)!r}, {name!r}) is not allowed")
+
 
 _SHARDED_TENSOR_GLOBALS = [
+    (_nested_class, "builtins.getattr"),
     (_ShardedTensorStandIn, "torch.distributed._shard.sharded_tensor.api.ShardedTensor"),
     (_Record, "torch.distributed._shard.sharded_tensor.shard.Shard"),
     (_Record, "torch.distributed._shard.metadata.ShardMetadata"),

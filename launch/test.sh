@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Set up .venv (see setup.sh) and run the whole test suite: CPU only, gloo, real torchrun jobs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash launch/setup.sh
+exec .venv/bin/python -m pytest -q "$@"

@@ -1,0 +1,88 @@
+"""Shared fixtures: real sharded checkpoints, made once per test session by real FSDP jobs."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from distmerge.cli import main as distmerge_main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def fsdp_ckpts(tmp_path_factory) -> dict[str, Path]:
+    """{case: checkpoint folder}; each case's reference sits beside it as `{case}_reference/`."""
+    from tests.fixtures.build import build_fsdp_fixtures
+
+    return build_fsdp_fixtures(tmp_path_factory.mktemp("fsdp"))
+
+
+def reference_dir(ckpt: Path) -> Path:
+    return ckpt.parent / f"{ckpt.name}_reference"
+
+
+def merge_inproc(*args: str) -> int:
+    """One process, no torchrun: the same code path as `python -m distmerge`."""
+    return distmerge_main(["merge", "--quiet", *map(str, args)])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(nproc: int, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """A real `torchrun --nproc-per-node N -m distmerge ...` job on loopback."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--nnodes", "1",
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "distmerge", *map(str, args),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+
+
+def load_merged(out: Path) -> dict[str, torch.Tensor]:
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    tensors = {}
+    for name in sorted(set(index["weight_map"].values())):
+        with safe_open(out / name, framework="pt") as f:
+            for key in f.keys():
+                assert index["weight_map"][key] == name
+                tensors[key] = f.get_tensor(key)
+    assert set(tensors) == set(index["weight_map"])
+    return tensors
+
+
+def load_reference(ckpt: Path) -> dict[str, torch.Tensor]:
+    with safe_open(reference_dir(ckpt) / "model.safetensors", framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def expected_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The reference state dict as a merged model should hold it: no tied head when the config ties."""
+    ref = load_reference(ckpt)
+    config = json.loads((ckpt / "huggingface" / "config.json").read_text())
+    if config.get("tie_word_embeddings", True):
+        ref.pop("lm_head.weight", None)
+    return ref
+
+
+def assert_exact(merged: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert sorted(merged) == sorted(expected), "keys differ"
+    for key, ref in expected.items():
+        assert merged[key].dtype == ref.dtype, key
+        assert torch.equal(merged[key], ref), key
+
+
+def tree_bytes(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
