@@ -8,7 +8,9 @@ TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
-.venv/bin/python -m pip install -q --upgrade pip >/dev/null
-.venv/bin/python -m pip install -q "$TORCH_SPEC"
-.venv/bin/python -m pip install -q -e '.[test]'
+log=.venv/setup.log
+quiet() { "$@" >"$log" 2>&1 || { cat "$log"; echo "setup failed: $*" >&2; exit 1; }; }
+quiet .venv/bin/python -m pip install --upgrade pip
+quiet .venv/bin/python -m pip install "$TORCH_SPEC"
+quiet .venv/bin/python -m pip install -e '.[test]'
 .venv/bin/python -c 'import torch, transformers, safetensors, distmerge; print(f"setup ok: torch {torch.__version__}, transformers {transformers.__version__}, distmerge {distmerge.__version__}")'
