@@ -4,7 +4,7 @@ Call order (every rank makes every call, in the same order):
     root_only   rank 0 does the work, the result or its error reaches every rank   (broadcast)
     agree       every rank does its part; any rank's error is raised on all ranks   (all_gather)
     gather      the same, and every rank gets every rank's small result             (all_gather)
-    all_to_all  fragment bytes from readers to owners                               (all_to_all_single)
+    all_to_all  fragment bytes from readers to owners, asynchronous                 (all_to_all_single)
     close       destroy the group, on success and on failure
 """
 
@@ -88,14 +88,15 @@ class Comm:
         dist.all_gather_object(every, obj, group=self._control)
         return every
 
-    def all_to_all(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
-        """Bytes for rank d are send[sum(send_splits[:d]) : ...]; returns what the others sent here."""
-        recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=send.device)
-        if self.world > 1:
-            import torch.distributed as dist
+    def all_to_all_async(
+        self, recv: torch.Tensor, send: torch.Tensor, send_splits: list[int], recv_splits: list[int]
+    ) -> Any:
+        """Start sending send[sum(send_splits[:d]) : ...] to rank d; `.wait()` fills `recv`."""
+        if self.world == 1:
+            return None
+        import torch.distributed as dist
 
-            dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self._data)
-        return recv
+        return dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self._data, async_op=True)
 
     def close(self) -> None:
         if self.world > 1:

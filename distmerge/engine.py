@@ -21,11 +21,11 @@ import torch
 from distmerge import discover as disc
 from distmerge import families
 from distmerge import plan as planning
-from distmerge.assemble import assemble_unit
+from distmerge.assemble import UnitBuild
 from distmerge.comm import Comm
 from distmerge.dtypes import CAST_CHOICES
 from distmerge.errors import InputError
-from distmerge.exchange import exchange
+from distmerge.exchange import Exchanger, Pending
 from distmerge.finalize import finalize
 from distmerge.formats import registry
 from distmerge.formats.base import Fragment
@@ -83,11 +83,12 @@ def merge(opts: MergeOptions, comm: Comm, progress: Progress) -> MergeResult:
         inventories = comm.gather(lambda: reader.open([i for i, r in enumerate(readers) if r == comm.rank]))
         plan = comm.agree(lambda: _plan(opts, found, inventories, comm.world))
         progress.start(plan.total_bytes, len(plan.files))
+        exchanger = Exchanger(plan, comm, reader)
         for units in plan.rounds:
-            received = exchange(plan, units, comm, reader)
-            done = comm.gather(lambda u=units, got=received: _build(plan, u, opts.output, comm, reader, got, writers))
+            pending = exchanger.start(units)
+            done = comm.gather(lambda u=units, p=pending: _build(plan, u, p, opts.output, comm, reader, writers))
             progress.advance(sum(done))
-            del received, done
+        del exchanger
         progress.stop()
         ranks = comm.gather(lambda: _stats(comm.rank, reader, plan))
         copied = comm.root_only(lambda: finalize(Path(opts.output), plan, found.config, Path(found.hf_dir)))
@@ -140,20 +141,32 @@ def _plan(opts: MergeOptions, found: disc.Discovery, inventories: list[list[Frag
     )
 
 
-def _build(plan: Plan, units, out_dir: Path, comm: Comm, reader: Reader, received, writers) -> int:
-    """Assemble this rank's units of the round and write them; finish files that are complete."""
-    written = 0
-    for i in units:
-        if plan.owner_of_unit[i] != comm.rank:
-            continue
+def _build(plan: Plan, units, pending: Pending, out_dir: Path, comm: Comm, reader: Reader, writers) -> int:
+    """Place this rank's fragments for the round's units (local ones while the exchange is in flight),
+    write the targets, finish the files that are complete. Returns the bytes of target written."""
+    me = comm.rank
+    builds = []
+    for i in (i for i in units if plan.owner_of_unit[i] == me):
         f = plan.file_of_unit[i]
         if f not in writers:
             writers[f] = ShardWriter(Path(out_dir), plan.files[f].name, plan.files[f].targets)
-        for target, tensor in assemble_unit(plan.units[i], comm.rank, plan, reader, received, comm.device):
-            written += writers[f].write(target.name, tensor)
-        if writers[f].complete:
-            writers[f].finish()
-    return written
+        builds.append((writers[f], UnitBuild(plan.units[i], plan, writers[f], comm.device)))
+    try:
+        for _, build in builds:
+            for source, frag in build.fragments():
+                if plan.readers[frag.file_index] == me:
+                    build.place_local(source, frag, reader)
+    finally:
+        received = pending.wait()  # the collective completes even when local work failed
+    for _, build in builds:
+        for source, frag in build.fragments():
+            if plan.readers[frag.file_index] != me:
+                build.place_received(source, frag, received[frag])
+        build.finish()
+    for writer in {id(w): w for w, _ in builds}.values():
+        if writer.complete:
+            writer.finish()
+    return sum(t.nbytes for _, build in builds for t in build.unit.targets)
 
 
 def _stats(rank: int, reader: Reader, plan: Plan) -> RankStats:

@@ -1,8 +1,10 @@
 """Exchange: move fragment bytes from the rank that read them to the rank that owns their unit.
 
-One round = one all_to_all_single of packed uint8 buffers (gloo on CPU, NCCL on GPU). Sender and
-receiver derive the same fragment order from the plan, so no sizes or names travel with the bytes.
-Each fragment sits in an 8-byte aligned slot, so the receiver can view it as any dtype in place.
+One round = one all_to_all_single of packed uint8 buffers (gloo on CPU, NCCL on GPU), started
+asynchronously so owners copy their local fragments while the bytes travel. Sender and receiver
+derive the same fragment order from the plan, so no sizes or names travel with the bytes. Each
+fragment sits in an 8-byte aligned slot, so the receiver can view it as any dtype in place. The
+buffers are kept between rounds: their pages are faulted in once.
 """
 
 from __future__ import annotations
@@ -19,13 +21,6 @@ from distmerge.plan import Plan
 from distmerge.reader import Reader
 
 
-@dataclass(frozen=True)
-class Move:
-    frag: Fragment
-    reader: int
-    owner: int
-
-
 def frag_bytes(frag: Fragment) -> int:
     return frag.numel * dtypes.itemsize(frag.dtype)
 
@@ -34,45 +29,71 @@ def slot(nbytes: int) -> int:
     return (nbytes + 7) & ~7
 
 
-def moves(plan: Plan, units: tuple[int, ...]) -> list[Move]:
-    """Every fragment the round's units need, with who reads it and who assembles it (plan order)."""
-    out = []
+def lanes(plan: Plan, units: tuple[int, ...]) -> dict[tuple[int, int], list[Fragment]]:
+    """(reader, owner) -> fragments that cross ranks this round, in plan order."""
+    out: dict[tuple[int, int], list[Fragment]] = defaultdict(list)
     for i in units:
         owner = plan.owner_of_unit[i]
         for name in plan.units[i].sources:
             for frag in plan.sources[name].fragments:
-                out.append(Move(frag, plan.readers[frag.file_index], owner))
+                reader = plan.readers[frag.file_index]
+                if reader != owner:
+                    out[(reader, owner)].append(frag)
     return out
 
 
-def exchange(plan: Plan, units: tuple[int, ...], comm: Comm, reader: Reader) -> dict[Fragment, torch.Tensor]:
-    """Send what this rank read for others, return what others read for this rank (uint8 views)."""
-    lanes: dict[tuple[int, int], list[Fragment]] = defaultdict(list)
-    for m in moves(plan, units):
-        if m.reader != m.owner:
-            lanes[(m.reader, m.owner)].append(m.frag)
-    if not lanes:
-        return {}
-    me, world = comm.rank, comm.world
-    outgoing = [lanes.get((me, d), []) for d in range(world)]
-    incoming = [lanes.get((s, me), []) for s in range(world)]
-    send_splits = [sum(slot(frag_bytes(f)) for f in frags) for frags in outgoing]
-    recv_splits = [sum(slot(frag_bytes(f)) for f in frags) for frags in incoming]
+@dataclass
+class Pending:
+    """An exchange in flight; `wait` returns what other ranks read for this one (uint8 views)."""
 
-    def pack() -> torch.Tensor:
-        buf = torch.empty(sum(send_splits), dtype=torch.uint8)
-        at = 0
+    work: object
+    recv: torch.Tensor | None
+    incoming: list[list[Fragment]]
+
+    def wait(self) -> dict[Fragment, torch.Tensor]:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        received, at = {}, 0
+        for frags in self.incoming:
+            for f in frags:
+                received[f] = self.recv[at : at + frag_bytes(f)]
+                at += slot(frag_bytes(f))
+        return received
+
+
+class Exchanger:
+    def __init__(self, plan: Plan, comm: Comm, reader: Reader) -> None:
+        self.plan, self.comm, self.reader = plan, comm, reader
+        self._send = torch.empty(0, dtype=torch.uint8)
+        self._recv = torch.empty(0, dtype=torch.uint8, device=comm.device)
+
+    def start(self, units: tuple[int, ...]) -> Pending:
+        """Pack what this rank read for others and start sending. Collective: every rank calls it."""
+        crossing = lanes(self.plan, units)
+        if not crossing:
+            return Pending(None, None, [])
+        me, world = self.comm.rank, self.comm.world
+        outgoing = [crossing.get((me, d), []) for d in range(world)]
+        incoming = [crossing.get((s, me), []) for s in range(world)]
+        send_splits = [sum(slot(frag_bytes(f)) for f in frags) for frags in outgoing]
+        recv_splits = [sum(slot(frag_bytes(f)) for f in frags) for frags in incoming]
+        send = self.comm.agree(lambda: self._pack(outgoing, sum(send_splits)))  # a failed read stops all here
+        recv = self._recv_buffer(sum(recv_splits))
+        work = self.comm.all_to_all_async(recv, send.to(self.comm.device), send_splits, recv_splits)
+        return Pending(work, recv, incoming)
+
+    def _pack(self, outgoing: list[list[Fragment]], total: int) -> torch.Tensor:
+        if self._send.numel() < total:
+            self._send = torch.empty(total, dtype=torch.uint8)
+        buf, at = self._send[:total], 0
         for frags in outgoing:
             for f in frags:
-                reader.read_into(f, buf[at : at + frag_bytes(f)])
+                self.reader.read_into(f, buf[at : at + frag_bytes(f)])
                 at += slot(frag_bytes(f))
         return buf
 
-    send = comm.agree(pack)  # a failed read on any rank stops everyone here, before the collective
-    recv = comm.all_to_all(send.to(comm.device), send_splits, recv_splits)
-    received, at = {}, 0
-    for frags in incoming:
-        for f in frags:
-            received[f] = recv[at : at + frag_bytes(f)]
-            at += slot(frag_bytes(f))
-    return received
+    def _recv_buffer(self, total: int) -> torch.Tensor:
+        if self._recv.numel() < total:
+            self._recv = torch.empty(total, dtype=torch.uint8, device=self.comm.device)
+        return self._recv[:total]

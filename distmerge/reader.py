@@ -1,16 +1,19 @@
-"""Reads fragment bytes on the rank that owns the input file: one pread per fragment, no page cache
-copies kept in this process (mmap is used only to learn where the bytes are)."""
+"""Reads fragment bytes on the rank that owns the input file: pread into memory, or copy_file_range
+straight into an output file. No mapping of the input is kept (mmap only told us where bytes are)."""
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
 import torch
 
 from distmerge import dtypes
-from distmerge.errors import CorruptInputError
+from distmerge.errors import CorruptInputError, OutputError
 from distmerge.formats.base import Fragment, InputFile, InputFormat, OpenedFile
+
+BOUNCE = 1 << 20  # fallback copy chunk (see writer.WRITE_CHUNK)
 
 
 class Reader:
@@ -21,6 +24,7 @@ class Reader:
         self.opened: dict[int, OpenedFile] = {}
         self._fds: dict[int, int] = {}
         self.bytes_read = 0
+        self._kernel_copy = hasattr(os, "copy_file_range")
 
     def open(self, indices: list[int]) -> list[Fragment]:
         """Discover: open the assigned files, return their fragments (the rank's inventory)."""
@@ -30,6 +34,9 @@ class Reader:
             found.extend(self.opened[i].fragments)
         return found
 
+    def can_copy(self, frag: Fragment) -> bool:
+        return frag.byte_offset >= 0
+
     def read_into(self, frag: Fragment, dest: torch.Tensor) -> None:
         """Fill `dest` (CPU, contiguous uint8 of the fragment's size) with the fragment's bytes."""
         if frag.byte_offset < 0:
@@ -38,15 +45,41 @@ class Reader:
             self.bytes_read += dest.numel()
             return
         buf = memoryview(dest.numpy()).cast("B")
-        fd = self._fd(frag.file_index)
-        done = 0
+        fd, done = self._fd(frag.file_index), 0
         while done < len(buf):
             got = os.preadv(fd, [buf[done:]], frag.byte_offset + done)
             if got == 0:
-                path = self.files[frag.file_index].path
-                raise CorruptInputError(f"{path} ends before the bytes of {frag.key}: the file is truncated")
+                self._truncated(frag)
             done += got
         self.bytes_read += done
+
+    def copy_to(self, frag: Fragment, out_fd: int, out_offset: int, nbytes: int) -> None:
+        """Copy the fragment's bytes into an output file inside the kernel (no trip through memory)."""
+        src, done = self._fd(frag.file_index), 0
+        while done < nbytes:
+            try:
+                got = self._copy_chunk(src, out_fd, nbytes - done, frag.byte_offset + done, out_offset + done)
+            except OSError as err:
+                raise OutputError(f"cannot write the output: {err.strerror} (is the disk full?)") from None
+            if got == 0:
+                self._truncated(frag)
+            done += got
+        self.bytes_read += done
+
+    def _copy_chunk(self, src: int, dst: int, count: int, src_off: int, dst_off: int) -> int:
+        if self._kernel_copy:
+            try:
+                return os.copy_file_range(src, dst, count, src_off, dst_off)
+            except OSError as err:  # another filesystem on an old kernel, or no support: copy by hand
+                if err.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                    raise
+                self._kernel_copy = False
+        data = os.pread(src, min(count, BOUNCE), src_off)
+        return os.pwrite(dst, data, dst_off) if data else 0
+
+    def _truncated(self, frag: Fragment) -> None:
+        path = self.files[frag.file_index].path
+        raise CorruptInputError(f"{path} ends before the bytes of {frag.key}: the file is truncated")
 
     def _fd(self, index: int) -> int:
         if index not in self._fds:

@@ -1,8 +1,8 @@
 """Writes one safetensors file whose header is fully known from the plan before any data exists.
 
-Tensors may arrive in any order (a unit can produce tensors that are not neighbours in name order):
-each is written with pwrite at its planned offset. The file lives under a hidden temporary name until
-every tensor is in and it is fsynced; then it is renamed into place.
+Bytes may arrive in any order and in pieces (a fragment straight from an input file, a received
+buffer, a whole assembled tensor): each lands at its planned offset. The file lives under a hidden
+temporary name until every byte is in and it is fsynced; then it is renamed into place.
 """
 
 from __future__ import annotations
@@ -15,6 +15,10 @@ import torch
 
 from distmerge.errors import OutputError
 from distmerge.mapping import Target
+
+# Large single write() calls into the page cache are several times slower than 1 MiB ones here
+# (ext4: 800 MB in 8 MiB or 4 MiB calls took 0.4-3.2 s, in 1 MiB calls 0.25-0.47 s).
+WRITE_CHUNK = 1 << 20
 
 
 def header_bytes(targets: tuple[Target, ...]) -> tuple[bytes, dict[str, tuple[int, int]]]:
@@ -42,24 +46,37 @@ class ShardWriter:
         head, self.ranges = header_bytes(targets)
         self.data_start = len(head)
         self.size = len(head) + sum(t.nbytes for t in targets)
-        self.pending = {t.name for t in targets}
+        self.missing = self.size - len(head)  # data bytes not yet written
         self.fd = os.open(self.temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        self._pwrite(memoryview(head), 0)
+        self.pwrite(memoryview(head), 0)
+
+    def offset(self, name: str, start: int = 0) -> int:
+        """File offset of byte `start` of tensor `name`."""
+        return self.data_start + self.ranges[name][0] + start
 
     def write(self, name: str, tensor: torch.Tensor) -> int:
+        """Write a whole assembled tensor at its place."""
         begin, end = self.ranges[name]
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
         assert data.numel() == end - begin, f"{name}: {data.numel()} bytes, planned {end - begin}"
-        self._pwrite(memoryview(data.numpy()).cast("B"), self.data_start + begin)
-        self.pending.discard(name)
-        return end - begin
+        return self.write_bytes(memoryview(data.numpy()).cast("B"), self.offset(name))
+
+    def write_bytes(self, buf: memoryview, offset: int) -> int:
+        self.pwrite(buf, offset)
+        self.missing -= len(buf)
+        return len(buf)
+
+    def wrote_elsewhere(self, nbytes: int) -> None:
+        """Account for bytes that reached the file another way (copy_file_range from an input)."""
+        self.missing -= nbytes
 
     @property
     def complete(self) -> bool:
-        return not self.pending
+        return self.missing == 0
 
     def finish(self) -> None:
         """fsync, close, rename: after this the file is whole or absent, never half-written."""
+        assert self.missing == 0, f"{self.final.name}: {self.missing} bytes never written"
         try:
             os.fsync(self.fd)
         finally:
@@ -73,10 +90,10 @@ class ShardWriter:
             self.fd = -1
         self.temp.unlink(missing_ok=True)
 
-    def _pwrite(self, buf: memoryview, offset: int) -> None:
+    def pwrite(self, buf: memoryview, offset: int) -> None:
         done = 0
         try:
             while done < len(buf):
-                done += os.pwrite(self.fd, buf[done:], offset + done)
+                done += os.pwrite(self.fd, buf[done : done + WRITE_CHUNK], offset + done)
         except OSError as err:
             raise OutputError(f"cannot write {self.temp}: {err.strerror} (is the disk full?)") from None

@@ -65,13 +65,14 @@ class FsdpFormat:
         path = root / file.path
         state = torch_pickle.load_pickle(path)
         pieces, skipped, layout = [], [], {}
+        meshes = torch_pickle.MeshCache()
         for key, value in state.items():
-            found = torch_pickle.local_pieces(key, value, file.rank)
+            found = torch_pickle.local_pieces(key, value, file.rank, meshes)
             if not found or key.endswith("_extra_state"):
                 skipped.append(key)
                 continue
             pieces.extend((key, *p) for p in found)
-            kind = torch_pickle.describe(value)
+            kind = torch_pickle.describe(value, meshes)
             layout[kind] = layout.get(kind, 0) + 1
         base = torch_pickle.record_base(path, [t for _, t, _, _ in pieces])
         opened = OpenedFile(fragments=[], skipped=skipped, layout=layout)

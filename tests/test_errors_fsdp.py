@@ -1,0 +1,95 @@
+"""Bad input and bad output paths: one clear line, a non-zero exit, no index, the input untouched."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import merge_inproc, torchrun, tree_bytes
+
+
+@pytest.fixture
+def ckpt(fsdp_ckpts, tmp_path) -> Path:
+    """A private copy of a W=4 checkpoint that a test may damage."""
+    return Path(shutil.copytree(fsdp_ckpts["fsdp2_llama_w4"], tmp_path / "ckpt"))
+
+
+def error_line(capsys) -> str:
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("distmerge: error: ")
+    return lines[0]
+
+
+def test_missing_rank_file(ckpt, tmp_path, capsys):
+    (ckpt / "model_world_size_4_rank_2.pt").unlink()
+    assert merge_inproc("--input", ckpt, "--output", tmp_path / "out") == 1
+    assert "rank files missing for ranks 2 of world size 4" in error_line(capsys)
+    assert not (tmp_path / "out").exists()
+
+
+def test_fsdp_config_disagrees(ckpt, tmp_path, capsys):
+    (ckpt / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": 8}))
+    assert merge_inproc("--input", ckpt, "--output", tmp_path / "out") == 1
+    assert "says world_size 8 but the rank files are for world size 4" in error_line(capsys)
+
+
+def test_missing_config_json(ckpt, tmp_path, capsys):
+    shutil.rmtree(ckpt / "huggingface")
+    assert merge_inproc("--input", ckpt, "--output", tmp_path / "out") == 1
+    assert "pass --hf-config DIR" in error_line(capsys)
+
+
+class Payload:
+    """Unpickling this creates a file: proof that code ran."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_pickle_that_runs_code_is_refused(ckpt, tmp_path, capsys):
+    marker = tmp_path / "ran"
+    torch.save({"model.norm.weight": Payload(marker)}, ckpt / "model_world_size_4_rank_1.pt")
+    assert merge_inproc("--input", ckpt, "--output", tmp_path / "out") == 1
+    assert "never runs code" in error_line(capsys)
+    assert not marker.exists()
+
+
+def test_output_not_empty_needs_overwrite(ckpt, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    before = tree_bytes(ckpt)
+    assert merge_inproc("--input", ckpt, "--output", out) == 1
+    assert "pass --overwrite" in error_line(capsys)
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    (out / "model-00009-of-00009.safetensors").write_text("stale")
+    assert merge_inproc("--input", ckpt, "--output", out, "--overwrite") == 0
+    assert sorted(p.name for p in out.glob("model*")) == ["model.safetensors", "model.safetensors.index.json"]
+    assert (out / "keep.txt").read_text() == "mine"
+    assert tree_bytes(ckpt) == before  # the input is never modified
+
+
+def test_output_inside_input_is_refused(ckpt, capsys):
+    assert merge_inproc("--input", ckpt, "--output", ckpt / "merged") == 1
+    assert "inside the input" in error_line(capsys)
+    assert not (ckpt / "merged").exists()
+
+
+@pytest.mark.torchrun
+def test_failure_on_one_rank_stops_every_rank(ckpt, tmp_path):
+    """Rank 1 reads a truncated file: both ranks exit non-zero with the same message, no index."""
+    victim = ckpt / "model_world_size_4_rank_1.pt"
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    run = torchrun(2, "merge", "--input", ckpt, "--output", tmp_path / "out", "--quiet", timeout=120)
+    assert run.returncode != 0
+    errors = [line for line in run.stderr.splitlines() if line.startswith("distmerge: error:")]
+    assert len(errors) == 1 and "model_world_size_4_rank_1.pt" in errors[0], run.stderr[-2000:]
+    assert not (tmp_path / "out" / "model.safetensors.index.json").exists()
