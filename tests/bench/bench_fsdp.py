@@ -4,9 +4,9 @@
 
 Makes (once, then reuses) a verl-layout FSDP2 checkpoint of a Llama-shaped fp32 model with make_ckpt.py,
 then times, in every repeat and in rotating order so that drift on a shared machine hits all methods alike:
-cp (+sync, the physical floor: distmerge fsyncs its output), launch-only (`--version` under python and
-torchrun, to subtract), distmerge with 1 and 2 processes, and baseline_merge.py. The page cache stays hot
-throughout on purpose: the comparison is of the mergers, not of the disk's cold-read speed.
+cp (+sync, the physical floor: distmerge fsyncs its output), launch-only (`-m distmerge.engine` under python
+and torchrun: start and import, to subtract), distmerge with 1 and 2 processes, and baseline_merge.py.
+The page cache stays hot throughout on purpose: the comparison is of the mergers, not of the disk's cold-read speed.
 """
 
 from __future__ import annotations
@@ -122,7 +122,8 @@ class Bench:
 
     def launch(self, n: int) -> None:
         prefix = [*TORCHRUN, "--standalone", "--nproc-per-node", str(n)] if n > 1 else [PY]
-        row, cmd = f"launch N={n}", [*prefix, "-m", "distmerge", "--version"]
+        # Start the processes and import everything a merge imports (torch, DTensor, rich), then exit.
+        row, cmd = f"launch N={n}", [*prefix, "-m", "distmerge.engine"]
         self.commands.setdefault(row, shlex.join(cmd))
         seconds, _ = run(cmd, self.work / "logs" / f"launch_n{n}.log")
         self.times[row].append(seconds)
@@ -146,8 +147,9 @@ class Bench:
 
     def baseline(self) -> None:
         dest = self.fresh("baseline")
+        summary = self.work / "summary_baseline.json"
         cmd = [PY, str(HERE / "baseline_merge.py"), "--input", str(self.ckpt), "--output", str(dest),
-               "--max-shard-size", str(parse_size(self.args.max_shard_size))]
+               "--max-shard-size", str(parse_size(self.args.max_shard_size)), "--json-summary", str(summary)]
         self.commands.setdefault("baseline", shlex.join(cmd))
         seconds, rss = run(cmd, self.work / "logs" / "baseline.log")
         # save_file does not fsync; sync its files right after so it can be compared like-for-like too.
@@ -156,6 +158,7 @@ class Bench:
         self.commands.setdefault("baseline+sync", f"(baseline as above) && sync {dest}/*")
         self.times["baseline"].append(seconds)
         self.times["baseline+sync"].append(seconds + sync_s)
+        self.inner.setdefault("baseline", []).append(json.loads(summary.read_text())["seconds"])
         self.rss["baseline"] = [max(rss, *self.rss.get("baseline", [0]))]
         print(f"    {'baseline':<15} {seconds:8.2f} s  (+ sync {sync_s:.2f} s, peak RSS {gb(rss)})", flush=True)
 
@@ -175,7 +178,7 @@ def table(bench: Bench, ckpt_bytes: int) -> list[list[str]]:
     med = {row: statistics.median(ts) for row, ts in bench.times.items() if ts}
     floor, base, base_sync = med["cp+sync"], med["baseline"], med["baseline+sync"]
     rows = [["method", "median s", "runs (s)", "GB/s", "x cp+sync", "baseline/this", "(baseline+sync)/this",
-             "minus launch s", "own timer s", "peak RSS per rank"]]
+             "minus launch s", "own timer s", "own ratio", "peak RSS per rank"]]
     for row in ROWS:
         merge = not row.startswith("launch")
         n = row[-1] if row.startswith("distmerge") else ""
@@ -185,7 +188,8 @@ def table(bench: Bench, ckpt_bytes: int) -> list[list[str]]:
             f"{med[row] / floor:.2f}" if merge and row != "cp" else "",
             f"{base / med[row]:.2f}" if n else "", f"{base_sync / med[row]:.2f}" if n else "",
             f"{med[row] - med[f'launch N={n}']:.2f}" if n else "",
-            f"{statistics.median(bench.inner[row]):.2f}" if n else "",
+            f"{statistics.median(bench.inner[row]):.2f}" if row in bench.inner else "",
+            f"{statistics.median(bench.inner['baseline']) / statistics.median(bench.inner[row]):.2f}" if n else "",
             " / ".join(gb(p) for p in bench.rss.get(row, [])),
         ])
     return rows
@@ -262,8 +266,9 @@ def main() -> int:
 
     cmdline = (f"python tests/bench/bench_fsdp.py --size {args.size / 1e9:g}GB --world {args.world} "
                f"--repeats {args.repeats} --max-shard-size {args.max_shard_size}")
-    # The parent never imports distmerge (it may not be installed); its launch-only run printed the version.
-    version = (work / "logs" / "launch_n1.log").read_text().split()[-1]
+    # The parent never imports distmerge (it may not be installed): ask it.
+    version = subprocess.run([PY, "-m", "distmerge", "--version"], capture_output=True, text=True, cwd=ROOT,
+                             env=dict(os.environ, PYTHONPATH=str(ROOT))).stdout.split()[-1]
     print("\n----- markdown for docs/benchmarks.md -----")
     print(f"### FSDP2 (W={args.world}) → safetensors, Llama-shaped {gb(shape['params'] * 4)} fp32\n")
     print(f"- command: `{cmdline}`")
@@ -275,8 +280,9 @@ def main() -> int:
           f"vocab {shape['vocab_size']}; checkpoint {len(files)} rank files, {gb(ckpt_bytes)}")
     print(f"- median of {args.repeats} (methods rotated each repeat), hot page cache; distmerge fsyncs its output, "
           "so `cp+sync` is the floor and `baseline+sync` the like-for-like baseline; launch rows are "
-          "`--version` under python (N=1) and torchrun (N=2), which imports no torch; own timer = distmerge's "
-          "`seconds` (JSON summary), i.e. without start-up and imports\n")
+          "`-m distmerge.engine` under python (N=1) and torchrun (N=2): start the processes, import what a merge "
+          "imports (torch, DTensor, rich), exit; own timer = each tool's clock after its imports (distmerge's "
+          "JSON `seconds`, the baseline's likewise); own ratio = baseline own / this own\n")
     print(show(rows, markdown=True))
     print("----- end -----")
     print(f"\ncorrectness: {'OK' if ok else 'FAILED'}")
