@@ -43,7 +43,10 @@ def torch_dtype(code: str) -> torch.dtype:
 
 
 def itemsize(code: str) -> int:
-    return _CODES[code].itemsize
+    try:
+        return _CODES[code].itemsize
+    except KeyError:
+        raise DistmergeError(f"unknown safetensors dtype {code!r}") from None
 
 
 def is_float(code: str) -> bool:

@@ -76,7 +76,7 @@ def merge(opts: MergeOptions, comm: Comm, progress: Progress) -> MergeResult:
     start = time.perf_counter()
     found = comm.root_only(lambda: _discover(opts))
     scan = found.scan
-    reader = Reader(Path(scan.root), registry.FORMATS[scan.format], scan.files)
+    reader = Reader(scan, registry.FORMATS[scan.format])
     readers = planning.assign_readers(scan.files, comm.world)
     writers: dict[int, ShardWriter] = {}
     try:

@@ -24,7 +24,7 @@ def describe(args: argparse.Namespace) -> dict:
     root = disc.check_input(args.input)
     found = disc.discover(root, args.format, args.hf_config)
     scan = found.scan
-    reader = Reader(root, registry.FORMATS[scan.format], scan.files)
+    reader = Reader(scan, registry.FORMATS[scan.format])
     try:
         fragments = reader.open(list(range(len(scan.files))))
         layout: Counter[str] = Counter()

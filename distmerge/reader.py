@@ -11,16 +11,17 @@ import torch
 
 from distmerge import dtypes
 from distmerge.errors import CorruptInputError, OutputError
-from distmerge.formats.base import Fragment, InputFile, InputFormat, OpenedFile
+from distmerge.formats.base import Fragment, InputFormat, OpenedFile, Scan
 
 BOUNCE = 1 << 20  # fallback copy chunk (see writer.WRITE_CHUNK)
 
 
 class Reader:
-    def __init__(self, root: Path, fmt: InputFormat, files: tuple[InputFile, ...]) -> None:
-        self.root = root
+    def __init__(self, scan: Scan, fmt: InputFormat) -> None:
+        self.scan = scan
+        self.root = Path(scan.root)
         self.fmt = fmt
-        self.files = files
+        self.files = scan.files
         self.opened: dict[int, OpenedFile] = {}
         self._fds: dict[int, int] = {}
         self.bytes_read = 0
@@ -30,7 +31,7 @@ class Reader:
         """Discover: open the assigned files, return their fragments (the rank's inventory)."""
         found: list[Fragment] = []
         for i in indices:
-            self.opened[i] = self.fmt.open(self.root, self.files[i])
+            self.opened[i] = self.fmt.open(self.scan, self.files[i])
             found.extend(self.opened[i].fragments)
         return found
 

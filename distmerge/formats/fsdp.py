@@ -16,8 +16,8 @@ from pathlib import Path
 
 from distmerge import dtypes
 from distmerge.errors import InputError
-from distmerge.formats import torch_pickle
 from distmerge.formats.base import Fragment, InputFile, OpenedFile, Scan
+from distmerge.formats.torch_private import state_dicts
 
 RANK_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 OPTIM_FILE = re.compile(r"^optim_world_size_(\d+)_rank_(\d+)\.pt$")
@@ -61,23 +61,23 @@ class FsdpFormat:
             notes=tuple(notes),
         )
 
-    def open(self, root: Path, file: InputFile) -> OpenedFile:
-        path = root / file.path
-        state = torch_pickle.load_pickle(path)
+    def open(self, scan: Scan, file: InputFile) -> OpenedFile:
+        path = Path(scan.root) / file.path
+        state = state_dicts.load_pickle(path)
         pieces, skipped, layout = [], [], {}
-        meshes = torch_pickle.MeshCache()
+        meshes = state_dicts.MeshCache()
         for key, value in state.items():
-            found = torch_pickle.local_pieces(key, value, file.rank, meshes)
+            found = state_dicts.local_pieces(key, value, file.rank, meshes)
             if not found or key.endswith("_extra_state"):
                 skipped.append(key)
                 continue
             pieces.extend((key, *p) for p in found)
-            kind = torch_pickle.describe(value, meshes)
+            kind = state_dicts.describe(value, meshes)
             layout[kind] = layout.get(kind, 0) + 1
-        base = torch_pickle.record_base(path, [t for _, t, _, _ in pieces])
+        base = state_dicts.record_base(path, [t for _, t, _, _ in pieces])
         opened = OpenedFile(fragments=[], skipped=skipped, layout=layout)
         for key, tensor, shape, offsets in pieces:
-            where = torch_pickle.byte_offset_of(tensor, base)
+            where = state_dicts.byte_offset_of(tensor, base)
             frag = Fragment(
                 name=_clean(key),
                 dtype=dtypes.code_of(tensor.dtype),

@@ -6,9 +6,12 @@ from pathlib import Path
 
 from distmerge.errors import InputError
 from distmerge.formats.base import InputFormat
+from distmerge.formats.dcp import DcpFormat
+from distmerge.formats.dcp_hf import DcpHfFormat
 from distmerge.formats.fsdp import FsdpFormat
 
-FORMATS: dict[str, InputFormat] = {f.name: f for f in (FsdpFormat(),)}
+# Detection order: the first format whose detect() says yes.
+FORMATS: dict[str, InputFormat] = {f.name: f for f in (FsdpFormat(), DcpFormat(), DcpHfFormat())}
 
 
 def pick(root: Path, requested: str = "auto") -> InputFormat:

@@ -1,0 +1,83 @@
+"""torch.distributed.checkpoint folders: torchtitan, accelerate's SHARDED_STATE_DICT, `dcp.save` in user code.
+
+    ckpt/
+      .metadata            every tensor's global shape and chunks, and where each chunk's bytes are
+      __0_0.distcp ...     the chunks, one file per saving rank (and writer thread)
+      huggingface/         config.json, tokenizer (or beside the folder, or --hf-config DIR)
+
+Only `.metadata` is read at discovery on rank 0; each rank then opens its `.distcp` files, locates the
+bytes of every chunk inside them, and the engine reads exactly those byte ranges.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from pathlib import Path
+
+from distmerge import dtypes
+from distmerge.errors import InputError
+from distmerge.formats.base import Fragment, InputFile, OpenedFile, Scan
+from distmerge.formats.dcp_keys import model_names
+from distmerge.formats.torch_private import dcp as private
+
+METADATA = ".metadata"
+RANK_OF = re.compile(r"^__(\d+)_\d+\.distcp$")
+
+
+@functools.lru_cache(maxsize=4)
+def _metadata(path: str, mtime_ns: int, size: int) -> private.DcpMetadata:
+    return private.read_metadata(Path(path))
+
+
+def load_metadata(root: Path) -> private.DcpMetadata:
+    st = (root / METADATA).stat()
+    return _metadata(str(root / METADATA), st.st_mtime_ns, st.st_size)
+
+
+def hf_dir_near(root: Path) -> str | None:
+    for candidate in (root / "huggingface", root.parent / "huggingface"):
+        if (candidate / "config.json").is_file():
+            return str(candidate)
+    return None
+
+
+class DcpFormat:
+    name = "dcp"
+
+    def detect(self, root: Path) -> bool:
+        return (root / METADATA).is_file() and any(p.suffix == ".distcp" for p in root.iterdir())
+
+    def scan(self, root: Path) -> Scan:
+        md = load_metadata(root)
+        names = model_names(sorted({c.fqn for c in md.chunks}), str(root))
+        paths = sorted({c.file for c in md.chunks if c.fqn in names})
+        missing = [p for p in paths if not (root / p).is_file()]
+        if missing:
+            raise InputError(f"{root}/.metadata points at {', '.join(missing[:4])}, which is missing: copy it back")
+        files = tuple(InputFile(index=i, path=p, size=(root / p).stat().st_size) for i, p in enumerate(paths))
+        ranks = {int(m[1]) for p in os.listdir(root) if (m := RANK_OF.match(p))}
+        skipped = len({c.fqn for c in md.chunks}) - len(names) + len(md.non_tensors)
+        notes = [f"skipped {skipped} entries that are not model weights (optimizer, train state, ...)"] * bool(skipped)
+        return Scan(format=self.name, root=str(root), files=files, hf_dir=hf_dir_near(root),
+                    world_size=len(ranks) or len(files), notes=tuple(notes))
+
+    def open(self, scan: Scan, file: InputFile) -> OpenedFile:
+        root = Path(scan.root)
+        md = load_metadata(root)
+        names = model_names(sorted({c.fqn for c in md.chunks}), str(root))
+        opened = OpenedFile(fragments=[], layout={"DCP chunk": 0})
+        fd = os.open(root / file.path, os.O_RDONLY)
+        try:
+            for chunk in (c for c in md.chunks if c.file == file.path and c.fqn in names):
+                code = dtypes.code_of(chunk.dtype)
+                opened.fragments.append(Fragment(
+                    name=names[chunk.fqn], dtype=code, global_shape=chunk.global_shape, offsets=chunk.offsets,
+                    lengths=chunk.lengths, file_index=file.index, key=chunk.fqn,
+                    byte_offset=private.chunk_data_offset(fd, chunk, dtypes.itemsize(code)),
+                ))
+                opened.layout["DCP chunk"] += 1
+        finally:
+            os.close(fd)
+        return opened

@@ -1,0 +1,8 @@
+"""The only package that touches private PyTorch details, so that a torch upgrade is a change here only:
+
+- state_dicts.py: torch.save zip records, DTensor specs, FSDP1's ShardedTensor pickle (per-rank files)
+- dcp.py: torch.distributed.checkpoint's `.metadata` pickle and the torch.save blobs inside `.distcp`
+
+Nothing here runs code from a checkpoint: pickles are read with torch's weights_only loader or with a
+restricted unpickler whose allow-list maps every global to an inert stand-in.
+"""

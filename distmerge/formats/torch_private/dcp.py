@@ -1,0 +1,216 @@
+"""torch.distributed.checkpoint internals: the `.metadata` pickle and the chunk blobs in `.distcp` files.
+
+    .metadata      pickle (protocol 4) of Metadata: state_dict_metadata {fqn: TensorStorageMetadata(size,
+                   chunks=[ChunkStorageMetadata(offsets, sizes)]) | BytesStorageMetadata}, storage_data
+                   {MetadataIndex(fqn, offset): _StorageInfo(relative_path, offset, length)}
+    __R_I.distcp   per chunk, at [offset, offset+length): a whole torch.save zip of the chunk tensor
+                   (the default TORCH_SAVE format), or its raw bytes (SAFETENSORS format: length ==
+                   numel * itemsize)
+
+Both pickles are read by a restricted unpickler: every global maps to an inert record or a plain value.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import pickle
+import struct
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from distmerge.errors import CorruptInputError
+
+
+class _Record:
+    """Stand-in for DCP's metadata dataclasses: keeps state, runs nothing."""
+
+    def __init__(self, *args: Any) -> None:
+        self._args = args
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
+            state = {**(state[0] or {}), **state[1]}
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+        else:
+            self._state = state
+
+
+def _as_text(*args: Any) -> str:
+    return "/".join(map(str, args))
+
+
+_METADATA_GLOBALS: dict[tuple[str, str], Any] = {
+    ("torch", "Size"): torch.Size,
+    ("torch.serialization", "_get_layout"): _as_text,
+    ("pathlib", "PosixPath"): _as_text,
+    ("pathlib", "WindowsPath"): _as_text,
+    ("pathlib", "Path"): _as_text,
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _Record,
+    **{
+        ("torch.distributed.checkpoint.metadata", name): _Record
+        for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                     "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+    },
+}
+
+
+# torch.save names a storage by its legacy typed class (GLOBAL 'torch FloatStorage').
+_STORAGE_DTYPES = {
+    "DoubleStorage": torch.float64, "FloatStorage": torch.float32, "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
+    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8, "BoolStorage": torch.bool,
+}
+
+
+@dataclass(frozen=True)
+class _StorageType:
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class _StorageRef:
+    key: str
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class _TensorRef:
+    storage: _StorageRef
+    storage_offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+def _rebuild_tensor(storage, storage_offset, size, stride, *_ignored) -> _TensorRef:
+    return _TensorRef(storage, storage_offset, tuple(size), tuple(stride))
+
+
+_BLOB_GLOBALS: dict[tuple[str, str], Any] = {
+    ("torch", "Size"): torch.Size,
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
+    ("collections", "OrderedDict"): dict,
+}
+
+
+class _Restricted(pickle.Unpickler):
+    def __init__(self, data: bytes, allowed: dict[tuple[str, str], Any]) -> None:
+        super().__init__(io.BytesIO(data))
+        self.allowed = allowed
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self.allowed:
+            return self.allowed[(module, name)]
+        value = getattr(torch, name, None) if module == "torch" else None
+        if isinstance(value, torch.dtype):
+            return value
+        if name in _STORAGE_DTYPES:
+            return _StorageType(_STORAGE_DTYPES[name])  # a legacy typed-storage class: only its dtype matters
+        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed")
+
+    def persistent_load(self, pid: Any) -> _StorageRef:
+        if not (isinstance(pid, tuple) and len(pid) >= 3 and pid[0] == "storage"):
+            raise pickle.UnpicklingError("unexpected persistent id")
+        dtype = pid[1] if isinstance(pid[1], torch.dtype) else pid[1].dtype
+        return _StorageRef(str(pid[2]), dtype)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Chunk:
+    fqn: str
+    dtype: torch.dtype
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    file: str
+    offset: int  # of the blob in the file
+    length: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class DcpMetadata:
+    chunks: tuple[Chunk, ...]
+    non_tensors: tuple[str, ...]  # bytes entries (RNG, dataloader, train state)
+
+
+def read_metadata(path: Path) -> DcpMetadata:
+    try:
+        md = _Restricted(path.read_bytes(), _METADATA_GLOBALS).load()
+        tensors = {fqn: m for fqn, m in md.state_dict_metadata.items() if hasattr(m, "chunks")}
+        where = {(i.fqn, tuple(getattr(i, "offset", None) or ())): s for i, s in md.storage_data.items()}
+        chunks = []
+        for fqn, meta in tensors.items():
+            dtype = meta.properties._state[0] if hasattr(meta.properties, "_state") else meta.properties.dtype
+            for c in meta.chunks:
+                info = where[(fqn, tuple(c.offsets))]
+                chunks.append(Chunk(fqn=fqn, dtype=dtype, global_shape=tuple(meta.size), offsets=tuple(c.offsets),
+                                    lengths=tuple(c.sizes), file=info.relative_path, offset=info.offset,
+                                    length=info.length))
+    except (pickle.UnpicklingError, AttributeError, KeyError, TypeError, EOFError, ValueError) as err:
+        raise CorruptInputError(f"{path} is not a DCP metadata file distmerge can read safely ({err})") from None
+    non_tensors = tuple(sorted(set(md.state_dict_metadata) - set(tensors)))
+    return DcpMetadata(chunks=tuple(chunks), non_tensors=non_tensors)
+
+
+class _Window(io.RawIOBase):
+    """A read-only view of bytes [start, start+length) of an open file, for zipfile."""
+
+    def __init__(self, fd: int, start: int, length: int) -> None:
+        self.fd, self.start, self.length, self.pos = fd, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = {0: pos, 1: self.pos + pos, 2: self.length + pos}[whence]
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, buf) -> int:
+        n = max(0, min(len(buf), self.length - self.pos))
+        data = os.pread(self.fd, n, self.start + self.pos)
+        buf[: len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+def chunk_data_offset(fd: int, chunk: Chunk, itemsize: int) -> int:
+    """Absolute file offset of the chunk's first element. Raw chunks start at the blob; torch.save blobs
+    are opened as zips to find the storage record and the tensor's offset inside it."""
+    numel = math.prod(chunk.lengths)
+    if chunk.length == numel * itemsize:
+        return chunk.offset
+    window = _Window(fd, chunk.offset, chunk.length)
+    with zipfile.ZipFile(window) as blob:
+        names = blob.namelist()
+        pkl = next(n for n in names if n.endswith("data.pkl"))
+        ref = _Restricted(blob.read(pkl), _BLOB_GLOBALS).load()
+        if not isinstance(ref, _TensorRef) or ref.size != chunk.lengths:
+            raise CorruptInputError(f"{chunk.file}: the chunk of {chunk.fqn} does not hold a tensor of its shape")
+        if ref.stride != _contiguous_strides(ref.size):
+            raise CorruptInputError(f"{chunk.file}: the chunk of {chunk.fqn} is saved non-contiguous")
+        info = blob.getinfo(f"{pkl.rsplit('/', 1)[0]}/data/{ref.storage.key}")
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise CorruptInputError(f"{chunk.file}: the chunk of {chunk.fqn} is compressed")
+    header = os.pread(fd, 30, chunk.offset + info.header_offset)
+    name_len, extra_len = struct.unpack("<HH", header[26:30])
+    return chunk.offset + info.header_offset + 30 + name_len + extra_len + ref.storage_offset * itemsize
+
+
+def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for n in reversed(size):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
