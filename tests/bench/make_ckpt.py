@@ -4,9 +4,17 @@ Run under torchrun on CPU (gloo), e.g.::
 
     torchrun --standalone --nproc-per-node 8 tests/bench/make_ckpt.py --out DIR --size 800000000
 
-Each rank writes ``DIR/model_world_size_{W}_rank_{r}.pt`` (``torch.save(model.state_dict())``, entries are
-DTensors); rank 0 adds ``fsdp_config.json`` and ``huggingface/config.json``. bench_fsdp.py calls this once
-and reuses the result, since building it is the slow part of a benchmark run.
+``--layout`` picks how the same sharded weights (same seed, same shape) are written:
+
+- ``fsdp`` (default): each rank writes ``DIR/model_world_size_{W}_rank_{r}.pt`` (``torch.save(model.state_dict())``,
+  entries are DTensors), like verl; rank 0 adds ``fsdp_config.json``.
+- ``dcp``: ``torch.distributed.checkpoint.save(model.state_dict(), checkpoint_id=DIR)``: ``.metadata`` and
+  ``__{r}_0.distcp``.
+- ``hf``: the same save through ``HuggingFaceStorageWriter(path=DIR/sharded, save_distributed=True)``: one
+  ``sharded/shard-{r+1:05}-model-00001-of-00001.safetensors`` per rank, chunk offsets in its header.
+
+Every layout gets ``DIR/huggingface/config.json``. bench_fsdp.py and bench_dcp.py call this once per layout and
+reuse the result, since building it is the slow part of a benchmark run.
 
 Only stdlib is imported at module level: bench_fsdp.py imports ``llama_shape`` to stamp the checkpoint
 without paying for torch/transformers in that import.
@@ -50,11 +58,32 @@ def llama_shape(target_bytes: int, dtype_bytes: int = 4) -> dict:
     }
 
 
+def save(sd: dict, out: Path, layout: str, rank: int, world: int) -> None:
+    """Write the DTensor state dict in one of the three layouts (a collective for dcp and hf)."""
+    import torch
+
+    if layout == "fsdp":
+        torch.save(sd, out / f"model_world_size_{world}_rank_{rank}.pt")
+        return
+    import torch.distributed.checkpoint as dcp
+
+    if layout == "dcp":
+        dcp.save(sd, checkpoint_id=str(out))
+        return
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    # DTensors go in as they are: the default save planner turns each into this rank's chunk, which the HF
+    # writer stores with its offsets in DCP_SHARDING_INFO (no full_tensor() needed, nothing gathered).
+    writer = HuggingFaceStorageWriter(path=str(out / "sharded"), save_distributed=True, enable_consolidation=False)
+    dcp.save(sd, storage_writer=writer)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--size", type=int, required=True, help="target checkpoint bytes (fp32)")
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--layout", choices=("fsdp", "dcp", "hf"), default="fsdp", help="how to save (fsdp)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")  # gloo/CPU and TypedStorage warnings x W ranks bury real errors
 
@@ -111,13 +140,14 @@ def main() -> int:
     if bad:
         raise SystemExit(f"rank {rank}: expected DTensor entries only (FSDP2), got plain tensors for {bad[:3]}")
     args.out.mkdir(parents=True, exist_ok=True)
-    torch.save(sd, args.out / f"model_world_size_{world}_rank_{rank}.pt")
+    save(sd, args.out, args.layout, rank, world)
     if rank == 0:
         counted = sum(v.numel() for v in sd.values())  # DTensor.numel() is the global count
         assert counted == params, (counted, params)
         print(f"make_ckpt: {params:,} params ({params * 4 / 1e9:.3f} GB fp32), {len(sd)} tensors, W={world}, "
               f"config {json.dumps(shape)}", flush=True)
-        (args.out / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": world}, indent=4))
+        if args.layout == "fsdp":
+            (args.out / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": world}, indent=4))
         config.save_pretrained(args.out / "huggingface")
     dist.barrier()  # every rank's file is complete before the job (and the caller waiting on it) ends
     dist.destroy_process_group()

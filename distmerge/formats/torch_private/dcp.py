@@ -185,21 +185,50 @@ class _Window(io.RawIOBase):
         return len(data)
 
 
+LOCAL_HEADER = b"PK\x03\x04"
+PREFIX = 1 << 16  # data.pkl and the small records before the storage fit here in practice
+
+
 def chunk_data_offset(fd: int, chunk: Chunk, itemsize: int) -> int:
-    """Absolute file offset of the chunk's first element. Raw chunks start at the blob; torch.save blobs
-    are opened as zips to find the storage record and the tensor's offset inside it."""
+    """Absolute file offset of the chunk's first element. Raw chunks start at the blob. torch.save blobs
+    write data.pkl first, then a few tiny records, then the storage: walking the zip's local headers in
+    one read of the blob's start finds it; anything unusual goes through zipfile's central directory."""
     numel = math.prod(chunk.lengths)
     if chunk.length == numel * itemsize:
         return chunk.offset
+    head = os.pread(fd, min(chunk.length, PREFIX), chunk.offset)
+    ref, at = None, 0
+    while head[at : at + 4] == LOCAL_HEADER and at + 30 <= len(head):
+        flags, method = struct.unpack_from("<HH", head, at + 6)
+        (size,) = struct.unpack_from("<I", head, at + 18)
+        name_len, extra_len = struct.unpack_from("<HH", head, at + 26)
+        name = head[at + 30 : at + 30 + name_len].decode(errors="replace")
+        data = at + 30 + name_len + extra_len
+        if flags & 0x08 or method != zipfile.ZIP_STORED or size == 0xFFFFFFFF:
+            break
+        if name.endswith("data.pkl") and data + size <= len(head):
+            ref = _tensor_ref(head[data : data + size], chunk)
+        elif ref is not None and name.endswith(f"/data/{ref.storage.key}"):
+            return chunk.offset + data + ref.storage_offset * itemsize
+        at = data + size
+    return _offset_via_directory(fd, chunk, itemsize)
+
+
+def _tensor_ref(pickled: bytes, chunk: Chunk) -> _TensorRef:
+    ref = _Restricted(pickled, _BLOB_GLOBALS).load()
+    if not isinstance(ref, _TensorRef) or ref.size != chunk.lengths:
+        raise CorruptInputError(f"{chunk.file}: the chunk of {chunk.fqn} does not hold a tensor of its shape")
+    if ref.stride != _contiguous_strides(ref.size):
+        raise CorruptInputError(f"{chunk.file}: the chunk of {chunk.fqn} is saved non-contiguous")
+    return ref
+
+
+def _offset_via_directory(fd: int, chunk: Chunk, itemsize: int) -> int:
     window = _Window(fd, chunk.offset, chunk.length)
     with zipfile.ZipFile(window) as blob:
         names = blob.namelist()
         pkl = next(n for n in names if n.endswith("data.pkl"))
-        ref = _Restricted(blob.read(pkl), _BLOB_GLOBALS).load()
-        if not isinstance(ref, _TensorRef) or ref.size != chunk.lengths:
-            raise CorruptInputError(f"{chunk.file}: the chunk of {chunk.fqn} does not hold a tensor of its shape")
-        if ref.stride != _contiguous_strides(ref.size):
-            raise CorruptInputError(f"{chunk.file}: the chunk of {chunk.fqn} is saved non-contiguous")
+        ref = _tensor_ref(blob.read(pkl), chunk)
         info = blob.getinfo(f"{pkl.rsplit('/', 1)[0]}/data/{ref.storage.key}")
     if info.compress_type != zipfile.ZIP_STORED:
         raise CorruptInputError(f"{chunk.file}: the chunk of {chunk.fqn} is compressed")
