@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     merge.add_argument("--input", "-i", type=Path, required=True, help="checkpoint folder (e.g. .../actor)")
     merge.add_argument("--output", "-o", type=Path, required=True, help="folder for the merged model")
-    merge.add_argument("--format", default="auto", help="input layout: auto (default) or fsdp")
+    merge.add_argument("--format", default="auto", help="input layout: auto (default), fsdp, dcp or dcp-hf")
     merge.add_argument("--hf-config", type=Path, metavar="DIR",
                        help="folder with config.json (default: huggingface/ inside the input)")
     merge.add_argument("--dtype", choices=["keep", "bf16", "fp16", "fp32"], default="keep",
@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     inspect = sub.add_parser("inspect", help="describe a checkpoint and the files a merge would write")
     inspect.add_argument("input", type=Path, help="checkpoint folder")
-    inspect.add_argument("--format", default="auto", help="input layout: auto (default) or fsdp")
+    inspect.add_argument("--format", default="auto", help="input layout: auto (default), fsdp, dcp or dcp-hf")
     inspect.add_argument("--hf-config", type=Path, metavar="DIR", help="folder with config.json")
     inspect.add_argument("--dtype", choices=["keep", "bf16", "fp16", "fp32"], default="keep")
     inspect.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"), metavar="SIZE")
