@@ -99,12 +99,14 @@ def main(argv: list[str] | None = None) -> int:
 def _run_merge(args: argparse.Namespace) -> int:
     from distmerge.comm import Comm
     from distmerge.engine import MergeOptions, merge, resolve_device
+    from distmerge.formats import registry
     from distmerge.report import Progress, print_summary, summary_json
 
     opts = MergeOptions(
         input=args.input, output=args.output, format=args.format, hf_config=args.hf_config, dtype=args.dtype,
         max_shard_bytes=args.max_shard_size, budget_bytes=args.budget, overwrite=args.overwrite,
     )
+    registry.warm_up(args.input, args.format)
     comm = Comm(device=resolve_device(args.device), timeout_s=args.timeout)
     try:
         result = merge(opts, comm, Progress(enabled=comm.rank == 0 and not args.quiet))

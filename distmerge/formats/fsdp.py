@@ -31,6 +31,9 @@ class FsdpFormat:
     def detect(self, root: Path) -> bool:
         return any(RANK_FILE.match(p.name) for p in root.iterdir())
 
+    def warm_up(self) -> None:
+        state_dicts.register_dtensor()
+
     def scan(self, root: Path) -> Scan:
         found = {int(m[2]): (int(m[1]), p) for p in root.iterdir() if (m := RANK_FILE.match(p.name))}
         if not found:

@@ -8,7 +8,7 @@ plain DCP folder (`dcp.save`: .metadata + __R_0.distcp) and the HuggingFaceStora
 cp (+sync) of the .distcp files (the floor: distmerge fsyncs its output), launch-only, distmerge N=1 and N=2 on
 the DCP folder, distmerge N=2 on the HF-writer folder, and three peers, each also with a sync of its output:
   dcp_to_torch_save       torch's format_utils.dcp_to_torch_save, load, safetensors save (peer_torch_save.py)
-  accelerate              `accelerate merge-weights DCP_DIR OUT` (its CLI; safetensors is its default)
+  accelerate              merge_fsdp_weights(), what `accelerate merge-weights DCP_DIR OUT` runs (peer_accelerate.py)
   torch consolidate N=2   torch's consolidate_safetensors_files_on_every_rank on the HF-writer shards under
                           torchrun with 2 processes (peer_consolidate.py)
 Page cache hot throughout on purpose: the comparison is of the mergers, not of the disk's cold reads.
@@ -43,8 +43,6 @@ DISTMERGE = ["distmerge N=1", "distmerge N=2", "distmerge N=2 HF-writer"]
 PEERS = ["dcp_to_torch_save", "accelerate", "torch consolidate N=2"]
 ROWS = ["cp", "cp+sync", "launch N=1", "launch N=2", *DISTMERGE, *(r for p in PEERS for r in (p, f"{p}+sync"))]
 HF_TAG = "-hf"  # distmerge's output/log/summary names for its run on the HF-writer layout
-_ACC = Path(PY).with_name("accelerate")
-ACCELERATE = [str(_ACC)] if _ACC.exists() else [PY, "-m", "accelerate.commands.accelerate_cli"]
 
 
 class DcpBench(Bench):
@@ -62,9 +60,12 @@ class DcpBench(Bench):
         self.peer("dcp_to_torch_save", cmd, dest, summary)
 
     def accelerate(self) -> None:
-        dest = self.fresh("accelerate")
-        # Its CLI has no own timer and no size option: one model.safetensors, no index, no config.json.
-        self.peer("accelerate", [*ACCELERATE, "merge-weights", str(self.dcp), str(dest)], dest)
+        dest, summary = self.fresh("accelerate"), self.work / "summary_accelerate.json"
+        # The function its `merge-weights` CLI calls, wrapped for an own timer; no size option: one
+        # model.safetensors, no index, no config.json.
+        cmd = [PY, str(HERE / "peer_accelerate.py"), "--input", str(self.dcp), "--output", str(dest),
+               "--json-summary", str(summary)]
+        self.peer("accelerate", cmd, dest, summary)
 
     def consolidate(self) -> None:
         dest, summary = self.fresh("consolidate"), self.work / "summary_consolidate.json"
@@ -101,7 +102,7 @@ def table(bench: DcpBench, ckpt_bytes: int) -> tuple[list[list[str]], str]:
     own = {row: statistics.median(ts) for row, ts in bench.inner.items()}
     floor = med["cp+sync"]
     peer_wall, peer_sync = best({p: med[p] for p in PEERS}), best({p: med[f"{p}+sync"] for p in PEERS})
-    peer_own = best({p: own[p] for p in PEERS if p in own})  # accelerate's CLI has no own timer
+    peer_own = best({p: own[p] for p in PEERS if p in own})
     rows = [["method", "median s", "runs (s)", "GB/s", "x cp+sync", "best peer/this", "(best peer+sync)/this",
              "minus launch s", "own timer s", "best peer own/this own", "peak RSS per rank"]]
     for row in ROWS:
