@@ -1,4 +1,4 @@
-"""Command line: `distmerge merge` (under torchrun or alone) and `distmerge inspect`."""
+"""Command line: `distmerge merge` and `distmerge verify` (under torchrun or alone), `distmerge inspect`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from distmerge import __version__
-from distmerge.errors import DistmergeError
+from distmerge.errors import DistmergeError, InputError
 
 SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
 
@@ -63,10 +63,17 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                        help="where fragments are exchanged and assembled (auto: cuda if present)")
     merge.add_argument("--overwrite", action="store_true", help="replace model files in a non-empty output")
+    merge.add_argument("--resume", action="store_true",
+                       help="finish an interrupted merge: keep its completed files, redo the rest")
+    merge.add_argument("--checksum", action="store_true",
+                       help="record each file's sha256 in distmerge.manifest.json (about 1 s per GB per process)")
     merge.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
                        help="give up when another process is silent this long (default 600)")
     merge.add_argument("--quiet", "-q", action="store_true", help="no progress and no summary")
     merge.add_argument("--json-summary", type=Path, metavar="PATH", help="also write the summary as JSON")
+    merge.add_argument("--verify-against", type=Path, metavar="HF_DIR",
+                       help="after the merge, run `verify --reference HF_DIR` in the same processes "
+                            "(bit-exact; a --dtype cast is accepted); exit 1 if it fails")
     merge.add_argument("--debug", action="store_true", help="show tracebacks on errors")
 
     inspect = sub.add_parser("inspect", help="describe a checkpoint and the files a merge would write")
@@ -77,7 +84,53 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"), metavar="SIZE")
     inspect.add_argument("--json", action="store_true", help="print JSON instead of a table")
     inspect.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    add_verify_parser(sub)
     return parser
+
+
+VERIFY_DESCRIPTION = """\
+Compare a merged model with a reference, tensor by tensor: names both ways, shape, dtype, bit-exactness,
+max abs / max rel / mean abs diff and cosine similarity.
+
+Without tolerances every tensor must be bit-exact and of the reference's dtype. With any of --atol,
+--rtol, --min-cosine, a tensor passes when it is within them, and a dtype other than the reference's is
+accepted: the reference is cast to the merged dtype before comparing (the report says so per tensor).
+A tied lm_head.weight present on one side only is accepted when the merged config.json ties embeddings
+and it equals the embedding on the other side."""
+
+VERIFY_EPILOG = """examples:
+  torchrun --nproc-per-node 8 -m distmerge verify --merged merged/ --reference hf_model/
+  python -m distmerge verify --merged merged/ --reference full_state_dict.safetensors --json verify.json
+  python -m distmerge verify --merged merged/ --reference hf_model/ --atol 1e-3 --min-cosine 0.9999 --logits
+
+Each process checks the tensors of the merged files it owns (read one tensor at a time on both sides);
+rank 0 prints the worst tensors and one verdict line. Exit 0 only when every tensor passes.
+"""
+
+
+def add_verify_parser(sub) -> None:
+    verify = sub.add_parser(
+        "verify", help="compare a merged model with a reference, tensor by tensor", epilog=VERIFY_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=VERIFY_DESCRIPTION,
+    )
+    verify.add_argument("--merged", type=Path, required=True, metavar="DIR",
+                        help="merged model folder (model.safetensors.index.json or model.safetensors)")
+    verify.add_argument("--reference", type=Path, required=True, metavar="PATH",
+                        help="reference: a Hugging Face folder (safetensors or pytorch_model*.bin, sharded or "
+                             "not) or one .safetensors / .bin / .index.json file")
+    verify.add_argument("--atol", type=float, metavar="A", help="absolute tolerance (allclose per element)")
+    verify.add_argument("--rtol", type=float, metavar="R", help="relative tolerance, times |reference|")
+    verify.add_argument("--min-cosine", type=float, metavar="C", help="least cosine similarity per tensor")
+    verify.add_argument("--logits", action="store_true",
+                        help="also run both models (transformers, rank 0) on fixed token ids; compare logits")
+    verify.add_argument("--json", type=Path, metavar="PATH", help="write every tensor's figures as JSON")
+    verify.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="where figures are computed (auto: cuda if present)")
+    verify.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
+                        help="give up when another process is silent this long (default 600)")
+    verify.add_argument("--quiet", "-q", action="store_true", help="no table; the verdict line only")
+    verify.add_argument("--debug", action="store_true", help="show tracebacks on errors")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
             from distmerge.inspect import run_inspect
 
             return run_inspect(args)
+        if args.command == "verify":
+            from distmerge.verify import run_verify
+
+            return run_verify(args)
         return _run_merge(args)
     except DistmergeError as err:
         _report_error(err, args.debug)
@@ -105,8 +162,11 @@ def _run_merge(args: argparse.Namespace) -> int:
     opts = MergeOptions(
         input=args.input, output=args.output, format=args.format, hf_config=args.hf_config, dtype=args.dtype,
         max_shard_bytes=args.max_shard_size, budget_bytes=args.budget, overwrite=args.overwrite,
+        resume=args.resume, checksum=args.checksum,
     )
     registry.warm_up(args.input, args.format)
+    if args.verify_against is not None and not args.verify_against.exists():  # before hours of merging
+        raise InputError(f"--verify-against {args.verify_against} does not exist: pass the reference model")
     comm = Comm(device=resolve_device(args.device), timeout_s=args.timeout)
     try:
         result = merge(opts, comm, Progress(enabled=comm.rank == 0 and not args.quiet))
@@ -115,6 +175,8 @@ def _run_merge(args: argparse.Namespace) -> int:
                 print_summary(result)
             if args.json_summary:
                 args.json_summary.write_text(summary_json(result))
+        if args.verify_against is not None:
+            return _verify_after_merge(args, comm)
         return 0
     except DistmergeError:
         raise
@@ -123,6 +185,17 @@ def _run_merge(args: argparse.Namespace) -> int:
     finally:
         comm.close()
         sys.stdout.flush()
+
+
+def _verify_after_merge(args: argparse.Namespace, comm) -> int:
+    """Same processes, same group: the merged files are still in the page cache."""
+    from distmerge.verify import VerifyOptions, verify_and_report
+    from distmerge.verify_report import Criteria
+
+    sys.stdout.flush()  # the merge summary before the verify table
+    crit = Criteria(accept_cast=args.dtype != "keep")  # the merge cast on purpose; values must match the cast
+    return verify_and_report(VerifyOptions(merged=args.output, reference=args.verify_against, criteria=crit,
+                                           quiet=args.quiet), comm)
 
 
 def _report_error(err: DistmergeError, debug: bool) -> None:

@@ -6,6 +6,7 @@ Nothing here reads tensor data. The result is broadcast so every rank plans from
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,8 +15,10 @@ from distmerge.errors import ConfigError, InputError, OutputError
 from distmerge.formats import registry
 from distmerge.formats.base import Scan
 from distmerge.plan import INDEX_NAME
+from distmerge.resume import RECORDS
 
-# What an earlier merge left that --overwrite removes (partial files are writer.partial_name's).
+# What an earlier merge left that --overwrite removes (partial files are writer.partial_name's); the
+# first two are finished files, which --resume keeps.
 STALE_PATTERNS = ("model.safetensors", "model-*-of-*.safetensors", ".model*.partial")
 
 
@@ -69,14 +72,21 @@ def check_output(output_dir: Path, input_dir: Path, overwrite: bool) -> Path:
     if out.exists() and not out.is_dir():
         raise OutputError(f"output {output_dir} exists and is not a folder")
     if out.exists() and any(out.iterdir()) and not overwrite:
-        raise OutputError(f"output {output_dir} is not empty: pass --overwrite to replace its model files")
+        raise OutputError(
+            f"output {output_dir} is not empty: pass --overwrite to replace its model files, or --resume to "
+            "finish an interrupted merge"
+        )
     return out
 
 
-def prepare_output(out: Path) -> None:
-    """Create the folder; with --overwrite, remove the old index first so a stale model never looks done."""
+def prepare_output(out: Path, keep_finished: bool = False) -> None:
+    """Create the folder and remove the old index first, so a stale model never looks done. --overwrite
+    also removes earlier model files and their records; --resume keeps them for resume.py to judge."""
     out.mkdir(parents=True, exist_ok=True)
     (out / INDEX_NAME).unlink(missing_ok=True)
-    for pattern in STALE_PATTERNS:
+    patterns = STALE_PATTERNS[2:] if keep_finished else STALE_PATTERNS
+    for pattern in patterns:
         for path in out.glob(pattern):
             path.unlink()
+    if not keep_finished:
+        shutil.rmtree(out / RECORDS, ignore_errors=True)

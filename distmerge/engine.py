@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import os
 import resource
 import time
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 
 from distmerge import discover as disc
-from distmerge import families
+from distmerge import families, resume
 from distmerge import plan as planning
 from distmerge.assemble import UnitBuild
 from distmerge.comm import Comm
@@ -34,6 +35,9 @@ from distmerge.reader import Reader
 from distmerge.report import Progress
 from distmerge.writer import ShardWriter
 
+# Fault-injection aid for tests that kill a rank mid-merge: a pause after every round. Zero otherwise.
+ROUND_DELAY_S = float(os.environ.get("DISTMERGE_TEST_ROUND_DELAY", "0"))
+
 
 @dataclass(frozen=True, kw_only=True)
 class MergeOptions:
@@ -45,6 +49,8 @@ class MergeOptions:
     max_shard_bytes: int = 5 * 10**9
     budget_bytes: int = 256 * 2**20
     overwrite: bool = False
+    resume: bool = False
+    checksum: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,10 +76,12 @@ class MergeResult:
     ranks: list[RankStats]
     notes: list[str] = field(default_factory=list)
     copied: list[str] = field(default_factory=list)
+    resumed_files: int = 0
 
 
 def merge(opts: MergeOptions, comm: Comm, progress: Progress) -> MergeResult:
     start = time.perf_counter()
+    out = Path(opts.output)
     found = comm.root_only(lambda: _discover(opts))
     scan = found.scan
     reader = Reader(scan, registry.FORMATS[scan.format])
@@ -82,16 +90,21 @@ def merge(opts: MergeOptions, comm: Comm, progress: Progress) -> MergeResult:
     try:
         inventories = comm.gather(lambda: reader.open([i for i, r in enumerate(readers) if r == comm.rank]))
         plan = comm.agree(lambda: _plan(opts, found, inventories, comm.world))
+        fp = resume.fingerprint(plan, scan.files, _output_options(opts))
+        kept = comm.root_only(lambda: resume.finished_files(out, plan, fp) if opts.resume else [])
+        todo = planning.without_files(plan, kept)
         progress.start(plan.total_bytes, len(plan.files))
-        exchanger = Exchanger(plan, comm, reader)
-        for units in plan.rounds:
+        progress.advance(sum(plan.files[i].nbytes for i in kept))
+        exchanger = Exchanger(todo, comm, reader)
+        for units in todo.rounds:
             pending = exchanger.start(units)
-            done = comm.gather(lambda u=units, p=pending: _build(plan, u, p, opts.output, comm, reader, writers))
+            done = comm.gather(lambda u=units, p=pending: _build(todo, u, p, opts, fp, comm, reader, writers))
             progress.advance(sum(done))
+            time.sleep(ROUND_DELAY_S)
         del exchanger
         progress.stop()
-        ranks = comm.gather(lambda: _stats(comm.rank, reader, plan))
-        copied = comm.root_only(lambda: finalize(Path(opts.output), plan, found.config, Path(found.hf_dir)))
+        ranks = comm.gather(lambda: _stats(comm.rank, reader, todo))
+        copied = comm.root_only(lambda: finalize(out, plan, found.config, Path(found.hf_dir)))
     except BaseException:
         for w in writers.values():
             w.abort()
@@ -110,17 +123,23 @@ def merge(opts: MergeOptions, comm: Comm, progress: Progress) -> MergeResult:
         total_bytes=plan.total_bytes,
         seconds=time.perf_counter() - start,
         ranks=ranks,
-        notes=list(scan.notes),
+        notes=list(scan.notes) + ([f"--resume kept {len(kept)} finished file(s)"] if opts.resume else []),
         copied=copied,
+        resumed_files=len(kept),
     )
 
 
 def _discover(opts: MergeOptions) -> disc.Discovery:
     root = disc.check_input(opts.input)
-    out = disc.check_output(opts.output, opts.input, opts.overwrite)
+    out = disc.check_output(opts.output, opts.input, opts.overwrite or opts.resume)
     found = disc.discover(root, opts.format, opts.hf_config)
-    disc.prepare_output(out)
+    disc.prepare_output(out, keep_finished=opts.resume)
     return found
+
+
+def _output_options(opts: MergeOptions) -> dict:
+    """What shapes the output besides the input files (resume only keeps files made the same way)."""
+    return {"dtype": opts.dtype, "max_shard_bytes": opts.max_shard_bytes, "format": opts.format}
 
 
 def _plan(opts: MergeOptions, found: disc.Discovery, inventories: list[list[Fragment]], world: int) -> Plan:
@@ -141,7 +160,8 @@ def _plan(opts: MergeOptions, found: disc.Discovery, inventories: list[list[Frag
     )
 
 
-def _build(plan: Plan, units, pending: Pending, out_dir: Path, comm: Comm, reader: Reader, writers) -> int:
+def _build(plan: Plan, units, pending: Pending, opts: MergeOptions, fp: str, comm: Comm, reader: Reader,
+           writers) -> int:
     """Place this rank's fragments for the round's units (local ones while the exchange is in flight),
     write the targets, finish the files that are complete. Returns the bytes of target written."""
     me = comm.rank
@@ -149,7 +169,7 @@ def _build(plan: Plan, units, pending: Pending, out_dir: Path, comm: Comm, reade
     for i in (i for i in units if plan.owner_of_unit[i] == me):
         f = plan.file_of_unit[i]
         if f not in writers:
-            writers[f] = ShardWriter(Path(out_dir), plan.files[f].name, plan.files[f].targets)
+            writers[f] = ShardWriter(Path(opts.output), plan.files[f].name, plan.files[f].targets)
         builds.append((writers[f], UnitBuild(plan.units[i], plan, writers[f], comm.device)))
     try:
         for _, build in builds:
@@ -163,9 +183,10 @@ def _build(plan: Plan, units, pending: Pending, out_dir: Path, comm: Comm, reade
             if plan.readers[frag.file_index] != me:
                 build.place_received(source, frag, received[frag])
         build.finish()
-    for writer in {id(w): w for w, _ in builds}.values():
-        if writer.complete:
+    for f, writer in writers.items():
+        if writer.complete and writer.fd >= 0:
             writer.finish()
+            resume.record_done(Path(opts.output), plan.files[f], fp, opts.checksum)
     return sum(t.nbytes for _, build in builds for t in build.unit.targets)
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from distmerge import dtypes
 from distmerge.plan import INDEX_NAME, Plan
+from distmerge.resume import write_manifest
 
 # Files of huggingface/ that are weights or indexes, never copied (the merge writes its own).
 SKIP_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
@@ -50,6 +51,15 @@ def copy_hf_files(hf_dir: Path, out: Path) -> list[str]:
     return copied
 
 
+def remove_strays(out: Path, plan: Plan) -> None:
+    """Model files of an earlier, differently split run that --resume left behind."""
+    planned = {f.name for f in plan.files}
+    for pattern in ("model.safetensors", "model-*-of-*.safetensors"):
+        for path in out.glob(pattern):
+            if path.name not in planned:
+                path.unlink()
+
+
 def write_index(out: Path, plan: Plan) -> None:
     weight_map = {t.name: f.name for f in plan.files for t in f.targets}
     index = {"metadata": {"total_size": plan.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
@@ -59,6 +69,8 @@ def write_index(out: Path, plan: Plan) -> None:
 def finalize(out: Path, plan: Plan, config: dict[str, Any], hf_dir: Path) -> list[str]:
     copied = copy_hf_files(hf_dir, out)
     write_config(out, config, main_dtype(plan))
+    remove_strays(out, plan)
+    write_manifest(out, plan)
     write_index(out, plan)  # last: its presence means every file above is complete
     return copied
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from distmerge import dtypes
 from distmerge.errors import LayoutError
@@ -208,3 +208,12 @@ def _rounds(units, files, sources, world, budget) -> tuple[tuple[int, ...], ...]
 
 def _source_bytes(meta: SourceMeta) -> int:
     return math.prod(meta.shape) * dtypes.itemsize(meta.dtype)
+
+
+def without_files(plan: Plan, done: list[int]) -> Plan:
+    """The same plan minus the work for files already complete (see resume.py)."""
+    if not done:
+        return plan
+    skip = set(done)
+    kept = (tuple(i for i in units if plan.file_of_unit[i] not in skip) for units in plan.rounds)
+    return replace(plan, rounds=tuple(r for r in kept if r))

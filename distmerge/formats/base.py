@@ -18,6 +18,12 @@ class InputFile:
     path: str  # relative to the input folder
     size: int
     rank: int = -1
+    mtime_ns: int = 0  # with size, tells --resume whether the input changed since the interrupted run
+
+
+def input_file(root: Path, index: int, path: str, rank: int = -1) -> InputFile:
+    st = (root / path).stat()
+    return InputFile(index=index, path=path, size=st.st_size, rank=rank, mtime_ns=st.st_mtime_ns)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from distmerge import dtypes
 from distmerge.errors import InputError
-from distmerge.formats.base import Fragment, InputFile, OpenedFile, Scan
+from distmerge.formats.base import Fragment, InputFile, OpenedFile, Scan, input_file
 from distmerge.formats.dcp_keys import model_names
 from distmerge.formats.torch_private import dcp as private
 
@@ -56,7 +56,7 @@ class DcpFormat:
         missing = [p for p in paths if not (root / p).is_file()]
         if missing:
             raise InputError(f"{root}/.metadata points at {', '.join(missing[:4])}, which is missing: copy it back")
-        files = tuple(InputFile(index=i, path=p, size=(root / p).stat().st_size) for i, p in enumerate(paths))
+        files = tuple(input_file(root, i, p) for i, p in enumerate(paths))
         ranks = {int(m[1]) for p in os.listdir(root) if (m := RANK_OF.match(p))}
         skipped = len({c.fqn for c in md.chunks}) - len(names) + len(md.non_tensors)
         notes = [f"skipped {skipped} entries that are not model weights (optimizer, train state, ...)"] * bool(skipped)

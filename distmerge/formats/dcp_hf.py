@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 
 from distmerge.errors import CorruptInputError, InputError
-from distmerge.formats.base import Fragment, InputFile, OpenedFile, Scan
+from distmerge.formats.base import Fragment, InputFile, OpenedFile, Scan, input_file
 from distmerge.formats.dcp import hf_dir_near
 from distmerge.formats.dcp_keys import model_names
 from distmerge.formats.safetensors_header import Header, read_header
@@ -59,7 +59,7 @@ class DcpHfFormat:
                 extent[name] = [max(a, b) for a, b in zip(extent.get(name, ends), ends, strict=True)]
         names = model_names(sorted(extent), str(root))
         files = tuple(
-            InputFile(index=i, path=str(p.relative_to(root)), size=p.stat().st_size, rank=_rank(p))
+            input_file(root, i, str(p.relative_to(root)), rank=_rank(p))
             for i, p in enumerate(paths)
         )
         if not files:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from distmerge import dtypes
 from distmerge.errors import InputError
-from distmerge.formats.base import Fragment, InputFile, OpenedFile, Scan
+from distmerge.formats.base import Fragment, InputFile, OpenedFile, Scan, input_file
 from distmerge.formats.torch_private import state_dicts
 
 RANK_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
@@ -51,9 +51,7 @@ class FsdpFormat:
             raise InputError(f"{root}: rank files missing for ranks {_short(missing)} of world size {world}")
         if extra:
             raise InputError(f"{root}: unexpected rank files for ranks {_short(extra)} (world size is {world})")
-        files = tuple(
-            InputFile(index=r, path=found[r][1].name, size=found[r][1].stat().st_size, rank=r) for r in range(world)
-        )
+        files = tuple(input_file(root, r, found[r][1].name, rank=r) for r in range(world))
         hf = root / "huggingface"
         return Scan(
             format=self.name,
