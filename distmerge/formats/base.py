@@ -9,6 +9,8 @@ from typing import Any, Protocol
 
 import torch
 
+from distmerge.errors import InputError
+
 
 @dataclass(frozen=True, kw_only=True)
 class InputFile:
@@ -22,8 +24,16 @@ class InputFile:
 
 
 def input_file(root: Path, index: int, path: str, rank: int = -1) -> InputFile:
-    st = (root / path).stat()
+    st = inside(root, path).stat()
     return InputFile(index=index, path=path, size=st.st_size, rank=rank, mtime_ns=st.st_mtime_ns)
+
+
+def inside(root: Path, path: str) -> Path:
+    """root/path, refusing names (from a listing or from metadata) and links that lead out of the input."""
+    resolved = (root / path).resolve()
+    if not resolved.is_relative_to(root.resolve()):
+        raise InputError(f"{root}: {path} leads outside the input folder (to {resolved}); distmerge does not follow it")
+    return resolved
 
 
 @dataclass(frozen=True, kw_only=True)

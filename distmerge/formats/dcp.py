@@ -18,7 +18,7 @@ from pathlib import Path
 
 from distmerge import dtypes
 from distmerge.errors import InputError
-from distmerge.formats.base import Fragment, InputFile, OpenedFile, Scan, input_file
+from distmerge.formats.base import Fragment, InputFile, OpenedFile, Scan, input_file, inside
 from distmerge.formats.dcp_keys import model_names
 from distmerge.formats.torch_private import dcp as private
 
@@ -53,7 +53,7 @@ class DcpFormat:
         md = load_metadata(root)
         names = model_names(sorted({c.fqn for c in md.chunks}), str(root))
         paths = sorted({c.file for c in md.chunks if c.fqn in names})
-        missing = [p for p in paths if not (root / p).is_file()]
+        missing = [p for p in paths if not inside(root, p).is_file()]
         if missing:
             raise InputError(f"{root}/.metadata points at {', '.join(missing[:4])}, which is missing: copy it back")
         files = tuple(input_file(root, i, p) for i, p in enumerate(paths))

@@ -29,7 +29,10 @@ class FsdpFormat:
     name = "fsdp"
 
     def detect(self, root: Path) -> bool:
-        return any(RANK_FILE.match(p.name) for p in root.iterdir())
+        """Model rank files, or the traces of a verl save without them (scan then says what is missing)."""
+        return (root / "fsdp_config.json").is_file() or any(
+            RANK_FILE.match(p.name) or OPTIM_FILE.match(p.name) for p in root.iterdir()
+        )
 
     def warm_up(self) -> None:
         state_dicts.register_dtensor()
