@@ -63,9 +63,8 @@ class UnitBuild:
 
     def place_local(self, source: str, frag: Fragment, reader: Reader) -> None:
         if self.direct and reader.can_copy(frag):
-            nbytes = frag_bytes(frag)
-            reader.copy_to(frag, self.writer.fd, self._file_offset(source, frag), nbytes)
-            self.writer.wrote_elsewhere(nbytes)
+            nbytes, offset = frag_bytes(frag), self._file_offset(source, frag)
+            self.writer.copy_in(lambda fd: reader.copy_to(frag, fd, offset, nbytes), offset, nbytes)
             return
         data = torch.empty(frag_bytes(frag), dtype=torch.uint8)
         reader.read_into(frag, data)

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from distmerge import dtypes
-from distmerge.errors import CorruptInputError, OutputError
+from distmerge.errors import CorruptInputError
 from distmerge.formats.base import Fragment, InputFormat, OpenedFile, Scan
 
 BOUNCE = 1 << 20  # fallback copy chunk (see writer.WRITE_CHUNK)
@@ -55,13 +55,11 @@ class Reader:
         self.bytes_read += done
 
     def copy_to(self, frag: Fragment, out_fd: int, out_offset: int, nbytes: int) -> None:
-        """Copy the fragment's bytes into an output file inside the kernel (no trip through memory)."""
+        """Copy the fragment's bytes into an output file inside the kernel (no trip through memory).
+        Raises OSError on a write failure: the writer, which knows the file's name, reports it."""
         src, done = self._fd(frag.file_index), 0
         while done < nbytes:
-            try:
-                got = self._copy_chunk(src, out_fd, nbytes - done, frag.byte_offset + done, out_offset + done)
-            except OSError as err:
-                raise OutputError(f"cannot write the output: {err.strerror} (is the disk full?)") from None
+            got = self._copy_chunk(src, out_fd, nbytes - done, frag.byte_offset + done, out_offset + done)
             if got == 0:
                 self._truncated(frag)
             done += got

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -66,8 +67,12 @@ class ShardWriter:
         self.missing -= len(buf)
         return len(buf)
 
-    def wrote_elsewhere(self, nbytes: int) -> None:
-        """Account for bytes that reached the file another way (copy_file_range from an input)."""
+    def copy_in(self, copy: Callable[[int], None], offset: int, nbytes: int) -> None:
+        """Let `copy(fd)` put nbytes at offset (copy_file_range from an input file), reporting failures."""
+        try:
+            copy(self.fd)
+        except OSError as err:
+            self._failed(err)
         self.missing -= nbytes
 
     @property
@@ -96,4 +101,7 @@ class ShardWriter:
             while done < len(buf):
                 done += os.pwrite(self.fd, buf[done : done + WRITE_CHUNK], offset + done)
         except OSError as err:
-            raise OutputError(f"cannot write {self.temp}: {err.strerror} (is the disk full?)") from None
+            self._failed(err)
+
+    def _failed(self, err: OSError) -> None:
+        raise OutputError(f"cannot write {self.final}: {err.strerror} (is the disk full?); nothing was left behind")

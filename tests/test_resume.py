@@ -125,3 +125,21 @@ def rank_pid(torchrun_pid: int, rank: int) -> int:
         if f"RANK={rank}".encode() in environ:
             return int(child)
     raise AssertionError(f"no worker with RANK={rank} under torchrun {torchrun_pid}")
+
+
+def test_write_error_names_the_file_and_leaves_nothing(fsdp_ckpts, tmp_path):
+    """A file-size limit makes writes fail as a full disk would (EFBIG instead of ENOSPC)."""
+    import resource
+
+    def limit() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG from write() instead of a signal
+        resource.setrlimit(resource.RLIMIT_FSIZE, (150_000, 150_000))
+
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "distmerge", "merge", "--quiet", "--input", str(fsdp_ckpts["fsdp2_llama_w4"]),
+           "--output", str(out)]
+    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, preexec_fn=limit, timeout=120)
+    assert run.returncode == 1
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot write" in lines[0] and "model.safetensors" in lines[0], run.stderr
+    assert sorted(p.name for p in out.iterdir()) == []  # no partial file, no index
