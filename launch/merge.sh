@@ -3,26 +3,48 @@
 #
 #   launch/merge.sh --input CKPT --output OUT [distmerge merge options]
 #
-# Environment (all optional):
+# Run it once per node: directly on one machine, or under `srun --ntasks-per-node=1` for several
+# nodes (slurm/merge.sbatch does that). Environment (all optional):
 #   NPROC        processes on this node (default: number of GPUs, or 2 without GPUs)
-#   NNODES       nodes in the job (default 1; SLURM_NNODES when under srun)
-#   MASTER_ADDR  rendezvous host (default 127.0.0.1; the first node of the SLURM job under srun)
-#   MASTER_PORT  rendezvous port (default 29533)
+#   NNODES       nodes taking part (default: the srun step's node count, SLURM_STEP_NUM_NODES, else 1)
+#   MASTER_ADDR  rendezvous host for several nodes (default: first node of the srun step)
+#   MASTER_PORT  rendezvous port (several nodes: default 15000 + SLURM_JOB_ID % 15000, else 29533;
+#                one node: default a free port picked by torchrun --standalone)
 #   PYTHON       interpreter with distmerge installed (default: .venv/bin/python if present, else python3)
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 PYTHON=${PYTHON:-$([ -x "$here/.venv/bin/python" ] && echo "$here/.venv/bin/python" || echo python3)}
-gpus=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
-NPROC=${NPROC:-$([ "$gpus" -gt 0 ] && echo "$gpus" || echo 2)}
-NNODES=${NNODES:-${SLURM_NNODES:-1}}
-if [ -z "${MASTER_ADDR:-}" ] && [ -n "${SLURM_JOB_NODELIST:-}" ]; then
-  MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+if [ -z "${NPROC:-}" ]; then
+  # Importing torch costs seconds on every node, so only ask for the GPU count when it is needed.
+  gpus=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+  NPROC=$([ "$gpus" -gt 0 ] && echo "$gpus" || echo 2)
 fi
-MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
-MASTER_PORT=${MASTER_PORT:-29533}
+# The step's node count, not the job's (SLURM_NNODES): run without srun inside a multi-node
+# allocation, this script starts one torchrun only, which must not wait for nodes that never come.
+NNODES=${NNODES:-${SLURM_STEP_NUM_NODES:-1}}
+
 if [ "$NNODES" -gt 1 ]; then
-  rdzv=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "${SLURM_JOB_ID:-distmerge}")
+  if [ -z "${MASTER_ADDR:-}" ]; then
+    nodelist=${SLURM_STEP_NODELIST:-${SLURM_JOB_NODELIST:-}}
+    [ -n "$nodelist" ] || { echo "launch/merge.sh: error: NNODES=$NNODES needs MASTER_ADDR (or run under srun)" >&2; exit 2; }
+    # Every node computes the same first host, so all of them agree on the rendezvous endpoint.
+    MASTER_ADDR=$(scontrol show hostnames "$nodelist" | head -n 1)
+  fi
+  # A port per job: two multi-node merges whose first node is the same machine must not collide.
+  # 15000-29999 stays below Linux's ephemeral range (32768+), where the OS hands out client ports.
+  if [ -n "${SLURM_JOB_ID:-}" ]; then
+    MASTER_PORT=${MASTER_PORT:-$((15000 + SLURM_JOB_ID % 15000))}
+  fi
+  MASTER_PORT=${MASTER_PORT:-29533}
+  # c10d rendezvous: the agent on MASTER_ADDR hosts the store, the others join it; the id keeps
+  # agents of different steps of one job apart.
+  rdzv=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"
+        --rdzv-id "${SLURM_JOB_ID:-distmerge}.${SLURM_STEP_ID:-0}")
+elif [ -n "${MASTER_PORT:-}" ]; then
+  rdzv=(--nnodes 1 --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "$MASTER_PORT")
 else
-  rdzv=(--nnodes 1 --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT")
+  # One node: let torchrun pick a free port, so merges sharing a machine (or a test run) never
+  # fight over a fixed one.
+  rdzv=(--standalone --nnodes 1)
 fi
 exec "$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC" "${rdzv[@]}" -m distmerge merge "$@"
