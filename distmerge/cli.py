@@ -65,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--overwrite", action="store_true", help="replace model files in a non-empty output")
     merge.add_argument("--resume", action="store_true",
                        help="finish an interrupted merge: keep its completed files, redo the rest")
+    merge.add_argument("--lora", choices=["auto", "adapter", "merge"], default="auto",
+                       help="LoRA checkpoints: base model + PEFT adapter (auto, adapter) or fused weights (merge)")
+    merge.add_argument("--lora-alpha", type=float, metavar="ALPHA",
+                       help="LoRA alpha when lora_train_meta.json is missing or wrong")
+    merge.add_argument("--base-model", metavar="NAME_OR_PATH",
+                       help="base_model_name_or_path for adapter_config.json (default: the config's, else --output)")
     merge.add_argument("--checksum", action="store_true",
                        help="record each file's sha256 in distmerge.manifest.json (about 1 s per GB per process)")
     merge.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
@@ -157,12 +163,14 @@ def _run_merge(args: argparse.Namespace) -> int:
     from distmerge.comm import Comm
     from distmerge.engine import MergeOptions, merge, resolve_device
     from distmerge.formats import registry
+    from distmerge.mapping import LoraOptions
     from distmerge.report import Progress, print_summary, summary_json
 
     opts = MergeOptions(
         input=args.input, output=args.output, format=args.format, hf_config=args.hf_config, dtype=args.dtype,
         max_shard_bytes=args.max_shard_size, budget_bytes=args.budget, overwrite=args.overwrite,
         resume=args.resume, checksum=args.checksum,
+        lora=LoraOptions(mode=args.lora, alpha=args.lora_alpha, base_model=args.base_model),
     )
     registry.warm_up(args.input, args.format)
     if args.verify_against is not None and not args.verify_against.exists():  # before hours of merging

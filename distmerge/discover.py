@@ -17,9 +17,11 @@ from distmerge.formats.base import Scan
 from distmerge.plan import INDEX_NAME
 from distmerge.resume import RECORDS
 
-# What an earlier merge left that --overwrite removes (partial files are writer.partial_name's); the
-# first two are finished files, which --resume keeps.
-STALE_PATTERNS = ("model.safetensors", "model-*-of-*.safetensors", ".model*.partial")
+# What an earlier merge left: finished files (--overwrite removes them, --resume keeps them for
+# resume.py to judge) and half-written ones (writer.partial_name's, always removed).
+FINISHED = ("model.safetensors", "model-*-of-*.safetensors", "lora_adapter/adapter_model.safetensors",
+            "lora_adapter/adapter_config.json")
+PARTIAL = (".model*.partial", "lora_adapter/.*.partial")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,7 +86,7 @@ def prepare_output(out: Path, keep_finished: bool = False) -> None:
     also removes earlier model files and their records; --resume keeps them for resume.py to judge."""
     out.mkdir(parents=True, exist_ok=True)
     (out / INDEX_NAME).unlink(missing_ok=True)
-    patterns = STALE_PATTERNS[2:] if keep_finished else STALE_PATTERNS
+    patterns = PARTIAL if keep_finished else PARTIAL + FINISHED
     for pattern in patterns:
         for path in out.glob(pattern):
             path.unlink()

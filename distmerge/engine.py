@@ -30,6 +30,7 @@ from distmerge.exchange import Exchanger, Pending
 from distmerge.finalize import finalize
 from distmerge.formats import registry
 from distmerge.formats.base import Fragment
+from distmerge.mapping import FamilyContext, LoraOptions
 from distmerge.plan import Plan
 from distmerge.reader import Reader
 from distmerge.report import Progress
@@ -51,6 +52,7 @@ class MergeOptions:
     overwrite: bool = False
     resume: bool = False
     checksum: bool = False
+    lora: LoraOptions = field(default_factory=LoraOptions)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,7 +125,7 @@ def merge(opts: MergeOptions, comm: Comm, progress: Progress) -> MergeResult:
         total_bytes=plan.total_bytes,
         seconds=time.perf_counter() - start,
         ranks=ranks,
-        notes=list(scan.notes) + ([f"--resume kept {len(kept)} finished file(s)"] if opts.resume else []),
+        notes=[*scan.notes, *plan.notes] + ([f"--resume kept {len(kept)} finished file(s)"] if opts.resume else []),
         copied=copied,
         resumed_files=len(kept),
     )
@@ -148,15 +150,18 @@ def _plan(opts: MergeOptions, found: disc.Discovery, inventories: list[list[Frag
     if not sources:
         raise InputError(f"{scan.root}: the rank files hold no tensors")
     metas = {name: s.meta for name, s in sources.items()}
-    naming = scan.details.get("naming", "hf")
-    units = families.units_for(naming, metas, found.config, CAST_CHOICES[opts.dtype])
+    ctx = FamilyContext(config=found.config, cast=CAST_CHOICES[opts.dtype], details=scan.details, lora=opts.lora,
+                        output=str(Path(opts.output).resolve()))
+    result = families.units_for(scan.details.get("naming", "hf"), metas, ctx)
     return planning.make_plan(
         sources=sources,
-        units=units,
+        units=result.units,
         files=scan.files,
         world=world,
         max_shard_bytes=opts.max_shard_bytes,
         budget_bytes=opts.budget_bytes,
+        extra_files=result.extra_files,
+        notes=tuple(result.notes),
     )
 
 

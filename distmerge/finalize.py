@@ -21,7 +21,7 @@ SKIP_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 def main_dtype(plan: Plan) -> str | None:
     """The floating dtype holding most bytes: what config.json should announce."""
     by_bytes: Counter[str] = Counter()
-    for f in plan.files:
+    for f in plan.model_files:
         for t in f.targets:
             if dtypes.is_float(t.dtype):
                 by_bytes[t.dtype] += t.nbytes
@@ -60,9 +60,18 @@ def remove_strays(out: Path, plan: Plan) -> None:
                 path.unlink()
 
 
+def write_extra_files(out: Path, plan: Plan) -> None:
+    """JSON files a family asked for (a LoRA adapter's adapter_config.json)."""
+    for rel, content in plan.extra_files.items():
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        _atomic_write(out / rel, json.dumps(content, indent=2, sort_keys=True) + "\n")
+
+
 def write_index(out: Path, plan: Plan) -> None:
-    weight_map = {t.name: f.name for f in plan.files for t in f.targets}
-    index = {"metadata": {"total_size": plan.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+    files = plan.model_files
+    weight_map = {t.name: f.name for f in files for t in f.targets}
+    total = sum(f.nbytes for f in files)
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     _atomic_write(out / INDEX_NAME, json.dumps(index, indent=2) + "\n")
 
 
@@ -70,6 +79,7 @@ def finalize(out: Path, plan: Plan, config: dict[str, Any], hf_dir: Path) -> lis
     copied = copy_hf_files(hf_dir, out)
     write_config(out, config, main_dtype(plan))
     remove_strays(out, plan)
+    write_extra_files(out, plan)
     write_manifest(out, plan)
     write_index(out, plan)  # last: its presence means every file above is complete
     return copied

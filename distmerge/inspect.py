@@ -16,6 +16,7 @@ from distmerge import plan as planning
 from distmerge.dtypes import CAST_CHOICES
 from distmerge.families.hf import ties_embeddings
 from distmerge.formats import registry
+from distmerge.mapping import FamilyContext
 from distmerge.reader import Reader
 from distmerge.report import human_bytes
 
@@ -34,9 +35,10 @@ def describe(args: argparse.Namespace) -> dict:
         reader.close()
     sources = planning.merge_inventories(fragments, scan.files)
     metas = {n: s.meta for n, s in sources.items()}
-    units = families.units_for(scan.details.get("naming", "hf"), metas, found.config, CAST_CHOICES[args.dtype])
-    plan = planning.make_plan(sources=sources, units=units, files=scan.files, world=1,
-                              max_shard_bytes=args.max_shard_size, budget_bytes=2**62)
+    ctx = FamilyContext(config=found.config, cast=CAST_CHOICES[args.dtype], details=scan.details)
+    result = families.units_for(scan.details.get("naming", "hf"), metas, ctx)
+    plan = planning.make_plan(sources=sources, units=result.units, files=scan.files, world=1,
+                              max_shard_bytes=args.max_shard_size, budget_bytes=2**62, notes=tuple(result.notes))
     targets = [t for f in plan.files for t in f.targets]
     return {
         "input": str(root),
@@ -52,7 +54,7 @@ def describe(args: argparse.Namespace) -> dict:
         "tied_embeddings": ties_embeddings(found.config),
         "architectures": found.config.get("architectures", []),
         "output_files": [{"name": f.name, "tensors": len(f.targets), "bytes": f.nbytes} for f in plan.files],
-        "notes": list(scan.notes),
+        "notes": [*scan.notes, *plan.notes],
     }
 
 

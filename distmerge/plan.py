@@ -11,12 +11,12 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from distmerge import dtypes
 from distmerge.errors import LayoutError
 from distmerge.formats.base import Fragment, InputFile
-from distmerge.mapping import SourceMeta, Target, Unit
+from distmerge.mapping import GROUP_FILES, SourceMeta, Target, Unit
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -33,6 +33,7 @@ class OutputFile:
     owner: int
     units: tuple[int, ...]  # indices into Plan.units
     targets: tuple[Target, ...]  # in file order (natural name order)
+    group: str = "model"
 
     @property
     def nbytes(self) -> int:
@@ -49,10 +50,17 @@ class Plan:
     rounds: tuple[tuple[int, ...], ...]  # round -> unit indices (all owners)
     owner_of_unit: tuple[int, ...]
     file_of_unit: tuple[int, ...]
+    extra_files: dict[str, dict] = field(default_factory=dict)  # relative path -> JSON, written by finalize
+    notes: tuple[str, ...] = ()  # what the family decided (e.g. where a LoRA adapter went)
 
     @property
     def total_bytes(self) -> int:
         return sum(f.nbytes for f in self.files)
+
+    @property
+    def model_files(self) -> tuple[OutputFile, ...]:
+        """The files model.safetensors.index.json covers (not the LoRA adapter)."""
+        return tuple(f for f in self.files if f.group == "model")
 
 
 def natural_key(name: str) -> list:
@@ -125,9 +133,9 @@ def _overlap(a: Fragment, b: Fragment) -> bool:
     )
 
 
-def split_files(units: list[Unit], max_bytes: int) -> list[list[int]]:
-    """Greedy split in natural name order; a unit never straddles two files."""
-    order = sorted(range(len(units)), key=lambda i: natural_key(units[i].targets[0].name))
+def split_files(units: list[Unit], max_bytes: int, members: list[int]) -> list[list[int]]:
+    """Greedy split of units[members] in natural name order; a unit never straddles two files."""
+    order = sorted(members, key=lambda i: natural_key(units[i].targets[0].name))
     groups: list[list[int]] = [[]]
     size = 0
     for i in order:
@@ -165,15 +173,24 @@ def make_plan(
     world: int,
     max_shard_bytes: int,
     budget_bytes: int,
+    extra_files: dict[str, dict] | None = None,
+    notes: tuple[str, ...] = (),
 ) -> Plan:
-    groups = split_files(units, max_shard_bytes)
+    model = [i for i, u in enumerate(units) if u.targets[0].group == "model"]
+    groups = split_files(units, max_shard_bytes, model)
     names = file_names(len(groups))
+    for group, name in GROUP_FILES.items():  # each other group is one file of its own
+        members = [i for i, u in enumerate(units) if u.targets[0].group == group]
+        if members:
+            groups.append(split_files(units, 2**62, members)[0])
+            names.append(name)
     sizes = [sum(t.nbytes for i in g for t in units[i].targets) for g in groups]
     owners = assign_owners(sizes, world)
     out, owner_of, file_of = [], [0] * len(units), [0] * len(units)
     for f, group in enumerate(groups):
         targets = sorted((t for i in group for t in units[i].targets), key=lambda t: natural_key(t.name))
-        out.append(OutputFile(name=names[f], owner=owners[f], units=tuple(group), targets=tuple(targets)))
+        out.append(OutputFile(name=names[f], owner=owners[f], units=tuple(group), targets=tuple(targets),
+                              group=units[group[0]].targets[0].group))
         for i in group:
             owner_of[i], file_of[i] = owners[f], f
     rounds = _rounds(units, out, sources, world, budget_bytes)
@@ -186,6 +203,8 @@ def make_plan(
         rounds=rounds,
         owner_of_unit=tuple(owner_of),
         file_of_unit=tuple(file_of),
+        extra_files=extra_files or {},
+        notes=notes,
     )
 
 

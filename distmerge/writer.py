@@ -37,13 +37,16 @@ def header_bytes(targets: tuple[Target, ...]) -> tuple[bytes, dict[str, tuple[in
 
 
 def partial_name(name: str) -> str:
-    return f".{name}.partial"
+    """Hidden, beside the final file: `sub/file` -> `sub/.file.partial`."""
+    head, _, base = name.rpartition("/")
+    return f"{head}/.{base}.partial" if head else f".{base}.partial"
 
 
 class ShardWriter:
     def __init__(self, out_dir: Path, name: str, targets: tuple[Target, ...]) -> None:
         self.final = out_dir / name
         self.temp = out_dir / partial_name(name)
+        self.final.parent.mkdir(parents=True, exist_ok=True)
         head, self.ranges = header_bytes(targets)
         self.data_start = len(head)
         self.size = len(head) + sum(t.nbytes for t in targets)

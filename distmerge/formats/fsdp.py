@@ -20,6 +20,7 @@ from distmerge.formats.base import Fragment, InputFile, OpenedFile, Scan, input_
 from distmerge.formats.torch_private import state_dicts
 
 RANK_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
+LORA_META = "lora_train_meta.json"  # verl writes r, lora_alpha, task_type beside the rank files of a LoRA run
 OPTIM_FILE = re.compile(r"^optim_world_size_(\d+)_rank_(\d+)\.pt$")
 # Wrapper modules whose names can leak into state-dict keys (FSDP1 flat params, activation checkpointing).
 WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
@@ -56,6 +57,7 @@ class FsdpFormat:
             raise InputError(f"{root}: unexpected rank files for ranks {_short(extra)} (world size is {world})")
         files = tuple(input_file(root, r, found[r][1].name, rank=r) for r in range(world))
         hf = root / "huggingface"
+        details = {"lora_meta": _lora_meta(root)} if (root / LORA_META).is_file() else {}
         return Scan(
             format=self.name,
             root=str(root),
@@ -63,6 +65,7 @@ class FsdpFormat:
             hf_dir=str(hf) if (hf / "config.json").is_file() else None,
             world_size=world,
             notes=tuple(notes),
+            details=details,
         )
 
     def open(self, scan: Scan, file: InputFile) -> OpenedFile:
@@ -109,6 +112,16 @@ def _check_config(root: Path, world: int) -> list[str]:
     if saved != world:
         raise InputError(f"{config} says world_size {saved} but the rank files are for world size {world}")
     return []
+
+
+def _lora_meta(root: Path) -> dict:
+    try:
+        meta = json.loads((root / LORA_META).read_text())
+    except ValueError:
+        raise InputError(f"{root / LORA_META} is not valid JSON: fix it, or remove it and pass --lora-alpha") from None
+    if not isinstance(meta, dict):
+        raise InputError(f"{root / LORA_META} is not a JSON object")
+    return meta
 
 
 def _clean(key: str) -> str:

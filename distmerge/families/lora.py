@@ -1,0 +1,147 @@
+"""PEFT LoRA state dicts (verl saves the PEFT-wrapped model): a base model plus an adapter, or fused weights.
+
+    base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight       W (out, in)
+    base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight   A (r, in)
+    base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight   B (out, r)
+    base_model.model.model.embed_tokens.weight                               (not adapted)
+
+--lora adapter (the default): the base model under Hugging Face names (`base_model.model.` and
+`.base_layer` removed) + lora_adapter/adapter_model.safetensors (PEFT's saved names: the adapter name
+dropped) + adapter_config.json. --lora merge: one tensor per adapted module, W + (B @ A) * scale fused on
+the owning rank in float32, scale = alpha / r (alpha / sqrt(r) with rsLoRA).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from distmerge.errors import InputError
+from distmerge.families.hf import check_names_are_hf, dropped_heads
+from distmerge.mapping import FamilyContext, FamilyResult, SourceMeta, Target, Unit, output_dtype
+
+PEFT_PREFIX = "base_model.model."
+LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.(?P<adapter>[^.]+)\.weight$")
+ADAPTER_DIR = "lora_adapter"
+# PEFT variants whose tensors this family does not turn into a model: refused, never silently dropped.
+UNSUPPORTED = {
+    ".lora_embedding_": "LoRA on embedding layers",
+    ".lora_magnitude_vector": "DoRA (magnitude vectors)",
+    ".modules_to_save.": "modules_to_save (fully trained module copies)",
+}
+
+
+def has_lora(sources: dict[str, SourceMeta]) -> bool:
+    return any(LORA.match(n) for n in sources)
+
+
+def hf_name(name: str) -> str:
+    return name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
+
+
+def adapter_name(name: str) -> str:
+    """PEFT's saved name: the adapter name (`default`) is not part of adapter_model.safetensors."""
+    m = LORA.match(name)
+    return f"{m['module']}.lora_{m['ab']}.weight"
+
+
+def units(sources: dict[str, SourceMeta], ctx: FamilyContext) -> FamilyResult:
+    for sign, what in UNSUPPORTED.items():
+        if found := [n for n in sources if sign in n]:
+            raise InputError(f"{what} is not supported yet ({found[0]}, ...); merge without it or fuse it in training")
+    modules = _modules(sources)
+    rank = _rank(modules, sources, ctx.details.get("lora_meta") or {})
+    alpha = _alpha(ctx)
+    meta = ctx.details.get("lora_meta") or {}
+    rslora = bool(meta.get("use_rslora", False))
+    base = {n: s for n, s in sources.items() if not LORA.match(n)}
+    check_names_are_hf([hf_name(n) for n in base])
+    drop = dropped_heads({hf_name(n): s.shape for n, s in base.items()}, ctx.config)
+    if ctx.lora.mode == "merge":
+        scale = alpha / math.sqrt(rank) if rslora else alpha / rank
+        fused = {f"{m}.base_layer.weight" for m in modules}
+        out = [_plain(s, ctx) for n, s in base.items() if n not in fused and hf_name(n) not in drop]
+        out += [_fuse(m, ab, sources, ctx, scale) for m, ab in sorted(modules.items())]
+        note = f"LoRA fused into the weights of {len(modules)} modules (scale {scale:g})"
+        return FamilyResult(units=out, notes=[note])
+    out = [_plain(s, ctx) for n, s in base.items() if hf_name(n) not in drop]
+    out += [_adapter(sources[n]) for ab in modules.values() for n in ab.values()]
+    config = adapter_config(modules, rank, alpha, rslora, meta, ctx)
+    note = f"LoRA adapter (r={rank}, alpha={alpha:g}) for {len(modules)} modules written to {ADAPTER_DIR}/"
+    return FamilyResult(units=out, extra_files={f"{ADAPTER_DIR}/adapter_config.json": config}, notes=[note])
+
+
+def _modules(sources: dict[str, SourceMeta]) -> dict[str, dict[str, str]]:
+    """Adapted module -> {"A": source name, "B": source name}; one adapter name only."""
+    modules: dict[str, dict[str, str]] = {}
+    adapters = set()
+    for name in sources:
+        if m := LORA.match(name):
+            modules.setdefault(m["module"], {})[m["ab"]] = name
+            adapters.add(m["adapter"])
+    if len(adapters) > 1:
+        raise InputError(f"the checkpoint holds several LoRA adapters ({', '.join(sorted(adapters))}): not supported")
+    for module, ab in modules.items():
+        if set(ab) != {"A", "B"} or f"{module}.base_layer.weight" not in sources:
+            raise InputError(f"{module}: the LoRA A, B or base weight is missing; the checkpoint is incomplete")
+    return modules
+
+
+def _rank(modules: dict[str, dict[str, str]], sources: dict[str, SourceMeta], meta: dict[str, Any]) -> int:
+    ranks = {sources[ab["A"]].shape[0] for ab in modules.values()}
+    ranks |= {sources[ab["B"]].shape[1] for ab in modules.values()}
+    if len(ranks) != 1:
+        raise InputError(f"LoRA tensors disagree on the rank r: {sorted(ranks)}")
+    rank = ranks.pop()
+    if "r" in meta and int(meta["r"]) != rank:
+        raise InputError(f"lora_train_meta.json says r={meta['r']} but the LoRA tensors have r={rank}")
+    return rank
+
+
+def _alpha(ctx: FamilyContext) -> float:
+    meta = ctx.details.get("lora_meta") or {}
+    alpha = ctx.lora.alpha if ctx.lora.alpha is not None else meta.get("lora_alpha")
+    if alpha is None:
+        raise InputError("LoRA weights found but no lora_alpha: no lora_train_meta.json; pass --lora-alpha")
+    if float(alpha) == 0:
+        raise InputError("lora_alpha is 0, which would turn the adapter off: pass the training value with --lora-alpha")
+    return float(alpha)
+
+
+def _plain(s: SourceMeta, ctx: FamilyContext) -> Unit:
+    return Unit(sources=(s.name,), targets=(Target(name=hf_name(s.name), shape=s.shape,
+                                                   dtype=output_dtype(s.dtype, ctx.cast)),))
+
+
+def _adapter(s: SourceMeta) -> Unit:
+    return Unit(sources=(s.name,), targets=(Target(name=adapter_name(s.name), shape=s.shape, dtype=s.dtype,
+                                                   group="adapter"),))
+
+
+def _fuse(module: str, ab: dict[str, str], sources: dict[str, SourceMeta], ctx: FamilyContext, scale: float) -> Unit:
+    base = sources[f"{module}.base_layer.weight"]
+    target = Target(name=hf_name(f"{module}.weight"), shape=base.shape, dtype=output_dtype(base.dtype, ctx.cast))
+    return Unit(sources=(base.name, ab["A"], ab["B"]), targets=(target,), transform="lora_fuse",
+                params=(("scale", scale),))
+
+
+def adapter_config(modules, rank: int, alpha: float, rslora: bool, meta: dict[str, Any], ctx: FamilyContext) -> dict:
+    """What PEFT's save_pretrained writes for a plain LoRA, with the values this checkpoint implies."""
+    base = ctx.lora.base_model or ctx.config.get("_name_or_path") or ctx.output
+    return {
+        "peft_type": "LORA",
+        "task_type": meta.get("task_type", "CAUSAL_LM"),
+        "base_model_name_or_path": base,
+        "r": rank,
+        "lora_alpha": alpha if not float(alpha).is_integer() else int(alpha),
+        "target_modules": sorted({m.rsplit(".", 1)[-1] for m in modules}),
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "use_rslora": rslora,
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "use_dora": False,
+    }
