@@ -14,11 +14,6 @@
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 PYTHON=${PYTHON:-$([ -x "$here/.venv/bin/python" ] && echo "$here/.venv/bin/python" || echo python3)}
-if [ -z "${NPROC:-}" ]; then
-  # Importing torch costs seconds on every node, so only ask for the GPU count when it is needed.
-  gpus=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
-  NPROC=$([ "$gpus" -gt 0 ] && echo "$gpus" || echo 2)
-fi
 # The step's node count, not the job's (SLURM_NNODES): run without srun inside a multi-node
 # allocation, this script starts one torchrun only, which must not wait for nodes that never come.
 NNODES=${NNODES:-${SLURM_STEP_NUM_NODES:-1}}
@@ -46,5 +41,10 @@ else
   # One node: let torchrun pick a free port, so merges sharing a machine (or a test run) never
   # fight over a fixed one.
   rdzv=(--standalone --nnodes 1)
+fi
+if [ -z "${NPROC:-}" ]; then
+  # Importing torch costs seconds on every node, so only ask for the GPU count when it is needed.
+  gpus=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+  NPROC=$([ "$gpus" -gt 0 ] && echo "$gpus" || echo 2)
 fi
 exec "$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC" "${rdzv[@]}" -m distmerge merge "$@"

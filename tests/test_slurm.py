@@ -1,0 +1,202 @@
+"""slurm/merge.sbatch as real SLURM jobs, on a local cluster that slurm/ci/setup.sh brings up.
+
+The cluster is real (munged, slurmctld and two slurmd on this machine: nodes `<hostname>` and
+`localhost`), so these tests submit with `sbatch --wait` exactly as a user would, and check each
+job's outcome from its own log and from slurmctld, not only from sbatch's exit code: `sbatch --wait`
+exits 0 for a job cancelled before it started.
+
+Needs root (setup.sh installs the Debian packages with apt-get and starts daemons); skipped, with the
+reason, only where that is impossible. Everything is stopped again at the end of the session, unless
+the cluster was already up before it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, assert_exact, expected_tensors, load_merged
+
+pytestmark = pytest.mark.slurm
+
+SETUP = REPO / "slurm" / "ci" / "setup.sh"
+TEARDOWN = REPO / "slurm" / "ci" / "teardown.sh"
+SBATCH = REPO / "slurm" / "merge.sbatch"
+CASE = "fsdp2_llama_w4"
+SLURM_BINARIES = ("slurmctld", "slurmd", "sbatch", "scontrol", "munged")
+
+
+def _cannot_run_cluster() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root: slurm/ci/setup.sh installs slurm and munge and starts their daemons"
+    if not all(shutil.which(b) for b in SLURM_BINARIES) and not shutil.which("apt-get"):
+        return "slurm is not installed and apt-get is not available to install it"
+    return None
+
+
+@pytest.fixture(scope="session")
+def _cluster_setup(tmp_path_factory):
+    """slurm/ci/setup.sh, started in the background: the cluster comes up while `ckpt` is built.
+
+    Two nodes on this machine (two slurmd), so that multi-node jobs are tested too.
+    """
+    reason = _cannot_run_cluster()
+    if reason:
+        pytest.skip(reason)
+    log_path = tmp_path_factory.mktemp("slurm-setup") / "setup.log"
+    env = {**os.environ, "DISTMERGE_SLURM_NODES": "2"}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(["bash", str(SETUP)], env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    yield proc, log_path
+    if proc.poll() is None:  # the session ended before anyone waited for it
+        proc.kill()
+        proc.wait()
+    # A cluster that was already up before the session (started by hand) stays up.
+    if "reusing it" not in log_path.read_text():
+        subprocess.run(["bash", str(TEARDOWN)], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(_cluster_setup):
+    proc, log_path = _cluster_setup
+    try:
+        # A fresh machine installs the packages first: allow for a slow mirror.
+        rc = proc.wait(timeout=900)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        rc = "killed after 900 s"
+    if rc != 0:
+        pytest.fail(f"slurm/ci/setup.sh failed (exit {rc}):\n{log_path.read_text()}")
+
+
+@pytest.fixture(scope="session")
+def ckpt(request, tmp_path_factory, _cluster_setup) -> Path:
+    """A real 4-rank FSDP2 checkpoint (asks for `_cluster_setup` only to build it while SLURM starts).
+
+    Taken from the shared `fsdp_ckpts` when other tests of this session need those anyway; run alone,
+    this file builds only the one case it uses (one torchrun job instead of nine cases).
+    """
+    shared = any(
+        "fsdp_ckpts" in getattr(item, "fixturenames", ()) and item.get_closest_marker("slurm") is None
+        for item in request.session.items
+    )
+    if shared:
+        return request.getfixturevalue("fsdp_ckpts")[CASE]
+    from tests.fixtures.build import FSDP_SCRIPT, build_cases
+    from tests.fixtures.make_fsdp import CASES
+
+    built = build_cases(FSDP_SCRIPT, tmp_path_factory.mktemp("fsdp"), {CASE: CASES[CASE].world_size}, "FSDP",
+                        marker="{case}/fsdp_config.json")
+    return built[CASE]
+
+
+@dataclass
+class Job:
+    sbatch_rc: int
+    job_id: str
+    record: dict[str, str]  # `scontrol show job` fields; empty once slurmctld has forgotten the job
+    log: str  # the job's stdout+stderr file
+
+    def describe(self) -> str:
+        return f"job {self.job_id}: sbatch exit {self.sbatch_rc}, record {self.record}\n--- job log ---\n{self.log}"
+
+
+def job_record(job_id: str) -> dict[str, str]:
+    """slurmctld's record of a finished job; {} if it is already forgotten (MinJobAge=5 keeps it ~5 s).
+
+    sbatch --wait returns as soon as the job is finished, possibly while slurmd is still cleaning up
+    (JobState=COMPLETING, ExitCode already final): wait a moment for the final state.
+    """
+    record: dict[str, str] = {}
+    for _ in range(30):
+        show = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True)
+        if show.returncode != 0:
+            break
+        record = dict(f.split("=", 1) for f in show.stdout.split() if "=" in f)
+        if record.get("JobState") != "COMPLETING":
+            break
+        time.sleep(0.1)
+    return record
+
+
+def submit(tmp_path: Path, *args: str, sbatch_opts: tuple[str, ...] = (), **env: str) -> Job:
+    """`sbatch --wait slurm/merge.sbatch ARGS` with DISTMERGE_* settings from **env, as root."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DISTMERGE_"))}
+    # The job does not inherit a PATH that finds this venv (it runs as root from slurmd): name it.
+    base.update(PYTHON=sys.executable, PYTHONWARNINGS="ignore", **env)
+    log_pattern = tmp_path / "job-%j.out"
+    cmd = ["sbatch", "--wait", "--parsable", f"--output={log_pattern}", "--time=5", *sbatch_opts, str(SBATCH), *args]
+    proc = subprocess.run(cmd, env=base, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    job_id = proc.stdout.strip().split(";")[0]
+    assert job_id.isdigit(), f"sbatch gave no job id: {proc.stdout!r} {proc.stderr!r}"
+    record = job_record(job_id)
+    log_file = tmp_path / f"job-{job_id}.out"
+    log = log_file.read_text() if log_file.is_file() else "(no log: the job never started)"
+    return Job(proc.returncode, job_id, record, log)
+
+
+def assert_succeeded(job: Job) -> None:
+    """It ran to the end and every step succeeded: sbatch's exit 0 alone would also cover a cancelled job."""
+    assert job.sbatch_rc == 0, job.describe()
+    assert f"merge.sbatch: job {job.job_id} on " in job.log, job.describe()
+    assert job.log.rstrip().splitlines()[-1] == "merge.sbatch: exit status 0", job.describe()
+    if job.record:
+        assert job.record["ExitCode"] == "0:0", job.describe()
+        assert job.record["JobState"] in ("COMPLETED", "COMPLETING"), job.describe()
+
+
+def assert_failed(job: Job, status: int) -> None:
+    assert job.sbatch_rc == status, job.describe()
+    assert job.log.rstrip().splitlines()[-1] == f"merge.sbatch: exit status {status}", job.describe()
+    if job.record:
+        assert job.record["ExitCode"] == f"{status}:0", job.describe()
+        assert job.record["JobState"] in ("FAILED", "COMPLETING"), job.describe()
+
+
+def test_one_node_two_processes(ckpt, slurm_cluster, tmp_path):
+    out, summary = tmp_path / "merged", tmp_path / "summary.json"
+    job = submit(tmp_path, sbatch_opts=("--nodes=1", "--cpus-per-task=2"), DISTMERGE_INPUT=str(ckpt),
+                 DISTMERGE_OUTPUT=str(out), DISTMERGE_NPROC="2", DISTMERGE_ARGS=f"--json-summary {summary}")
+    assert_succeeded(job)
+    assert "on 1 node(s)" in job.log, job.describe()
+    stats = json.loads(summary.read_text())
+    assert (stats["processes"], stats["input_world_size"]) == (2, 4)
+    assert_exact(load_merged(out), expected_tensors(ckpt))
+
+
+def test_two_nodes_rendezvous(ckpt, slurm_cluster, tmp_path):
+    """One torchrun per node, one process each: a world of 2 exists only if both met at the rendezvous."""
+    out, summary = tmp_path / "merged", tmp_path / "summary.json"
+    job = submit(tmp_path, "--input", str(ckpt), "--output", str(out), "--json-summary", str(summary), "--quiet",
+                 sbatch_opts=("--nodes=2",), DISTMERGE_NPROC="1")
+    assert_succeeded(job)
+    assert "on 2 node(s)" in job.log, job.describe()
+    assert json.loads(summary.read_text())["processes"] == 2
+    assert_exact(load_merged(out), expected_tensors(ckpt))
+
+
+def test_bad_input_fails_the_job(slurm_cluster, tmp_path):
+    out = tmp_path / "merged"
+    job = submit(tmp_path, sbatch_opts=("--nodes=1",), DISTMERGE_INPUT=str(tmp_path / "no-such-checkpoint"),
+                 DISTMERGE_OUTPUT=str(out), DISTMERGE_NPROC="2")
+    assert_failed(job, 1)
+    errors = [line for line in job.log.splitlines() if line.startswith("distmerge: error: ")]
+    assert len(errors) == 1 and "no-such-checkpoint" in errors[0], job.describe()
+    assert not (out / "model.safetensors.index.json").exists()
+
+
+def test_missing_input_is_refused_before_any_step(slurm_cluster, tmp_path):
+    out = tmp_path / "merged"
+    job = submit(tmp_path, DISTMERGE_OUTPUT=str(out))
+    assert_failed(job, 2)
+    assert "merge.sbatch: error: no checkpoint to merge: set DISTMERGE_INPUT or pass --input" in job.log
+    assert "srun" not in job.log and not out.exists()
