@@ -33,6 +33,11 @@ def fingerprint(plan: Plan, inputs: tuple[InputFile, ...], options: dict) -> str
     return digest.hexdigest()
 
 
+def record_path(out: Path, name: str) -> Path:
+    """One flat folder of records: `lora_adapter/adapter_model.safetensors` -> `lora_adapter--adapter_...json`."""
+    return out / RECORDS / f"{name.replace('/', '--')}.json"
+
+
 def sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -48,11 +53,11 @@ def record_done(out: Path, file: OutputFile, fp: str, checksum: bool) -> None:
               "tensors": [t.name for t in file.targets]}
     if checksum:
         record["sha256"] = sha256_of(path)
-    folder = out / RECORDS
-    folder.mkdir(exist_ok=True)
-    temp = folder / f".{file.name}.json.partial"
+    final = record_path(out, file.name)
+    final.parent.mkdir(exist_ok=True)
+    temp = final.with_name(f".{final.name}.partial")
     temp.write_text(json.dumps(record, indent=1) + "\n")
-    os.replace(temp, folder / f"{file.name}.json")
+    os.replace(temp, final)
 
 
 def finished_files(out: Path, plan: Plan, fp: str) -> list[int]:
@@ -61,11 +66,11 @@ def finished_files(out: Path, plan: Plan, fp: str) -> list[int]:
 
 
 def _intact(out: Path, file: OutputFile, fp: str) -> bool:
-    path, record_path = out / file.name, out / RECORDS / f"{file.name}.json"
-    if not (path.is_file() and record_path.is_file()):
+    path, record_file = out / file.name, record_path(out, file.name)
+    if not (path.is_file() and record_file.is_file()):
         return False
     try:
-        record = json.loads(record_path.read_text())
+        record = json.loads(record_file.read_text())
     except ValueError:
         return False
     head = header_bytes(file.targets)[0]
@@ -81,7 +86,7 @@ def write_manifest(out: Path, plan: Plan) -> None:
     """Per file: tensors, bytes and (with --checksum) sha256, from the owners' records."""
     files = []
     for f in plan.files:
-        record = json.loads((out / RECORDS / f"{f.name}.json").read_text())
+        record = json.loads(record_path(out, f.name).read_text())
         record.pop("fingerprint", None)
         files.append(record)
     temp = out / f".{MANIFEST}.partial"
