@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_merge(args: argparse.Namespace) -> int:
-    from distmerge.comm import Comm
+    from distmerge.comm import process_group
     from distmerge.engine import MergeOptions, merge, resolve_device
     from distmerge.formats import registry
     from distmerge.mapping import LoraOptions
@@ -175,8 +175,7 @@ def _run_merge(args: argparse.Namespace) -> int:
     registry.warm_up(args.input, args.format)
     if args.verify_against is not None and not args.verify_against.exists():  # before hours of merging
         raise InputError(f"--verify-against {args.verify_against} does not exist: pass the reference model")
-    comm = Comm(device=resolve_device(args.device), timeout_s=args.timeout)
-    try:
+    with process_group(device=resolve_device(args.device), timeout_s=args.timeout) as comm:
         result = merge(opts, comm, Progress(enabled=comm.rank == 0 and not args.quiet))
         if comm.rank == 0:
             if not args.quiet:
@@ -186,13 +185,6 @@ def _run_merge(args: argparse.Namespace) -> int:
         if args.verify_against is not None:
             return _verify_after_merge(args, comm)
         return 0
-    except DistmergeError:
-        raise
-    except Exception as err:  # a collective broke (a peer died, a timeout): this rank's own view
-        raise DistmergeError(f"rank {comm.rank}: {type(err).__name__}: {str(err).splitlines()[0][:300]}") from err
-    finally:
-        comm.close()
-        sys.stdout.flush()
 
 
 def _verify_after_merge(args: argparse.Namespace, comm) -> int:

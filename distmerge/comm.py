@@ -11,8 +11,10 @@ Call order (every rank makes every call, in the same order):
 from __future__ import annotations
 
 import os
+import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -125,3 +127,19 @@ class Comm:
             err.origin_rank = first.rank
             raise err
         return outcomes
+
+
+@contextmanager
+def process_group(*, device: str, timeout_s: float) -> Iterator[Comm]:
+    """A Comm for one command. An unexpected exception (a peer died, a collective timed out) becomes
+    this rank's one-line error; the group is destroyed and stdout flushed on success and on failure."""
+    comm = Comm(device=device, timeout_s=timeout_s)
+    try:
+        yield comm
+    except DistmergeError:
+        raise
+    except Exception as err:
+        raise DistmergeError(f"rank {comm.rank}: {type(err).__name__}: {str(err).splitlines()[0][:300]}") from err
+    finally:
+        comm.close()
+        sys.stdout.flush()

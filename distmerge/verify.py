@@ -29,8 +29,8 @@ import torch
 
 from distmerge import dtypes
 from distmerge import plan as planning
-from distmerge.comm import Comm
-from distmerge.errors import ConfigError, CorruptInputError, DistmergeError, InputError
+from distmerge.comm import Comm, process_group
+from distmerge.errors import ConfigError, CorruptInputError, InputError
 from distmerge.families.hf import TIED_HEADS, ties_embeddings
 from distmerge.formats.safetensors_header import read_header
 from distmerge.verify_report import Check, Criteria, Figures, LogitsCheck, judge, print_report, report_json, write_json
@@ -385,12 +385,5 @@ def run_verify(args: argparse.Namespace) -> int:
     crit = Criteria(atol=args.atol, rtol=args.rtol, min_cosine=args.min_cosine)
     opts = VerifyOptions(merged=args.merged, reference=args.reference, criteria=crit, logits=args.logits,
                          json=args.json, quiet=args.quiet)
-    comm = Comm(device=resolve_device(args.device), timeout_s=args.timeout)
-    try:
+    with process_group(device=resolve_device(args.device), timeout_s=args.timeout) as comm:
         return verify_and_report(opts, comm)
-    except DistmergeError:
-        raise
-    except Exception as err:  # a collective broke (a peer died, a timeout): this rank's own view
-        raise DistmergeError(f"rank {comm.rank}: {type(err).__name__}: {str(err).splitlines()[0][:300]}") from err
-    finally:
-        comm.close()

@@ -86,3 +86,14 @@ def assert_exact(merged: dict[str, torch.Tensor], expected: dict[str, torch.Tens
 
 def tree_bytes(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def assert_reference_logits(merged: Path, ckpt: Path) -> None:
+    """from_pretrained(merged) gives the logits the original model gave in the saving job."""
+    from transformers import AutoModelForCausalLM
+
+    ref = torch.load(reference_dir(ckpt) / "logits.pt", weights_only=True)
+    model = AutoModelForCausalLM.from_pretrained(merged).eval()
+    with torch.no_grad():
+        logits = model(ref["input_ids"]).logits.float()
+    torch.testing.assert_close(logits, ref["logits"], rtol=0, atol=1e-5)

@@ -12,10 +12,10 @@ import torch
 
 from tests.conftest import (
     assert_exact,
+    assert_reference_logits,
     expected_tensors,
     load_merged,
     merge_inproc,
-    reference_dir,
     torchrun,
     tree_bytes,
 )
@@ -52,13 +52,7 @@ def test_dcp_merged_equals_reference(case, dcp_ckpts, dcp_merged):
 
 @pytest.mark.parametrize("case", ["dcp_llama_wrapped_w4", "dcp_qwen2_tied_hsdp_2x2", "dcp_llama_hfwriter_w4"])
 def test_dcp_from_pretrained_gives_reference_logits(case, dcp_ckpts, dcp_merged):
-    from transformers import AutoModelForCausalLM
-
-    ref = torch.load(reference_dir(dcp_ckpts[case]) / "logits.pt", weights_only=True)
-    model = AutoModelForCausalLM.from_pretrained(dcp_merged[case]).eval()
-    with torch.no_grad():
-        logits = model(ref["input_ids"]).logits.float()
-    torch.testing.assert_close(logits, ref["logits"], rtol=0, atol=1e-5)
+    assert_reference_logits(dcp_merged[case], dcp_ckpts[case])
 
 
 def test_integer_and_bool_buffers_survive_a_cast(dcp_ckpts, tmp_path):

@@ -11,10 +11,10 @@ import torch
 
 from tests.conftest import (
     assert_exact,
+    assert_reference_logits,
     expected_tensors,
     load_merged,
     merge_inproc,
-    reference_dir,
     torchrun,
     tree_bytes,
 )
@@ -50,13 +50,7 @@ def test_merged_equals_reference(case, fsdp_ckpts, merged_n1):
 
 @pytest.mark.parametrize("case", ["fsdp2_llama_w4", "fsdp2_qwen2_tied_w4", "fsdp2_llama_bf16_w4"])
 def test_from_pretrained_gives_reference_logits(case, merged_n1, fsdp_ckpts):
-    from transformers import AutoModelForCausalLM
-
-    ref = torch.load(reference_dir(fsdp_ckpts[case]) / "logits.pt", weights_only=True)
-    model = AutoModelForCausalLM.from_pretrained(merged_n1[case]).eval()
-    with torch.no_grad():
-        logits = model(ref["input_ids"]).logits.float()
-    torch.testing.assert_close(logits, ref["logits"], rtol=0, atol=1e-5)
+    assert_reference_logits(merged_n1[case], fsdp_ckpts[case])
 
 
 def test_tied_head_not_written_and_config_kept(merged_n1, fsdp_ckpts):
