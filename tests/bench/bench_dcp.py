@@ -188,8 +188,9 @@ def main() -> int:
     print(f"- median of {args.repeats} (methods rotated each repeat), hot page cache; distmerge fsyncs its output, "
           "the peers do not, so `cp+sync` is the floor and the `+sync` rows are the like-for-like peers; launch rows "
           "are `-m distmerge.engine` under python (N=1) and torchrun (N=2); own timer = each tool's clock after "
-          "its imports (accelerate's CLI has none); `dcp_to_torch_save` = torch's DCP → .pt → load → safetensors "
-          "route; `torch consolidate N=2` = torch's consolidate_safetensors_files_on_every_rank on the HF-writer "
+          "its imports (accelerate: merge_fsdp_weights, what its merge-weights CLI runs); "
+          "`dcp_to_torch_save` = torch's DCP → .pt → load → safetensors route; `torch consolidate N=2` = "
+          "torch's consolidate_safetensors_files_on_every_rank on the HF-writer "
           "shards, which splits work by output file, so with one output file one rank does all of it; "
           f"{note}\n")
     print(show(rows, markdown=True))
