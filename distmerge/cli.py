@@ -58,8 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="cast floating tensors (default: keep the checkpoint's dtype)")
     merge.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"), metavar="SIZE",
                        help="largest output file (default 5GB; one file is named model.safetensors)")
-    merge.add_argument("--budget", type=parse_size, default=parse_size("256MiB"), metavar="SIZE",
-                       help="bytes each process assembles per round; bounds memory (default 256MiB)")
+    merge.add_argument("--budget", type=parse_size, default=parse_size("128MiB"), metavar="SIZE",
+                       help="bytes each process assembles per round (two rounds are in flight); bounds memory "
+                       "(default 128MiB)")
     merge.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                        help="where fragments are exchanged and assembled (auto: cuda if present)")
     merge.add_argument("--overwrite", action="store_true", help="replace model files in a non-empty output")

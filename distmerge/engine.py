@@ -48,7 +48,7 @@ class MergeOptions:
     hf_config: Path | None = None
     dtype: str = "keep"
     max_shard_bytes: int = 5 * 10**9
-    budget_bytes: int = 256 * 2**20
+    budget_bytes: int = 128 * 2**20
     overwrite: bool = False
     resume: bool = False
     checksum: bool = False
@@ -89,6 +89,7 @@ def merge(opts: MergeOptions, comm: Comm, progress: Progress) -> MergeResult:
     reader = Reader(scan, registry.FORMATS[scan.format])
     readers = planning.assign_readers(scan.files, comm.world)
     writers: dict[int, ShardWriter] = {}
+    pending = ahead = None
     try:
         inventories = comm.gather(lambda: reader.open([i for i, r in enumerate(readers) if r == comm.rank]))
         plan = comm.agree(lambda: _plan(opts, found, inventories, comm.world))
@@ -98,16 +99,24 @@ def merge(opts: MergeOptions, comm: Comm, progress: Progress) -> MergeResult:
         progress.start(plan.total_bytes, len(plan.files))
         progress.advance(sum(plan.files[i].nbytes for i in kept))
         exchanger = Exchanger(todo, comm, reader)
-        for units in todo.rounds:
-            pending = exchanger.start(units)
+        rounds = todo.rounds
+        pending = exchanger.start(rounds[0], 0) if rounds else None
+        for k, units in enumerate(rounds):
+            # Round k+1 travels (and its readers pack it) while round k is assembled and written.
+            ahead = exchanger.start(rounds[k + 1], (k + 1) % 2) if k + 1 < len(rounds) else None
             done = comm.gather(lambda u=units, p=pending: _build(todo, u, p, opts, fp, comm, reader, writers))
             progress.advance(sum(done))
+            pending = ahead
             time.sleep(ROUND_DELAY_S)
         del exchanger
         progress.stop()
         ranks = comm.gather(lambda: _stats(comm.rank, reader, todo))
         copied = comm.root_only(lambda: finalize(out, plan, found.config, Path(found.hf_dir)))
-    except BaseException:
+    except BaseException as err:
+        if hasattr(err, "origin_rank"):  # every rank agreed on the error, so in-flight exchanges complete
+            for work in (pending, ahead):
+                if work is not None:
+                    work.wait()
         for w in writers.values():
             w.abort()
         progress.stop()

@@ -1,10 +1,12 @@
 """Exchange: move fragment bytes from the rank that read them to the rank that owns their unit.
 
 One round = one all_to_all_single of packed uint8 buffers (gloo on CPU, NCCL on GPU), started
-asynchronously so owners copy their local fragments while the bytes travel. Sender and receiver
-derive the same fragment order from the plan, so no sizes or names travel with the bytes. Each
-fragment sits in an 8-byte aligned slot, so the receiver can view it as any dtype in place. The
-buffers are kept between rounds: their pages are faulted in once.
+asynchronously: the engine starts round k+1 before it assembles round k, so readers pack the next
+round while owners write this one, and owners copy their local fragments while the bytes travel.
+Sender and receiver derive the same fragment order from the plan, so no sizes or names travel with
+the bytes. Each fragment sits in an 8-byte aligned slot, so the receiver can view it as any dtype in
+place. Two sets of buffers alternate between rounds (one in flight, one being assembled) and are kept:
+their pages are faulted in once.
 """
 
 from __future__ import annotations
@@ -65,11 +67,12 @@ class Pending:
 class Exchanger:
     def __init__(self, plan: Plan, comm: Comm, reader: Reader) -> None:
         self.plan, self.comm, self.reader = plan, comm, reader
-        self._send = torch.empty(0, dtype=torch.uint8)
-        self._recv = torch.empty(0, dtype=torch.uint8, device=comm.device)
+        self._send = [torch.empty(0, dtype=torch.uint8)] * 2
+        self._recv = [torch.empty(0, dtype=torch.uint8, device=comm.device)] * 2
 
-    def start(self, units: tuple[int, ...]) -> Pending:
-        """Pack what this rank read for others and start sending. Collective: every rank calls it."""
+    def start(self, units: tuple[int, ...], slot_set: int = 0) -> Pending:
+        """Pack what this rank read for others and start sending, in buffer set `slot_set` (0 or 1: the
+        other set may still be in use by the previous round). Collective: every rank calls it."""
         crossing = lanes(self.plan, units)
         if not crossing:
             return Pending(None, None, [])
@@ -78,22 +81,22 @@ class Exchanger:
         incoming = [crossing.get((s, me), []) for s in range(world)]
         send_splits = [sum(slot(frag_bytes(f)) for f in frags) for frags in outgoing]
         recv_splits = [sum(slot(frag_bytes(f)) for f in frags) for frags in incoming]
-        send = self.comm.agree(lambda: self._pack(outgoing, sum(send_splits)))  # a failed read stops all here
-        recv = self._recv_buffer(sum(recv_splits))
+        send = self.comm.agree(lambda: self._pack(outgoing, sum(send_splits), slot_set))  # a failed read stops all
+        recv = self._recv_buffer(sum(recv_splits), slot_set)
         work = self.comm.all_to_all_async(recv, send.to(self.comm.device), send_splits, recv_splits)
         return Pending(work, recv, incoming)
 
-    def _pack(self, outgoing: list[list[Fragment]], total: int) -> torch.Tensor:
-        if self._send.numel() < total:
-            self._send = torch.empty(total, dtype=torch.uint8)
-        buf, at = self._send[:total], 0
+    def _pack(self, outgoing: list[list[Fragment]], total: int, slot_set: int) -> torch.Tensor:
+        if self._send[slot_set].numel() < total:
+            self._send[slot_set] = torch.empty(total, dtype=torch.uint8)
+        buf, at = self._send[slot_set][:total], 0
         for frags in outgoing:
             for f in frags:
                 self.reader.read_into(f, buf[at : at + frag_bytes(f)])
                 at += slot(frag_bytes(f))
         return buf
 
-    def _recv_buffer(self, total: int) -> torch.Tensor:
-        if self._recv.numel() < total:
-            self._recv = torch.empty(total, dtype=torch.uint8, device=self.comm.device)
-        return self._recv[:total]
+    def _recv_buffer(self, total: int, slot_set: int) -> torch.Tensor:
+        if self._recv[slot_set].numel() < total:
+            self._recv[slot_set] = torch.empty(total, dtype=torch.uint8, device=self.comm.device)
+        return self._recv[slot_set][:total]
