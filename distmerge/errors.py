@@ -23,7 +23,3 @@ class OutputError(DistmergeError):
 
 class ConfigError(DistmergeError):
     """The Hugging Face config is missing or invalid."""
-
-
-class RankFailure(DistmergeError):
-    """Another rank failed; its message is carried here so every rank reports the same error."""
