@@ -169,6 +169,17 @@ def test_reference_as_pytorch_model_bin(llama, tmp_path, capsys):
     assert verdict(capsys) == "verify: PASS 21 tensors bit-exact"
 
 
+def test_reference_as_a_sharded_folder_with_an_index(llama, tmp_path, capsys):
+    """A Hugging Face save split over several files: the reference's index says where each tensor is."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(llama["merged"])
+    model.save_pretrained(tmp_path / "hf", max_shard_size="200KB")
+    assert len(list((tmp_path / "hf").glob("model-*.safetensors"))) > 1
+    assert verify("--merged", llama["merged"], "--reference", tmp_path / "hf", "--quiet") == 0
+    assert verdict(capsys) == "verify: PASS 21 tensors bit-exact"
+
+
 def test_logits(llama, tmp_path, capsys):
     assert verify("--merged", llama["merged"], "--reference", llama["reference"], "--logits",
                   "--json", tmp_path / "r.json") == 0
