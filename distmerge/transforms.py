@@ -27,7 +27,50 @@ def lora_fuse(sources: list[torch.Tensor], scale: float) -> list[torch.Tensor]:
     return [fused.to(base.dtype)]
 
 
-TRANSFORMS: dict[str, Transform] = {"identity": identity, "lora_fuse": lora_fuse}
+def split_qkv(sources: list[torch.Tensor], heads: int, groups: int, head_dim: int) -> list[torch.Tensor]:
+    """Megatron's fused linear_qkv (TP shards already concatenated on dim 0) -> q, k, v.
+
+        rows, group by group:  [ q heads of group 0 | k_0 | v_0 | q heads of group 1 | k_1 | v_1 | ... ]
+                                 (heads/groups)*head_dim  head_dim  head_dim
+    A TP shard holds whole groups, so concatenating shards keeps this order. Weights and biases alike.
+    """
+    (fused,) = sources
+    per = heads // groups
+    rest = tuple(fused.shape[1:])
+    blocks = fused.reshape(groups, (per + 2) * head_dim, *rest)
+    q = blocks[:, : per * head_dim].reshape(heads * head_dim, *rest)
+    k = blocks[:, per * head_dim : (per + 1) * head_dim].reshape(groups * head_dim, *rest)
+    v = blocks[:, (per + 1) * head_dim :].reshape(groups * head_dim, *rest)
+    return [q.contiguous(), k.contiguous(), v.contiguous()]
+
+
+def split_gate_up(sources: list[torch.Tensor], shards: int) -> list[torch.Tensor]:
+    """SwiGLU linear_fc1 -> gate, up.
+
+        legacy files (shards = TP):  [ gate_0; up_0 | gate_1; up_1 | ... ]   each TP shard is [gate_i; up_i]
+        torch_dist   (shards = 1):   [ gate; up ]                           already global halves
+    """
+    (fused,) = sources
+    rest = tuple(fused.shape[1:])
+    halves = fused.reshape(shards, 2, fused.shape[0] // (2 * shards), *rest)
+    gate = halves[:, 0].reshape(-1, *rest)
+    up = halves[:, 1].reshape(-1, *rest)
+    return [gate.contiguous(), up.contiguous()]
+
+
+def trim_rows(sources: list[torch.Tensor], rows: int) -> list[torch.Tensor]:
+    """Padded vocabulary (Megatron rounds it up to a multiple of 128 x TP) -> the config's vocab_size rows."""
+    (padded,) = sources
+    return [padded[:rows].contiguous()]
+
+
+TRANSFORMS: dict[str, Transform] = {
+    "identity": identity,
+    "lora_fuse": lora_fuse,
+    "split_qkv": split_qkv,
+    "split_gate_up": split_gate_up,
+    "trim_rows": trim_rows,
+}
 
 
 def apply(name: str, sources: list[torch.Tensor], params: tuple[tuple[str, object], ...]) -> list[torch.Tensor]:
