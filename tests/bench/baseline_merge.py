@@ -87,12 +87,17 @@ def main() -> int:
     start = time.perf_counter()  # the merge's own time after imports, measured like distmerge's
     merged = load_and_merge(rank_files(args.input))
     save(merged, args.output, args.max_shard_size)
+    finish(args, start)
+    return 0
+
+
+def finish(args: argparse.Namespace, start: float) -> None:
+    """Copy the config beside the weights and report the own timer (shared with the other peers)."""
     hf_config = args.input / "huggingface" / "config.json"
     if hf_config.exists():
         shutil.copy(hf_config, args.output / "config.json")
     if args.json_summary:
         args.json_summary.write_text(json.dumps({"seconds": time.perf_counter() - start}))
-    return 0
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from common import (
     TORCHRUN,
     Bench,
     Failed,
+    bench_args,
     ensure_checkpoint,
     gb,
     machine_line,
@@ -141,14 +142,7 @@ def check(bench: DcpBench) -> bool:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", type=parse_size, default=parse_size("0.8GB"), help="model bytes, fp32 (0.8GB)")
-    parser.add_argument("--world", type=int, default=8, help="training world size W of the checkpoints (8)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per method; the median is reported (3)")
-    parser.add_argument("--work", type=Path, default=Path("/tmp/distmerge-bench-dcp"), help="checkpoints + outputs")
-    parser.add_argument("--keep", action="store_true", help="keep the merged outputs (checkpoints are always kept)")
-    parser.add_argument("--max-shard-size", default="5GB", help="passed to distmerge and the peers that split (5GB)")
-    args = parser.parse_args()
+    args = bench_args(__doc__, "/tmp/distmerge-bench-dcp", "checkpoints")
     work = args.work.resolve()
     (work / "logs").mkdir(parents=True, exist_ok=True)
     # Two checkpoints, seven outputs and dcp_to_torch_save's intermediate .pt.

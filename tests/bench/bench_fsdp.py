@@ -18,7 +18,20 @@ import sys
 from pathlib import Path
 
 from baseline_merge import rank_files
-from common import HERE, PY, Bench, Failed, ensure_checkpoint, gb, machine_line, parse_size, print_checks, show, warm
+from common import (
+    HERE,
+    PY,
+    Bench,
+    Failed,
+    bench_args,
+    ensure_checkpoint,
+    gb,
+    machine_line,
+    parse_size,
+    print_checks,
+    show,
+    warm,
+)
 from compare_outputs import byte_differences, tensor_differences
 from make_ckpt import llama_shape
 
@@ -75,14 +88,7 @@ def check(bench: FsdpBench) -> bool:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", type=parse_size, default=parse_size("0.8GB"), help="model bytes, fp32 (0.8GB)")
-    parser.add_argument("--world", type=int, default=8, help="training world size W of the checkpoint (8)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per method; the median is reported (3)")
-    parser.add_argument("--work", type=Path, default=Path("/tmp/distmerge-bench"), help="checkpoint + outputs")
-    parser.add_argument("--keep", action="store_true", help="keep the merged outputs (the checkpoint is always kept)")
-    parser.add_argument("--max-shard-size", default="5GB", help="passed to distmerge and the baseline (5GB)")
-    args = parser.parse_args()
+    args = bench_args(__doc__, "/tmp/distmerge-bench", "checkpoint")
     work = args.work.resolve()
     (work / "logs").mkdir(parents=True, exist_ok=True)
     if shutil.disk_usage(work).free < 6 * args.size:

@@ -44,6 +44,18 @@ def parse_size(text: str) -> int:
     return int(float(m[1]) * UNITS[(m[2] or "").upper()])
 
 
+def bench_args(doc: str, work: str, what: str) -> argparse.Namespace:
+    """The options both benchmarks take; `work` is the default folder, `what` names the checkpoint(s)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--size", type=parse_size, default=parse_size("0.8GB"), help="model bytes, fp32 (0.8GB)")
+    parser.add_argument("--world", type=int, default=8, help=f"training world size W of the {what} (8)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per method; the median is reported (3)")
+    parser.add_argument("--work", type=Path, default=Path(work), help=f"{what} + outputs")
+    parser.add_argument("--keep", action="store_true", help=f"keep the merged outputs (the {what} always kept)")
+    parser.add_argument("--max-shard-size", default="5GB", help="passed to distmerge and the tools that split (5GB)")
+    return parser.parse_args()
+
+
 def gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB"
 

@@ -12,12 +12,10 @@ of its result.
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 import time
 from pathlib import Path
 
-from baseline_merge import save
+from baseline_merge import finish, save
 
 
 def main() -> int:
@@ -38,11 +36,7 @@ def main() -> int:
     save(state, args.output, args.max_shard_size)
     del state
     tmp.unlink()
-    hf_config = args.input / "huggingface" / "config.json"
-    if hf_config.exists():
-        shutil.copy(hf_config, args.output / "config.json")
-    if args.json_summary:
-        args.json_summary.write_text(json.dumps({"seconds": time.perf_counter() - start}))
+    finish(args, start)
     return 0
 
 
