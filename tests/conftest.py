@@ -97,3 +97,10 @@ def assert_reference_logits(merged: Path, ckpt: Path) -> None:
     with torch.no_grad():
         logits = model(ref["input_ids"]).logits.float()
     torch.testing.assert_close(logits, ref["logits"], rtol=0, atol=1e-5)
+
+
+def merge_each(ckpts: dict[str, Path], cases: list[str], root: Path) -> dict[str, Path]:
+    """Every case merged once by one process, into root/case (module fixtures reuse these)."""
+    for case in cases:
+        assert merge_inproc("--input", ckpts[case], "--output", root / case) == 0, case
+    return {case: root / case for case in cases}

@@ -15,6 +15,7 @@ from tests.conftest import (
     assert_reference_logits,
     expected_tensors,
     load_merged,
+    merge_each,
     merge_inproc,
     torchrun,
     tree_bytes,
@@ -39,10 +40,7 @@ def dcp_ckpts(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def dcp_merged(dcp_ckpts, tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("dcp_merged")
-    for case in CASES:
-        assert merge_inproc("--input", dcp_ckpts[case], "--output", root / case) == 0, case
-    return {case: root / case for case in CASES}
+    return merge_each(dcp_ckpts, CASES, tmp_path_factory.mktemp("dcp_merged"))
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -14,6 +14,7 @@ from tests.conftest import (
     assert_reference_logits,
     expected_tensors,
     load_merged,
+    merge_each,
     merge_inproc,
     torchrun,
     tree_bytes,
@@ -35,12 +36,7 @@ CASES = [
 @pytest.fixture(scope="module")
 def merged_n1(fsdp_ckpts, tmp_path_factory) -> dict:
     """Every case merged once by one process; later tests compare against these."""
-    out = {}
-    root = tmp_path_factory.mktemp("merged_n1")
-    for case in CASES:
-        assert merge_inproc("--input", fsdp_ckpts[case], "--output", root / case) == 0
-        out[case] = root / case
-    return out
+    return merge_each(fsdp_ckpts, CASES, tmp_path_factory.mktemp("merged_n1"))
 
 
 @pytest.mark.parametrize("case", CASES)
