@@ -63,7 +63,7 @@ class Progress:
             print(f"merging {human_bytes(total)} into {files} file(s)", flush=True)
 
     def advance(self, nbytes: int) -> None:
-        if not self.enabled:
+        if not self.enabled or not nbytes:
             return
         self.done += nbytes
         if self._bar is not None:
@@ -104,6 +104,7 @@ def print_summary(result: MergeResult) -> None:
         f"in {result.seconds:.2f} s ({human_bytes(rate)}/s), {result.processes} process(es) on {result.device} "
         f"-> {result.output}",
         markup=False,
+        soft_wrap=True,  # one line whatever the terminal width: scripts grep it
     )
 
 

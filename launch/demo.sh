@@ -4,8 +4,8 @@
 #   2. train-side: a real FSDP2 checkpoint of a tiny Qwen2 (tied embeddings, vocab 1001) saved by
 #      4 gloo ranks exactly as verl saves it
 #   3. merge it under torchrun with 2 processes
-#   4. verify: every tensor equals the full state dict gathered in the saving job, and the merged
-#      model loads with from_pretrained and gives the original model's logits
+#   4. verify: `distmerge verify` finds every tensor equal to the full state dict gathered in the saving
+#      job, and the merged model loads with from_pretrained and gives the original model's logits
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash launch/setup.sh
@@ -23,6 +23,9 @@ echo "== 2/3 merging with torchrun --nproc-per-node 2"
 "$PY" -m torch.distributed.run --nproc-per-node 2 --nnodes 1 --master-addr 127.0.0.1 --master-port "$(port)" \
   -m distmerge merge --input "$DEMO_DIR/fsdp2_qwen2_tied_w4" --output "$DEMO_DIR/merged" 2>&1 | grep -v '^W[0-9]'
 
-echo "== 3/3 verifying"
+echo "== 3/3 verifying: distmerge verify against the state dict gathered in the saving job, then the logits"
+"$PY" -m torch.distributed.run --nproc-per-node 2 --nnodes 1 --master-addr 127.0.0.1 --master-port "$(port)" \
+  -m distmerge verify --merged "$DEMO_DIR/merged" \
+  --reference "$DEMO_DIR/fsdp2_qwen2_tied_w4_reference/model.safetensors" 2>&1 | grep -v '^W[0-9]'
 "$PY" launch/demo_check.py "$DEMO_DIR/merged" "$DEMO_DIR/fsdp2_qwen2_tied_w4_reference"
 echo "merged model: $DEMO_DIR/merged"
