@@ -89,7 +89,6 @@ def merge(opts: MergeOptions, comm: Comm, progress: Progress) -> MergeResult:
     reader = Reader(scan, registry.FORMATS[scan.format])
     readers = planning.assign_readers(scan.files, comm.world)
     writers: dict[int, ShardWriter] = {}
-    pending = ahead = None
     try:
         inventories = comm.gather(lambda: reader.open([i for i, r in enumerate(readers) if r == comm.rank]))
         plan = comm.agree(lambda: _plan(opts, found, inventories, comm.world))
@@ -98,25 +97,11 @@ def merge(opts: MergeOptions, comm: Comm, progress: Progress) -> MergeResult:
         todo = planning.without_files(plan, kept)
         progress.start(plan.total_bytes, len(plan.files))
         progress.advance(sum(plan.files[i].nbytes for i in kept))
-        exchanger = Exchanger(todo, comm, reader)
-        rounds = todo.rounds
-        pending = exchanger.start(rounds[0], 0) if rounds else None
-        for k, units in enumerate(rounds):
-            # Round k+1 travels (and its readers pack it) while round k is assembled and written.
-            ahead = exchanger.start(rounds[k + 1], (k + 1) % 2) if k + 1 < len(rounds) else None
-            done = comm.gather(lambda u=units, p=pending: _build(todo, u, p, opts, fp, comm, reader, writers))
-            progress.advance(sum(done))
-            pending = ahead
-            time.sleep(ROUND_DELAY_S)
-        del exchanger
+        _rounds(todo, opts, fp, comm, reader, writers, progress)
         progress.stop()
         ranks = comm.gather(lambda: _stats(comm.rank, reader, todo))
         copied = comm.root_only(lambda: finalize(out, plan, found.config, Path(found.hf_dir)))
-    except BaseException as err:
-        if hasattr(err, "origin_rank"):  # every rank agreed on the error, so in-flight exchanges complete
-            for work in (pending, ahead):
-                if work is not None:
-                    work.wait()
+    except BaseException:
         for w in writers.values():
             w.abort()
         progress.stop()
@@ -138,6 +123,27 @@ def merge(opts: MergeOptions, comm: Comm, progress: Progress) -> MergeResult:
         copied=copied,
         resumed_files=len(kept),
     )
+
+
+def _rounds(todo: Plan, opts: MergeOptions, fp: str, comm: Comm, reader: Reader, writers, progress) -> None:
+    """Exchange one round ahead: round k+1 travels (its readers pack it) while round k is written."""
+    exchanger = Exchanger(todo, comm, reader)
+    rounds = todo.rounds
+    pending = exchanger.start(rounds[0], 0) if rounds else None
+    ahead = None
+    try:
+        for k, units in enumerate(rounds):
+            ahead = exchanger.start(rounds[k + 1], (k + 1) % 2) if k + 1 < len(rounds) else None
+            done = comm.gather(lambda u=units, p=pending: _build(todo, u, p, opts, fp, comm, reader, writers))
+            progress.advance(sum(done))
+            pending, ahead = ahead, None
+            time.sleep(ROUND_DELAY_S)
+    except BaseException as err:
+        if hasattr(err, "origin_rank"):  # every rank agreed on the error, so in-flight exchanges complete
+            for work in (pending, ahead):
+                if work is not None:
+                    work.wait()
+        raise
 
 
 def _discover(opts: MergeOptions) -> disc.Discovery:
