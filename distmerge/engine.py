@@ -142,7 +142,7 @@ def _rounds(todo: Plan, opts: MergeOptions, fp: str, comm: Comm, reader: Reader,
         if hasattr(err, "origin_rank"):  # every rank agreed on the error, so in-flight exchanges complete
             for work in (pending, ahead):
                 if work is not None:
-                    work.wait()
+                    work.drain()
         raise
 
 

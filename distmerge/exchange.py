@@ -51,11 +51,18 @@ class Pending:
     work: object
     recv: torch.Tensor | None
     incoming: list[list[Fragment]]
+    failed: BaseException | None = None  # this rank's packing error, raised once the collective is done
 
-    def wait(self) -> dict[Fragment, torch.Tensor]:
+    def drain(self) -> None:
+        """Let the collective finish (every rank started it), whatever this rank's packing did."""
         if self.work is not None:
             self.work.wait()
             self.work = None
+
+    def wait(self) -> dict[Fragment, torch.Tensor]:
+        self.drain()
+        if self.failed is not None:
+            raise self.failed
         received, at = {}, 0
         for frags in self.incoming:
             for f in frags:
@@ -81,10 +88,18 @@ class Exchanger:
         incoming = [crossing.get((s, me), []) for s in range(world)]
         send_splits = [sum(slot(frag_bytes(f)) for f in frags) for frags in outgoing]
         recv_splits = [sum(slot(frag_bytes(f)) for f in frags) for frags in incoming]
-        send = self.comm.agree(lambda: self._pack(outgoing, sum(send_splits), slot_set))  # a failed read stops all
+        # No collective before sending: a rank whose read fails still sends (garbage of the planned size)
+        # and raises at wait(), inside the round's gather, where every rank learns of it. So owners start
+        # writing round k while readers are still packing round k+1.
+        failed = None
+        try:
+            send = self._pack(outgoing, sum(send_splits), slot_set)
+        except Exception as err:
+            failed = err
+            send = torch.zeros(sum(send_splits), dtype=torch.uint8)
         recv = self._recv_buffer(sum(recv_splits), slot_set)
         work = self.comm.all_to_all_async(recv, send.to(self.comm.device), send_splits, recv_splits)
-        return Pending(work, recv, incoming)
+        return Pending(work, recv, incoming, failed)
 
     def _pack(self, outgoing: list[list[Fragment]], total: int, slot_set: int) -> torch.Tensor:
         if self._send[slot_set].numel() < total:

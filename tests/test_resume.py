@@ -143,3 +143,29 @@ def test_write_error_names_the_file_and_leaves_nothing(fsdp_ckpts, tmp_path):
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and "cannot write" in lines[0] and "model.safetensors" in lines[0], run.stderr
     assert sorted(p.name for p in out.iterdir()) == []  # no partial file, no index
+
+
+@pytest.mark.torchrun
+def test_input_truncated_during_the_merge_stops_every_rank(fsdp_ckpts, tmp_path):
+    """A rank file cut short after discovery (a copy still running, a quota hit): the rank reading it fails
+    while packing or copying, every rank exits with that one error, and no index is written."""
+    import shutil
+
+    ckpt = Path(shutil.copytree(fsdp_ckpts["fsdp2_llama_w4"], tmp_path / "ckpt"))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--nnodes", "1",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "distmerge", "merge", "--quiet",
+           "--input", str(ckpt), "--output", str(out), *SPLIT, "--budget", "16KB"]
+    env = {**os.environ, "DISTMERGE_TEST_ROUND_DELAY": "0.3", "OMP_NUM_THREADS": "1"}
+    job = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not model_files(out) and time.monotonic() < deadline and job.poll() is None:
+        time.sleep(0.05)
+    for r in range(4):  # whichever rank reads them, every later read comes up short
+        victim = ckpt / f"model_world_size_4_rank_{r}.pt"
+        os.truncate(victim, victim.stat().st_size // 2)
+    _, stderr = job.communicate(timeout=120)
+    assert job.returncode != 0
+    errors = [line for line in stderr.splitlines() if line.startswith("distmerge: error:")]
+    assert len(errors) == 1 and "truncated" in errors[0], stderr[-2000:]
+    assert not (out / "model.safetensors.index.json").exists()
