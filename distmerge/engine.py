@@ -4,7 +4,8 @@
     discover   rank 0 checks, lists, reads config broadcast            (comm.root_only)
                each rank opens its input files    all_gather of inventories (comm.gather)
     plan       every rank, identically, no I/O    all_gather of status (comm.agree)
-    per round: exchange  readers pack fragments   status, then all_to_all_single
+    per round: exchange  readers pack round k+1   all_to_all_single, asynchronous (errors travel with
+                                                  the round's gather)
                assemble + write  owners            all_gather of bytes written (progress)
     finalize   rank 0: config, tokenizer, index   broadcast (comm.root_only)
 """
