@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--output", "-o", type=Path, required=True, help="folder for the merged model")
     merge.add_argument("--format", default="auto", help="input layout: auto (default), fsdp, dcp or dcp-hf")
     merge.add_argument("--hf-config", type=Path, metavar="DIR",
-                       help="folder with config.json (default: huggingface/ inside the input)")
+                       help="folder with config.json (default: huggingface/ inside the input, or beside it)")
     merge.add_argument("--dtype", choices=["keep", "bf16", "fp16", "fp32"], default="keep",
                        help="cast floating tensors (default: keep the checkpoint's dtype)")
     merge.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"), metavar="SIZE",
