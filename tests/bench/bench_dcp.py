@@ -29,6 +29,7 @@ from common import (
     Bench,
     Failed,
     bench_args,
+    close_report,
     ensure_checkpoint,
     gb,
     machine_line,
@@ -187,14 +188,7 @@ def main() -> int:
           "torch's consolidate_safetensors_files_on_every_rank on the HF-writer "
           "shards, which splits work by output file, so with one output file one rank does all of it; "
           f"{note}\n")
-    print(show(rows, markdown=True))
-    print("----- end -----")
-    print(f"\ncorrectness: {'OK' if ok else 'FAILED'}")
-    if not args.keep:
-        shutil.rmtree(bench.out, ignore_errors=True)
-    kept = f"kept in {bench.out}" if args.keep else "deleted (--keep keeps them)"
-    print(f"checkpoints kept for reuse in {dcp} and {hf}; merged outputs {kept}")
-    return 0 if ok else 1
+    return close_report(rows, ok, args.keep, bench.out, f"checkpoints kept for reuse in {dcp} and {hf}")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from common import (
     Bench,
     Failed,
     bench_args,
+    close_report,
     ensure_checkpoint,
     gb,
     machine_line,
@@ -126,14 +127,7 @@ def main() -> int:
           "`-m distmerge.engine` under python (N=1) and torchrun (N=2): start the processes, import what a merge "
           "imports (torch, DTensor, rich), exit; own timer = each tool's clock after its imports (distmerge's "
           "JSON `seconds`, the baseline's likewise); own ratio = baseline own / this own\n")
-    print(show(rows, markdown=True))
-    print("----- end -----")
-    print(f"\ncorrectness: {'OK' if ok else 'FAILED'}")
-    if not args.keep:
-        shutil.rmtree(bench.out, ignore_errors=True)
-    kept = f"kept in {bench.out}" if args.keep else "deleted (--keep keeps them)"
-    print(f"checkpoint kept for reuse in {ckpt} ({gb(ckpt_bytes)}); merged outputs {kept}")
-    return 0 if ok else 1
+    return close_report(rows, ok, args.keep, bench.out, f"checkpoint kept for reuse in {ckpt} ({gb(ckpt_bytes)})")
 
 
 if __name__ == "__main__":

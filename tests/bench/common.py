@@ -250,3 +250,15 @@ def print_checks(checks: list[tuple[str, list[str]]]) -> bool:
             print(f"    {p}")
         ok = ok and not problems
     return ok
+
+
+def close_report(rows: list[list[str]], ok: bool, keep: bool, out: Path, kept_inputs: str) -> int:
+    """The end both benchmarks print: the Markdown table, the verdict, what was kept; the exit status."""
+    print(show(rows, markdown=True))
+    print("----- end -----")
+    print(f"\ncorrectness: {'OK' if ok else 'FAILED'}")
+    if not keep:
+        shutil.rmtree(out, ignore_errors=True)
+    kept = f"kept in {out}" if keep else "deleted (--keep keeps them)"
+    print(f"{kept_inputs}; merged outputs {kept}")
+    return 0 if ok else 1
