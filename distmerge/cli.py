@@ -37,6 +37,15 @@ def parse_size(text: str) -> int:
     return int(value)
 
 
+FORMAT_HELP = "input layout: auto (default), fsdp, megatron (mp_rank_*), megatron-dist (torch_dist), dcp, dcp-hf"
+
+
+def _iteration(text: str) -> str:
+    if text != "release" and not text.isdigit():
+        raise argparse.ArgumentTypeError(f"not an iteration: {text!r} (a number such as 1000, or release)")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="distmerge",
@@ -51,9 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     merge.add_argument("--input", "-i", type=Path, required=True, help="checkpoint folder (e.g. .../actor)")
     merge.add_argument("--output", "-o", type=Path, required=True, help="folder for the merged model")
-    merge.add_argument("--format", default="auto", help="input layout: auto (default), fsdp, dcp or dcp-hf")
+    merge.add_argument("--format", default="auto", help=FORMAT_HELP)
     merge.add_argument("--hf-config", type=Path, metavar="DIR",
                        help="folder with config.json (default: huggingface/ inside the input, or beside it)")
+    merge.add_argument("--iteration", type=_iteration, metavar="N",
+                       help="Megatron: the save to merge, a number or 'release' (default: the one named in "
+                       "latest_checkpointed_iteration.txt)")
     merge.add_argument("--dtype", choices=["keep", "bf16", "fp16", "fp32"], default="keep",
                        help="cast floating tensors (default: keep the checkpoint's dtype)")
     merge.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"), metavar="SIZE",
@@ -85,8 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     inspect = sub.add_parser("inspect", help="describe a checkpoint and the files a merge would write")
     inspect.add_argument("input", type=Path, help="checkpoint folder")
-    inspect.add_argument("--format", default="auto", help="input layout: auto (default), fsdp, dcp or dcp-hf")
+    inspect.add_argument("--format", default="auto", help=FORMAT_HELP)
     inspect.add_argument("--hf-config", type=Path, metavar="DIR", help="folder with config.json")
+    inspect.add_argument("--iteration", type=_iteration, metavar="N", help="Megatron: the save to describe")
     inspect.add_argument("--dtype", choices=["keep", "bf16", "fp16", "fp32"], default="keep")
     inspect.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"), metavar="SIZE")
     inspect.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -169,6 +182,7 @@ def _run_merge(args: argparse.Namespace) -> int:
 
     opts = MergeOptions(
         input=args.input, output=args.output, format=args.format, hf_config=args.hf_config, dtype=args.dtype,
+        iteration=args.iteration,
         max_shard_bytes=args.max_shard_size, budget_bytes=args.budget, overwrite=args.overwrite,
         resume=args.resume, checksum=args.checksum,
         lora=LoraOptions(mode=args.lora, alpha=args.lora_alpha, base_model=args.base_model),

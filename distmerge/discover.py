@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from distmerge.errors import ConfigError, InputError, OutputError
-from distmerge.formats import registry
+from distmerge.formats import megatron_layout, registry
 from distmerge.formats.base import Scan
 from distmerge.plan import INDEX_NAME
 from distmerge.resume import RECORDS
@@ -31,8 +31,11 @@ class Discovery:
     hf_dir: str
 
 
-def discover(root: Path, fmt_name: str, hf_config: Path | None) -> Discovery:
-    """Format, files and config of a checked input folder (see check_input)."""
+def discover(root: Path, fmt_name: str, hf_config: Path | None, iteration: str | None = None) -> Discovery:
+    """Format, files and config of a checked input folder (see check_input). `iteration` picks one save
+    of a Megatron checkpoint folder instead of the latest."""
+    if iteration is not None:
+        root = megatron_layout.iteration_dir(root, iteration)
     scan = registry.pick(root, fmt_name).scan(root)
     hf_dir = Path(hf_config) if hf_config else (Path(scan.hf_dir) if scan.hf_dir else None)
     if hf_dir is None:

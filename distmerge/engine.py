@@ -47,6 +47,7 @@ class MergeOptions:
     output: Path
     format: str = "auto"
     hf_config: Path | None = None
+    iteration: str | None = None  # Megatron: which save (default: latest_checkpointed_iteration.txt's)
     dtype: str = "keep"
     max_shard_bytes: int = 5 * 10**9
     budget_bytes: int = 128 * 2**20
@@ -150,14 +151,15 @@ def _rounds(todo: Plan, opts: MergeOptions, fp: str, comm: Comm, reader: Reader,
 def _discover(opts: MergeOptions) -> disc.Discovery:
     root = disc.check_input(opts.input)
     out = disc.check_output(opts.output, opts.input, opts.overwrite or opts.resume)
-    found = disc.discover(root, opts.format, opts.hf_config)
+    found = disc.discover(root, opts.format, opts.hf_config, opts.iteration)
     disc.prepare_output(out, keep_finished=opts.resume)
     return found
 
 
 def _output_options(opts: MergeOptions) -> dict:
     """What shapes the output besides the input files (resume only keeps files made the same way)."""
-    return {"dtype": opts.dtype, "max_shard_bytes": opts.max_shard_bytes, "format": opts.format}
+    return {"dtype": opts.dtype, "max_shard_bytes": opts.max_shard_bytes, "format": opts.format,
+            "iteration": opts.iteration}
 
 
 def _plan(opts: MergeOptions, found: disc.Discovery, inventories: list[list[Fragment]], world: int) -> Plan:

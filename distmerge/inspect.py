@@ -23,7 +23,7 @@ from distmerge.report import human_bytes
 
 def describe(args: argparse.Namespace) -> dict:
     root = disc.check_input(args.input)
-    found = disc.discover(root, args.format, args.hf_config)
+    found = disc.discover(root, args.format, args.hf_config, args.iteration)
     scan = found.scan
     reader = Reader(scan, registry.FORMATS[scan.format])
     try:

@@ -9,9 +9,13 @@ from distmerge.formats.base import InputFormat
 from distmerge.formats.dcp import DcpFormat
 from distmerge.formats.dcp_hf import DcpHfFormat
 from distmerge.formats.fsdp import FsdpFormat
+from distmerge.formats.megatron_dist import MegatronDistFormat
+from distmerge.formats.megatron_legacy import MegatronLegacyFormat
 
-# Detection order: the first format whose detect() says yes.
-FORMATS: dict[str, InputFormat] = {f.name: f for f in (FsdpFormat(), DcpFormat(), DcpHfFormat())}
+# Detection order: the first format whose detect() says yes (Megatron's torch_dist is a DCP folder too).
+FORMATS: dict[str, InputFormat] = {
+    f.name: f for f in (FsdpFormat(), MegatronLegacyFormat(), MegatronDistFormat(), DcpFormat(), DcpHfFormat())
+}
 
 
 def warm_up(root: Path, requested: str = "auto") -> None:

@@ -25,100 +25,29 @@ from typing import Any
 import torch
 
 from distmerge.errors import CorruptInputError
-
-
-class _Record:
-    """Stand-in for DCP's metadata dataclasses: keeps state, runs nothing."""
-
-    def __init__(self, *args: Any) -> None:
-        self._args = args
-
-    def __setstate__(self, state: Any) -> None:
-        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
-            state = {**(state[0] or {}), **state[1]}
-        if isinstance(state, dict):
-            self.__dict__.update(state)
-        else:
-            self._state = state
-
-
-def _as_text(*args: Any) -> str:
-    return "/".join(map(str, args))
-
+from distmerge.formats.torch_private.restricted import TENSOR_GLOBALS, Record, TensorRef, as_text, loads
 
 _METADATA_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch", "Size"): torch.Size,
-    ("torch.serialization", "_get_layout"): _as_text,
-    ("pathlib", "PosixPath"): _as_text,
-    ("pathlib", "WindowsPath"): _as_text,
-    ("pathlib", "Path"): _as_text,
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _Record,
+    ("torch.serialization", "_get_layout"): as_text,
+    ("pathlib", "PosixPath"): as_text,
+    ("pathlib", "WindowsPath"): as_text,
+    ("pathlib", "Path"): as_text,
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): Record,
     **{
-        ("torch.distributed.checkpoint.metadata", name): _Record
+        ("torch.distributed.checkpoint.metadata", name): Record
         for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
                      "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+    },
+    # Megatron-core's torch_dist saves keep every rank's save plan in the metadata (all_local_plans).
+    **{
+        ("torch.distributed.checkpoint.planner", name): Record
+        for name in ("SavePlan", "WriteItem", "TensorWriteData", "WriteItemType")
     },
 }
 
 
-# torch.save names a storage by its legacy typed class (GLOBAL 'torch FloatStorage').
-_STORAGE_DTYPES = {
-    "DoubleStorage": torch.float64, "FloatStorage": torch.float32, "HalfStorage": torch.float16,
-    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
-    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8, "BoolStorage": torch.bool,
-}
-
-
-@dataclass(frozen=True)
-class _StorageType:
-    dtype: torch.dtype
-
-
-@dataclass(frozen=True)
-class _StorageRef:
-    key: str
-    dtype: torch.dtype
-
-
-@dataclass(frozen=True)
-class _TensorRef:
-    storage: _StorageRef
-    storage_offset: int
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-
-
-def _rebuild_tensor(storage, storage_offset, size, stride, *_ignored) -> _TensorRef:
-    return _TensorRef(storage, storage_offset, tuple(size), tuple(stride))
-
-
-_BLOB_GLOBALS: dict[tuple[str, str], Any] = {
-    ("torch", "Size"): torch.Size,
-    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
-    ("collections", "OrderedDict"): dict,
-}
-
-
-class _Restricted(pickle.Unpickler):
-    def __init__(self, data: bytes, allowed: dict[tuple[str, str], Any]) -> None:
-        super().__init__(io.BytesIO(data))
-        self.allowed = allowed
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in self.allowed:
-            return self.allowed[(module, name)]
-        value = getattr(torch, name, None) if module == "torch" else None
-        if isinstance(value, torch.dtype):
-            return value
-        if name in _STORAGE_DTYPES:
-            return _StorageType(_STORAGE_DTYPES[name])  # a legacy typed-storage class: only its dtype matters
-        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed")
-
-    def persistent_load(self, pid: Any) -> _StorageRef:
-        if not (isinstance(pid, tuple) and len(pid) >= 3 and pid[0] == "storage"):
-            raise pickle.UnpicklingError("unexpected persistent id")
-        dtype = pid[1] if isinstance(pid[1], torch.dtype) else pid[1].dtype
-        return _StorageRef(str(pid[2]), dtype)
+_BLOB_GLOBALS = TENSOR_GLOBALS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,7 +70,7 @@ class DcpMetadata:
 
 def read_metadata(path: Path) -> DcpMetadata:
     try:
-        md = _Restricted(path.read_bytes(), _METADATA_GLOBALS).load()
+        md = loads(path.read_bytes(), _METADATA_GLOBALS)
         tensors = {fqn: m for fqn, m in md.state_dict_metadata.items() if hasattr(m, "chunks")}
         where = {(i.fqn, tuple(getattr(i, "offset", None) or ())): s for i, s in md.storage_data.items()}
         chunks = []
@@ -214,11 +143,11 @@ def chunk_data_offset(fd: int, chunk: Chunk, itemsize: int) -> int:
     return _offset_via_directory(fd, chunk, itemsize)
 
 
-def _tensor_ref(pickled: bytes, chunk: Chunk) -> _TensorRef:
-    ref = _Restricted(pickled, _BLOB_GLOBALS).load()
-    if not isinstance(ref, _TensorRef) or ref.size != chunk.lengths:
+def _tensor_ref(pickled: bytes, chunk: Chunk) -> TensorRef:
+    ref = loads(pickled, _BLOB_GLOBALS)
+    if not isinstance(ref, TensorRef) or ref.size != chunk.lengths:
         raise CorruptInputError(f"{chunk.file}: the chunk of {chunk.fqn} does not hold a tensor of its shape")
-    if ref.stride != _contiguous_strides(ref.size):
+    if not ref.contiguous:
         raise CorruptInputError(f"{chunk.file}: the chunk of {chunk.fqn} is saved non-contiguous")
     return ref
 
@@ -235,11 +164,3 @@ def _offset_via_directory(fd: int, chunk: Chunk, itemsize: int) -> int:
     header = os.pread(fd, 30, chunk.offset + info.header_offset)
     name_len, extra_len = struct.unpack("<HH", header[26:30])
     return chunk.offset + info.header_offset + 30 + name_len + extra_len + ref.storage_offset * itemsize
-
-
-def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for n in reversed(size):
-        strides.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(strides))

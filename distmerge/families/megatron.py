@@ -1,0 +1,126 @@
+"""Megatron-core tensors (global, as the Megatron formats present them) -> Hugging Face units.
+
+The family's table (megatron_tables.py) says which Hugging Face tensors each Megatron tensor becomes and
+through which transform; this module finds the row of every source, fills in the layer/expert numbers,
+computes the transform's parameters from config.json (and the format's details), and checks the shapes
+so that a wrong config is an error before anything is read.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import cache
+from typing import Any
+
+from distmerge.errors import ConfigError, InputError, LayoutError
+from distmerge.families.hf import ties_embeddings
+from distmerge.families.megatron_tables import FAMILIES, MODEL_TYPES, Row
+from distmerge.mapping import FamilyContext, FamilyResult, SourceMeta, Target, Unit, output_dtype
+
+HEAD = "lm_head.weight"
+
+
+def units(sources: dict[str, SourceMeta], ctx: FamilyContext) -> FamilyResult:
+    arch = architecture(ctx.config)
+    rows = _compiled(arch)
+    tied = ties_embeddings(ctx.config)
+    out, notes, unmapped = [], [], []
+    for meta in sources.values():
+        found = next(((row, m) for row, pattern in rows if (m := pattern.fullmatch(meta.name))), None)
+        if found is None:
+            unmapped.append(meta.name)
+            continue
+        row, match = found
+        names = tuple(t.format(*match.groups()) for t in row.targets)
+        if tied and names == (HEAD,):
+            notes.append("output_layer.weight not written: config.json ties it to the embedding")
+            continue
+        params = _params(row.transform, meta, ctx)
+        shapes = target_shapes(row.transform, meta, params)
+        dtype = output_dtype(meta.dtype, ctx.cast)
+        targets = tuple(Target(name=n, shape=s, dtype=dtype) for n, s in zip(names, shapes, strict=True))
+        out.append(Unit(sources=(meta.name,), targets=targets, transform=row.transform, params=params))
+    if unmapped:
+        shown = ", ".join(sorted(unmapped)[:6])
+        raise InputError(f"{len(unmapped)} Megatron tensors have no mapping for {arch} ({shown}): "
+                         "distmerge would drop them; is config.json for this model?")
+    _check_complete(out, ctx.config, tied, arch)
+    padded = sources.get("embedding.word_embeddings.weight")
+    if padded and padded.shape[0] != ctx.config.get("vocab_size"):
+        notes.append(f"vocabulary padding trimmed: {padded.shape[0]} -> {ctx.config['vocab_size']} rows")
+    return FamilyResult(units=out, notes=notes)
+
+
+def architecture(config: dict[str, Any]) -> str:
+    archs = config.get("architectures") or [MODEL_TYPES.get(config.get("model_type", ""), "")]
+    arch = next((a for a in archs if a in FAMILIES), None)
+    if arch is None:
+        raise ConfigError(f"config.json's architecture {archs[0] or config.get('model_type')!r} has no Megatron "
+                          f"mapping; supported: {', '.join(FAMILIES)}")
+    return arch
+
+
+@cache
+def _compiled(arch: str) -> list[tuple[Row, re.Pattern[str]]]:
+    return [(row, re.compile(re.escape(row.source).replace(r"\{\}", r"(\d+)"))) for row in FAMILIES[arch]]
+
+
+def _params(transform: str, meta: SourceMeta, ctx: FamilyContext) -> tuple[tuple[str, object], ...]:
+    config = ctx.config
+    if transform == "split_qkv":
+        heads = _int(config, "num_attention_heads")
+        groups = config.get("num_key_value_heads") or heads
+        head_dim = config.get("head_dim") or _int(config, "hidden_size") // heads
+        return (("heads", heads), ("groups", groups), ("head_dim", head_dim))
+    if transform == "split_gate_up":
+        key = "expert_fc1_shards" if ".experts." in meta.name else "fc1_shards"
+        return (("shards", int(ctx.details.get(key, 1))),)
+    if transform == "trim_rows":
+        return (("rows", _int(config, "vocab_size")),)
+    return ()
+
+
+def target_shapes(transform: str, meta: SourceMeta, params: tuple) -> list[tuple[int, ...]]:
+    """Shapes the transform will produce, checked against the source before any byte moves."""
+    p, (rows, *rest) = dict(params), meta.shape
+    rest = tuple(rest)
+    if transform == "split_qkv":
+        per_group = p["heads"] // p["groups"]
+        if rows != p["groups"] * (per_group + 2) * p["head_dim"] or p["heads"] % p["groups"]:
+            raise LayoutError(f"{meta.name} has {rows} rows, but config.json's {p['heads']} heads, {p['groups']} "
+                              f"key/value heads and head_dim {p['head_dim']} need "
+                              f"{(p['heads'] + 2 * p['groups']) * p['head_dim']}: wrong config.json?")
+        kv = (p["groups"] * p["head_dim"], *rest)
+        return [(p["heads"] * p["head_dim"], *rest), kv, kv]
+    if transform == "split_gate_up":
+        if rows % (2 * p["shards"]):
+            raise LayoutError(f"{meta.name} has {rows} rows: not gate and up halves of {p['shards']} shards")
+        return [(rows // 2, *rest)] * 2
+    if transform == "trim_rows":
+        if rows < p["rows"]:
+            raise LayoutError(f"{meta.name} has {rows} rows but config.json's vocab_size is {p['rows']}: "
+                              "wrong config.json?")
+        return [(p["rows"], *rest)]
+    return [meta.shape]
+
+
+def _check_complete(out: list[Unit], config: dict[str, Any], tied: bool, arch: str) -> None:
+    names = {t.name for u in out for t in u.targets}
+    layers = {int(m[1]) for n in names if (m := re.match(r"model\.layers\.(\d+)\.", n))}
+    expected = config.get("num_hidden_layers")
+    if isinstance(expected, int) and layers != set(range(expected)):
+        missing = sorted(set(range(expected)) - layers)[:8]
+        extra = sorted(layers - set(range(expected)))[:8]
+        raise LayoutError(f"config.json has {expected} layers but the checkpoint's layers differ (missing "
+                          f"{missing or 'none'}, beyond {extra or 'none'}): a pipeline stage is missing or "
+                          "config.json is another model's")
+    if not tied and HEAD not in names:
+        raise LayoutError(f"config.json does not tie embeddings but the checkpoint has no output_layer ({arch}): "
+                          "was it trained with tied embeddings? fix tie_word_embeddings in config.json")
+
+
+def _int(config: dict[str, Any], key: str) -> int:
+    value = config.get(key) or (config.get("text_config") or {}).get(key)
+    if not isinstance(value, int):
+        raise ConfigError(f"config.json has no integer {key}, which the Megatron layout needs")
+    return value

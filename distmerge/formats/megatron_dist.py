@@ -1,0 +1,84 @@
+"""Megatron-core `dist_checkpointing` saves with the torch_dist backend: a DCP folder with Megatron names.
+
+    iter_0001000/  metadata.json {"sharded_backend": "torch_dist"}, common.pt (args, iteration: not read),
+                   .metadata, __R_k.distcp        (verl: dist_ckpt/ or model/dist_ckpt/)
+
+The DCP reader does the work. Megatron stacks the layers of a homogeneous decoder on a leading axis:
+`decoder.layers.self_attention.linear_qkv.weight` has shape (layers, rows, cols) and every chunk covers one
+layer (`prepend_axis_num`); SequentialMLP experts add an expert axis after it. Each chunk is renamed
+here to its layer (and expert), `decoder.layers.{i}.…`, which drops those axes without moving a byte, so
+one layer's tensor is one unit of work and the output files split between layers. linear_fc1 is stored as
+the global [gate; up].
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from itertools import product
+from pathlib import Path
+
+from distmerge import dtypes
+from distmerge.errors import InputError
+from distmerge.formats import megatron_layout as mg
+from distmerge.formats.base import Fragment, InputFile, OpenedFile, Scan
+from distmerge.formats.dcp import DcpFormat
+
+# Stacked name prefix -> the per-layer (and per-expert) name; longest first. `{}` takes the axis index.
+STACKED = (
+    ("decoder.layers.mlp.experts.local_experts.", "decoder.layers.{}.mlp.experts.local_experts.{}."),
+    ("decoder.layers.", "decoder.layers.{}."),
+)
+
+
+class MegatronDistFormat:
+    name = "megatron-dist"
+
+    def detect(self, root: Path) -> bool:
+        save = mg.looks_like(root)
+        return save is not None and _is_torch_dist(save)
+
+    def scan(self, root: Path) -> Scan:
+        save = mg.latest_dir(root)
+        if not _is_torch_dist(save):
+            raise InputError(f"{save} is not a Megatron torch_dist save (no metadata.json with that backend)")
+        inner = DcpFormat().scan(save)
+        details = {"naming": "megatron", "fc1_shards": 1, "expert_fc1_shards": 1}
+        notes = (f"Megatron torch_dist checkpoint {save.name}", *inner.notes)
+        return Scan(format=self.name, root=inner.root, files=inner.files, hf_dir=mg.hf_dir_near(save, root),
+                    world_size=inner.world_size, notes=notes, details=details)
+
+    def open(self, scan: Scan, file: InputFile) -> OpenedFile:
+        opened = DcpFormat().open(scan, file)
+        opened.fragments = [piece for frag in opened.fragments for piece in unstack(frag)]
+        return opened
+
+
+def _is_torch_dist(save: Path) -> bool:
+    try:
+        meta = json.loads((save / mg.DIST_MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and meta.get("sharded_backend") == "torch_dist"
+
+
+def unstack(frag: Fragment) -> list[Fragment]:
+    """A chunk of a stacked tensor -> one fragment per layer (and expert) it covers, named by them."""
+    if mg.LAYER.match(frag.name):
+        return [frag]  # already per layer (non-homogeneous models save decoder.layers.{i}.…)
+    prefix, template = next(((p, t) for p, t in STACKED if frag.name.startswith(p)), (None, None))
+    if prefix is None:
+        return [frag]
+    axes = template.count("{}")
+    inner_shape, inner_offsets = frag.global_shape[axes:], frag.offsets[axes:]
+    inner_lengths = frag.lengths[axes:]
+    stride = math.prod(inner_lengths) * dtypes.itemsize(frag.dtype)
+    ranges = [range(o, o + n) for o, n in zip(frag.offsets[:axes], frag.lengths[:axes], strict=True)]
+    out = []
+    for k, index in enumerate(product(*ranges)):
+        out.append(Fragment(
+            name=template.format(*index) + frag.name[len(prefix):], dtype=frag.dtype, global_shape=inner_shape,
+            offsets=inner_offsets, lengths=inner_lengths, file_index=frag.file_index, key=frag.key,
+            byte_offset=frag.byte_offset + k * stride if frag.byte_offset >= 0 else -1,
+        ))
+    return out

@@ -1,0 +1,132 @@
+"""Megatron-LM's legacy checkpoints (`--ckpt-format torch`): one torch.save per model-parallel rank.
+
+    iter_0001000/mp_rank_{tp:02d}[_{pp:03d}][_{ep:03d}]/model_optim_rng.pt
+        {"args": Namespace, "iteration", "checkpoint_version", "rng_state", "optimizer", ...,
+         "model": {name: local tensor}          or "model0", "model1", ... (virtual pipeline chunks)}
+
+Each file holds its TP rank's slice of every parameter (split dimension in megatron_layout), the layers of
+its pipeline stage numbered from 0 per stage (and per virtual chunk), and its EP rank's experts numbered
+from 0. Rank 0's scan reads the pickles (not the tensors) of one file per stage to learn the layer
+offsets; each reader then names its fragments with global layer and expert numbers and global offsets,
+so the plan sees Megatron's global tensors. `mp_rank_00_001` means PP=2 or EP=2: `args` tells which.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from distmerge import dtypes
+from distmerge.errors import InputError, LayoutError
+from distmerge.formats import megatron_layout as mg
+from distmerge.formats.base import Fragment, InputFile, OpenedFile, Scan, input_file
+from distmerge.formats.megatron_grid import Grid, resolve_grid
+from distmerge.formats.torch_private import torch_save
+from distmerge.formats.torch_private.restricted import TensorRef
+
+
+class MegatronLegacyFormat:
+    name = "megatron"
+
+    def detect(self, root: Path) -> bool:
+        save = mg.looks_like(root)
+        return save is not None and save.is_dir() and any(mg.RANK_DIR.match(p.name) for p in save.iterdir())
+
+    def scan(self, root: Path) -> Scan:
+        save = mg.latest_dir(root)
+        grid = resolve_grid(save)
+        files = tuple(input_file(save, i, path, rank=i) for i, path in enumerate(grid.paths))
+        offsets = _layer_offsets(save, grid)
+        details = {
+            "naming": "megatron", "fc1_shards": grid.tp, "expert_fc1_shards": grid.etp,
+            "coords": grid.coords, "layer_offsets": offsets, "parallel": grid.describe(),
+        }
+        notes = [f"Megatron legacy checkpoint {save.name}: {grid.describe()}"]
+        return Scan(format=self.name, root=str(save), files=files, hf_dir=mg.hf_dir_near(save, root),
+                    world_size=len(files), notes=tuple(notes), details=details)
+
+    def open(self, scan: Scan, file: InputFile) -> OpenedFile:
+        path = Path(scan.root) / file.path
+        saved = torch_save.read(path)
+        tp, pp, ep = scan.details["coords"][file.path]
+        opened = OpenedFile(fragments=[], layout={})
+        for chunk, state in enumerate(model_chunks(saved.value, path)):
+            offset = scan.details["layer_offsets"][f"{pp}/{chunk}"]
+            experts = _local_expert_count(state)
+            for key, value in state.items():
+                if key.endswith("_extra_state") or not isinstance(value, TensorRef):
+                    opened.skipped.append(key)
+                    continue
+                name = mg.renumber(key, offset, ep * experts)
+                frag = _fragment(name, key, value, saved, file, tp, scan.details)
+                opened.fragments.append(frag)
+                kind = "replicated" if frag.global_shape == frag.lengths else f"TP split on dim {mg.tp_split_dim(name)}"
+                opened.layout[kind] = opened.layout.get(kind, 0) + 1
+        return opened
+
+
+def model_chunks(value: Any, path: Path) -> list[dict[str, Any]]:
+    """The model state dicts of a file: `model`, or `model0`, `model1`, ... with virtual pipeline stages,
+    or (older verl model.pt) the file's dict itself."""
+    if not isinstance(value, dict):
+        raise InputError(f"{path} does not hold a dict: not a Megatron checkpoint file")
+    if isinstance(value.get("model"), dict):
+        return [value["model"]]
+    numbered = sorted((int(k[5:]), v) for k, v in value.items() if k[:5] == "model" and k[5:].isdigit())
+    if numbered:
+        return [v for _, v in numbered]
+    if any(isinstance(v, TensorRef) for v in value.values()):
+        return [value]
+    raise InputError(f"{path} has no model weights (keys: {', '.join(sorted(map(str, value))[:6])}): "
+                     "an optimizer-only or non-model file")
+
+
+def _fragment(name: str, key: str, ref: TensorRef, saved: torch_save.SavedObject, file: InputFile, tp: int,
+              details: dict) -> Fragment:
+    if not ref.contiguous:
+        raise LayoutError(f"{file.path}: {key} is saved non-contiguous, which distmerge cannot read in place")
+    code = dtypes.code_of(ref.storage.dtype)
+    shape, offsets = list(ref.size), [0] * len(ref.size)
+    dim = mg.tp_split_dim(name)
+    size = details["expert_fc1_shards"] if mg.is_expert(name) else details["fc1_shards"]
+    if dim is not None and size > 1:
+        shape[dim] *= size
+        offsets[dim] = (tp % size) * ref.size[dim]
+    start = saved.storage_offsets[ref.storage.key] + ref.storage_offset * dtypes.itemsize(code)
+    return Fragment(name=name, dtype=code, global_shape=tuple(shape), offsets=tuple(offsets), lengths=ref.size,
+                    file_index=file.index, byte_offset=start, key=key)
+
+
+def _local_expert_count(state: dict[str, Any]) -> int:
+    numbers = {n for k in state if (n := mg.expert_number(k)) is not None}
+    return max(numbers) + 1 if numbers else 0
+
+
+def _layer_offsets(save: Path, grid: Grid) -> dict[str, int]:
+    """Global number of each (stage, chunk)'s first layer, from the layer counts in one file per stage.
+
+    Virtual pipeline order: chunk 0 of stages 0..PP-1, then chunk 1 of stages 0..PP-1, ... A save whose
+    numbers are already global (verl rewrites them before saving) keeps them.
+    """
+    counts: dict[tuple[int, int], list[int]] = {}
+    for pp in range(grid.pp):
+        path = save / grid.path_of(0, pp, 0)
+        for chunk, state in enumerate(model_chunks(torch_save.read(path).value, path)):
+            counts[(chunk, pp)] = sorted({n for k in state if (n := mg.layer_number(k)) is not None})
+    order = sorted(counts)
+    if all(not layers or layers[0] == 0 for layers in counts.values()):
+        offsets, total = {}, 0
+        for chunk, pp in order:
+            offsets[f"{pp}/{chunk}"] = total
+            total += len(counts[(chunk, pp)])
+        return offsets
+    flat = [n for key in order for n in counts[key]]
+    if flat != list(range(len(flat))):
+        raise LayoutError(f"{save}: the layer numbers of the pipeline stages are neither local nor one global "
+                          f"sequence ({_ranges(counts)}): files from different runs?")
+    return {f"{pp}/{chunk}": 0 for chunk, pp in order}
+
+
+def _ranges(counts: dict[tuple[int, int], list[int]]) -> str:
+    return "; ".join(f"stage {pp} chunk {c}: {v[0]}-{v[-1]}" if v else f"stage {pp} chunk {c}: none"
+                     for (c, pp), v in sorted(counts.items()))

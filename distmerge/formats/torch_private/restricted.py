@@ -1,0 +1,130 @@
+"""A pickle reader that runs nothing from the file: every global the pickle names is looked up in an
+allow-list of inert stand-ins (or plain, side-effect-free constructors); anything else is refused.
+
+Tensors inside a torch.save pickle become `TensorRef`s: where their bytes are (storage record key,
+element offset), their shape and strides. No storage is read and no tensor is built.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+class Record:
+    """Stand-in for a pickled object: keeps constructor args and state, runs nothing."""
+
+    def __init__(self, *args: Any) -> None:
+        self._args = args
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
+            state = {**(state[0] or {}), **state[1]}  # (dict, slots) as pickle's BUILD gives it
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+        else:
+            self._state = state
+
+
+class OrderedDictStandIn(dict):
+    """collections.OrderedDict with instance attributes (a state_dict's `_metadata`), which BUILD sets."""
+
+    def __setstate__(self, state: Any) -> None:
+        self.attributes = state
+
+
+def as_text(*args: Any) -> str:
+    return "/".join(map(str, args))
+
+
+# torch.save names a storage by its legacy typed class (GLOBAL 'torch FloatStorage').
+STORAGE_DTYPES = {
+    "DoubleStorage": torch.float64, "FloatStorage": torch.float32, "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
+    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8, "BoolStorage": torch.bool,
+}
+
+
+@dataclass(frozen=True)
+class StorageType:
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class StorageRef:
+    key: str
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    storage: StorageRef
+    storage_offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @property
+    def contiguous(self) -> bool:
+        return self.stride == contiguous_strides(self.size)
+
+
+def rebuild_tensor(storage, storage_offset, size, stride, *_ignored) -> TensorRef:
+    return TensorRef(storage, storage_offset, tuple(size), tuple(stride))
+
+
+def rebuild_parameter(data, *_ignored) -> Any:
+    return data  # a saved nn.Parameter: only its tensor matters
+
+
+def contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for n in reversed(size):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+# What a torch.save of tensors (and of dicts of them) needs.
+TENSOR_GLOBALS: dict[tuple[str, str], Any] = {
+    ("torch", "Size"): torch.Size,
+    ("torch", "device"): as_text,
+    ("torch._utils", "_rebuild_tensor_v2"): rebuild_tensor,
+    ("torch._utils", "_rebuild_parameter"): rebuild_parameter,
+    ("collections", "OrderedDict"): OrderedDictStandIn,
+}
+
+
+class Restricted(pickle.Unpickler):
+    """`allowed` maps (module, name) to what the pickle gets instead; `inert_modules` lists module prefixes
+    whose every global becomes a `Record` (training metadata such as argparse args or enums)."""
+
+    def __init__(self, data: bytes, allowed: dict[tuple[str, str], Any], inert_modules: tuple[str, ...] = ()):
+        super().__init__(io.BytesIO(data))
+        self.allowed = allowed
+        self.inert_modules = inert_modules
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self.allowed:
+            return self.allowed[(module, name)]
+        value = getattr(torch, name, None) if module == "torch" else None
+        if isinstance(value, torch.dtype):
+            return value
+        if module == "torch" and name in STORAGE_DTYPES:
+            return StorageType(STORAGE_DTYPES[name])  # a legacy typed-storage class: only its dtype matters
+        if any(module == m or module.startswith(m + ".") for m in self.inert_modules):
+            return Record
+        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed")
+
+    def persistent_load(self, pid: Any) -> StorageRef:
+        if not (isinstance(pid, tuple) and len(pid) >= 3 and pid[0] == "storage"):
+            raise pickle.UnpicklingError("unexpected persistent id")
+        dtype = pid[1] if isinstance(pid[1], torch.dtype) else pid[1].dtype
+        return StorageRef(str(pid[2]), dtype)
+
+
+def loads(data: bytes, allowed: dict[tuple[str, str], Any], inert_modules: tuple[str, ...] = ()) -> Any:
+    return Restricted(data, allowed, inert_modules).load()
