@@ -121,12 +121,14 @@ def holds_save(folder: Path) -> bool:
 
 
 def looks_like(root: Path) -> Path | None:
-    """The save folder when `root` is a Megatron checkpoint in any of the layouts above, else None."""
+    """A save folder that shows which Megatron layout `root` has (the one to merge when it can be told;
+    otherwise any saved iteration, and scan() then explains what is wrong), or None."""
     try:
         return latest_dir(root)
     except (InputError, OSError):
         base = data_root(root)
-        return base if (base / TRACKER).is_file() else None
+        found = saved_iterations(base) if base.is_dir() else []
+        return base / found[-1] if found else None
 
 
 def hf_dir_near(save: Path, root: Path) -> str | None:

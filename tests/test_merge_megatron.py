@@ -1,0 +1,133 @@
+"""End to end on real Megatron-LM checkpoints saved by megatron-core (legacy mp_rank_* files and torch_dist
+folders, see tests/fixtures/make_megatron.py): exact tensors under Hugging Face names, from_pretrained
+logits, N-independence, and the folder layouts verl writes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import assert_exact, load_merged, load_reference, merge_inproc, reference_dir, torchrun, tree_bytes
+
+LEGACY = ["megatron_tp2", "megatron_tp2pp2"]
+DIST = ["megatron_dist_tp2", "megatron_dist_tp2pp2"]
+CASES = LEGACY + DIST
+
+
+@pytest.fixture(scope="session")
+def megatron_ckpts(tmp_path_factory) -> dict[str, Path]:
+    from tests.fixtures.build import build_megatron_fixtures
+
+    return build_megatron_fixtures(tmp_path_factory.mktemp("megatron"))
+
+
+def hf_config(ckpt: Path) -> Path:
+    return reference_dir(ckpt) / "huggingface"
+
+
+def merge_megatron(ckpt: Path, out: Path, *extra: str) -> int:
+    return merge_inproc("--input", ckpt, "--output", out, "--hf-config", hf_config(ckpt), *extra)
+
+
+@pytest.fixture(scope="module")
+def megatron_merged(megatron_ckpts, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("megatron_merged")
+    for case in CASES:
+        assert merge_megatron(megatron_ckpts[case], root / case) == 0, case
+    return {case: root / case for case in CASES}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_megatron_merged_equals_reference(case, megatron_ckpts, megatron_merged):
+    assert_exact(load_merged(megatron_merged[case]), load_reference(megatron_ckpts[case]))
+
+
+@pytest.mark.parametrize("case", ["megatron_tp2pp2", "megatron_dist_tp2"])
+def test_megatron_from_pretrained_gives_reference_logits(case, megatron_ckpts, megatron_merged):
+    from transformers import AutoModelForCausalLM
+
+    ref = torch.load(reference_dir(megatron_ckpts[case]) / "logits.pt", weights_only=True)
+    model = AutoModelForCausalLM.from_pretrained(megatron_merged[case]).eval()
+    with torch.no_grad():
+        logits = model(ref["input_ids"]).logits.float()
+    torch.testing.assert_close(logits, ref["logits"], rtol=0, atol=1e-5)
+
+
+def test_megatron_dtype_cast(megatron_ckpts, tmp_path):
+    ckpt = megatron_ckpts["megatron_tp2pp2"]
+    assert merge_megatron(ckpt, tmp_path / "out", "--dtype", "bf16") == 0
+    merged = load_merged(tmp_path / "out")
+    for key, ref in load_reference(ckpt).items():
+        assert torch.equal(merged[key], ref.to(torch.bfloat16)), key
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("case", ["megatron_tp2pp2", "megatron_dist_tp2pp2"])
+def test_megatron_torchrun_output_is_byte_identical(case, megatron_ckpts, tmp_path):
+    ckpt = megatron_ckpts[case]
+    args = ["--input", ckpt, "--hf-config", hf_config(ckpt), "--max-shard-size", "150KB", "--quiet"]
+    assert merge_inproc(*args[:-1], "--output", tmp_path / "n1", "--json-summary", tmp_path / "s1.json") == 0
+    run = torchrun(2, "merge", *args, "--output", tmp_path / "n2", "--json-summary", tmp_path / "s2.json")
+    assert run.returncode == 0, run.stderr[-3000:]
+    one, two = tree_bytes(tmp_path / "n1"), tree_bytes(tmp_path / "n2")
+    assert len([n for n in one if n.endswith(".safetensors")]) > 2
+    assert one == two
+    read = [sum(r["bytes_read"] for r in json.loads((tmp_path / s).read_text())["ranks"]) for s in ("s1.json", "s2.json")]
+    assert read[0] == read[1]  # each input byte is read once, whatever the number of processes
+
+
+def save_folder(ckpt: Path) -> Path:
+    return ckpt / "iter_0000001"
+
+
+@pytest.mark.parametrize("nested", ["dist_ckpt", "model/dist_ckpt"])
+def test_verl_torch_dist_layouts(nested, megatron_ckpts, tmp_path):
+    """verl: actor/dist_ckpt/ + actor/huggingface/, and the newer actor/model/{dist_ckpt,huggingface}/."""
+    ckpt = megatron_ckpts["megatron_dist_tp2pp2"]
+    actor = tmp_path / "actor"
+    shutil.copytree(save_folder(ckpt), actor / nested)
+    shutil.copytree(hf_config(ckpt), actor / nested / ".." / "huggingface")
+    assert merge_inproc("--input", actor, "--output", tmp_path / "out") == 0
+    assert_exact(load_merged(tmp_path / "out"), load_reference(ckpt))
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "llama"
+
+
+def test_verl_legacy_model_pt(megatron_ckpts, tmp_path):
+    """Older verl saves model.pt in each mp_rank_* folder and no tracker file: pass the save folder."""
+    ckpt = megatron_ckpts["megatron_tp2pp2"]
+    save = shutil.copytree(save_folder(ckpt), tmp_path / "actor")
+    for path in save.glob("mp_rank_*/model_optim_rng.pt"):
+        path.rename(path.with_name("model.pt"))
+    shutil.copytree(hf_config(ckpt), save / "huggingface")
+    assert merge_inproc("--input", save, "--output", tmp_path / "out") == 0
+    assert_exact(load_merged(tmp_path / "out"), load_reference(ckpt))
+
+
+def test_iteration_option_and_tracker(megatron_ckpts, tmp_path, capsys):
+    original = megatron_ckpts["megatron_tp2"]
+    ckpt = Path(shutil.copytree(original, tmp_path / "ckpt"))
+    config = ["--hf-config", hf_config(original)]
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("7")
+    assert merge_inproc("--input", ckpt, "--output", tmp_path / "bad", *config) == 1
+    assert "has no iter_0000007/ (iterations found: iter_0000001)" in capsys.readouterr().err
+    assert merge_inproc("--input", ckpt, "--output", tmp_path / "out", *config, "--iteration", "1") == 0
+    assert_exact(load_merged(tmp_path / "out"), load_reference(original))
+    (ckpt / "latest_checkpointed_iteration.txt").unlink()
+    assert merge_inproc("--input", ckpt, "--output", tmp_path / "none", *config) == 1
+    assert "pass --iteration N (found iter_0000001)" in capsys.readouterr().err
+
+
+def test_inspect_megatron(megatron_ckpts, capsys):
+    from distmerge.cli import main
+
+    ckpt = megatron_ckpts["megatron_tp2pp2"]
+    assert main(["inspect", str(ckpt), "--hf-config", str(hf_config(ckpt)), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["format"] == "megatron" and info["world_size"] == 4
+    assert info["tensors"] == len(load_reference(ckpt))
+    assert any("TP=2 x PP=2" in n for n in info["notes"])
+    assert any("1024 -> 1001" in n for n in info["notes"])
