@@ -76,7 +76,8 @@ def test_megatron_torchrun_output_is_byte_identical(case, megatron_ckpts, tmp_pa
     one, two = tree_bytes(tmp_path / "n1"), tree_bytes(tmp_path / "n2")
     assert len([n for n in one if n.endswith(".safetensors")]) > 2
     assert one == two
-    read = [sum(r["bytes_read"] for r in json.loads((tmp_path / s).read_text())["ranks"]) for s in ("s1.json", "s2.json")]
+    summaries = [json.loads((tmp_path / name).read_text()) for name in ("s1.json", "s2.json")]
+    read = [sum(r["bytes_read"] for r in s["ranks"]) for s in summaries]
     assert read[0] == read[1]  # each input byte is read once, whatever the number of processes
 
 

@@ -34,6 +34,12 @@ class Grid:
     def path_of(self, tp: int, pp: int, ep: int) -> str:
         return next(p for p, c in self.coords.items() if c == (tp, pp, ep))
 
+    @property
+    def sizes(self) -> dict[str, int]:
+        """The parallel sizes under Megatron-LM's args names, to check each file's args against."""
+        return {"tensor_model_parallel_size": self.tp, "pipeline_model_parallel_size": self.pp,
+                "expert_model_parallel_size": self.ep}
+
     def describe(self) -> str:
         parts = [f"TP={self.tp}", f"PP={self.pp}"] + [f"EP={self.ep}"] * (self.ep > 1)
         return " x ".join(parts) + (f" (expert TP={self.etp})" if self.ep > 1 and self.etp != self.tp else "")

@@ -36,10 +36,10 @@ class MegatronLegacyFormat:
         save = mg.latest_dir(root)
         grid = resolve_grid(save)
         files = tuple(input_file(save, i, path, rank=i) for i, path in enumerate(grid.paths))
-        offsets = _layer_offsets(save, grid)
+        offsets, counts = _layer_offsets(save, grid)
         details = {
-            "naming": "megatron", "fc1_shards": grid.tp, "expert_fc1_shards": grid.etp,
-            "coords": grid.coords, "layer_offsets": offsets, "parallel": grid.describe(),
+            "naming": "megatron", "fc1_shards": grid.tp, "expert_fc1_shards": grid.etp, "coords": grid.coords,
+            "layer_offsets": offsets, "layer_counts": counts, "sizes": grid.sizes, "parallel": grid.describe(),
         }
         notes = [f"Megatron legacy checkpoint {save.name}: {grid.describe()}"]
         return Scan(format=self.name, root=str(save), files=files, hf_dir=mg.hf_dir_near(save, root),
@@ -49,9 +49,14 @@ class MegatronLegacyFormat:
         path = Path(scan.root) / file.path
         saved = torch_save.read(path)
         tp, pp, ep = scan.details["coords"][file.path]
+        _check_same_save(saved.value, scan.details, file.path)
         opened = OpenedFile(fragments=[], layout={})
         for chunk, state in enumerate(model_chunks(saved.value, path)):
             offset = scan.details["layer_offsets"][f"{pp}/{chunk}"]
+            layers = len({n for k in state if (n := mg.layer_number(k)) is not None})
+            if layers != scan.details["layer_counts"][f"{pp}/{chunk}"]:
+                raise LayoutError(f"{file.path} holds {layers} layers where the other files of pipeline stage "
+                                  f"{pp} hold {scan.details['layer_counts'][f'{pp}/{chunk}']}: a file of another save")
             experts = _local_expert_count(state)
             for key, value in state.items():
                 if key.endswith("_extra_state") or not isinstance(value, TensorRef):
@@ -63,6 +68,16 @@ class MegatronLegacyFormat:
                 kind = "replicated" if frag.global_shape == frag.lengths else f"TP split on dim {mg.tp_split_dim(name)}"
                 opened.layout[kind] = opened.layout.get(kind, 0) + 1
         return opened
+
+
+def _check_same_save(value: Any, details: dict, path: str) -> None:
+    """A rank file copied in from another run says so in its args (parallel sizes)."""
+    args = value.get("args") if isinstance(value, dict) else None
+    for what, size in details["sizes"].items():
+        saved = getattr(args, what, None)
+        if isinstance(saved, int) and saved != size:
+            raise LayoutError(f"{path} was saved by another run: its args say {what}={saved}, this save has "
+                              f"{size} ({details['parallel']}); use one save's files only")
 
 
 def model_chunks(value: Any, path: Path) -> list[dict[str, Any]]:
@@ -102,7 +117,7 @@ def _local_expert_count(state: dict[str, Any]) -> int:
     return max(numbers) + 1 if numbers else 0
 
 
-def _layer_offsets(save: Path, grid: Grid) -> dict[str, int]:
+def _layer_offsets(save: Path, grid: Grid) -> tuple[dict[str, int], dict[str, int]]:
     """Global number of each (stage, chunk)'s first layer, from the layer counts in one file per stage.
 
     Virtual pipeline order: chunk 0 of stages 0..PP-1, then chunk 1 of stages 0..PP-1, ... A save whose
@@ -114,17 +129,18 @@ def _layer_offsets(save: Path, grid: Grid) -> dict[str, int]:
         for chunk, state in enumerate(model_chunks(torch_save.read(path).value, path)):
             counts[(chunk, pp)] = sorted({n for k in state if (n := mg.layer_number(k)) is not None})
     order = sorted(counts)
+    sizes = {f"{pp}/{chunk}": len(layers) for (chunk, pp), layers in counts.items()}
     if all(not layers or layers[0] == 0 for layers in counts.values()):
         offsets, total = {}, 0
         for chunk, pp in order:
             offsets[f"{pp}/{chunk}"] = total
             total += len(counts[(chunk, pp)])
-        return offsets
+        return offsets, sizes
     flat = [n for key in order for n in counts[key]]
     if flat != list(range(len(flat))):
         raise LayoutError(f"{save}: the layer numbers of the pipeline stages are neither local nor one global "
                           f"sequence ({_ranges(counts)}): files from different runs?")
-    return {f"{pp}/{chunk}": 0 for chunk, pp in order}
+    return {f"{pp}/{chunk}": 0 for chunk, pp in order}, sizes
 
 
 def _ranges(counts: dict[tuple[int, int], list[int]]) -> str:
