@@ -13,4 +13,7 @@ quiet() { "$@" >"$log" 2>&1 || { cat "$log"; echo "setup failed: $*" >&2; exit 1
 quiet .venv/bin/python -m pip install --upgrade pip
 quiet .venv/bin/python -m pip install "$TORCH_SPEC"
 quiet .venv/bin/python -m pip install -e '.[test]'
+# The Megatron test fixtures save real checkpoints with megatron-core; --no-deps keeps the pinned torch
+# (its import needs only numpy and packaging, which the line above brought).
+quiet .venv/bin/python -m pip install --no-deps "${MEGATRON_SPEC:-megatron-core==0.16.1}"
 .venv/bin/python -c 'import torch, transformers, safetensors, distmerge; print(f"setup ok: torch {torch.__version__}, transformers {transformers.__version__}, distmerge {distmerge.__version__}")'
