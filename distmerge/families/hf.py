@@ -19,8 +19,8 @@ TIED_HEADS = {"lm_head.weight": "model.embed_tokens.weight"}
 # would write a model no library loads. Each maps to what is missing.
 FOREIGN_NAMES = {
     "tok_embeddings.weight": "torchtitan's naming",
-    "decoder.layers.": "Megatron-core's naming",
-    "embedding.word_embeddings.weight": "Megatron-core's naming",
+    "decoder.layers.": "Megatron-core's naming (merge the save with --format megatron-dist)",
+    "embedding.word_embeddings.weight": "Megatron-core's naming (merge the save with --format megatron-dist)",
     "language_model.encoder.layers.": "legacy Megatron-LM's naming",
 }
 
