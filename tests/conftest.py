@@ -26,6 +26,14 @@ def fsdp_ckpts(tmp_path_factory) -> dict[str, Path]:
     return build_fsdp_fixtures(tmp_path_factory.mktemp("fsdp"))
 
 
+@pytest.fixture(scope="session")
+def megatron_ckpts(tmp_path_factory) -> dict[str, Path]:
+    """Real megatron-core saves (tests/fixtures/make_megatron.py); references beside them, as for FSDP."""
+    from tests.fixtures.build import build_megatron_fixtures
+
+    return build_megatron_fixtures(tmp_path_factory.mktemp("megatron"))
+
+
 def reference_dir(ckpt: Path) -> Path:
     return ckpt.parent / f"{ckpt.name}_reference"
 

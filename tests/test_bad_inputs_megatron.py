@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import merge_inproc, reference_dir, tree_bytes
-from tests.test_merge_megatron import megatron_ckpts  # noqa: F401  (session fixture)
 
 SAVE = "iter_0000001"
 
@@ -97,7 +96,7 @@ CASES: dict[str, tuple[Callable, str]] = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_bad_megatron_input(case, megatron_ckpts, tmp_path, monkeypatch, capsys):  # noqa: F811
+def test_bad_megatron_input(case, megatron_ckpts, tmp_path, monkeypatch, capsys):
     damage, words = CASES[case]
     original = megatron_ckpts["megatron_tp2pp2"]
     ckpt = Path(shutil.copytree(original, tmp_path / "megatron_tp2pp2"))
@@ -115,7 +114,7 @@ def test_bad_megatron_input(case, megatron_ckpts, tmp_path, monkeypatch, capsys)
     assert tree_bytes(ckpt) == before
 
 
-def test_torch_dist_file_missing(megatron_ckpts, tmp_path, capsys):  # noqa: F811
+def test_torch_dist_file_missing(megatron_ckpts, tmp_path, capsys):
     original = megatron_ckpts["megatron_dist_tp2pp2"]
     ckpt = Path(shutil.copytree(original, tmp_path / "ckpt"))
     (ckpt / SAVE / "__3_0.distcp").unlink()

@@ -13,16 +13,13 @@ import torch
 
 from tests.conftest import assert_exact, load_merged, load_reference, merge_inproc, reference_dir, torchrun, tree_bytes
 
-LEGACY = ["megatron_tp2", "megatron_tp2pp2"]
-DIST = ["megatron_dist_tp2", "megatron_dist_tp2pp2"]
+# Llama (GQA), Qwen2 (qkv bias, tied embeddings, padded vocab), Qwen3 (q/k norm, head_dim != hidden/heads),
+# Qwen3-MoE (4 experts); TP, TP x PP, virtual pipeline stages, expert parallelism with and without TP.
+LEGACY = ["megatron_tp2", "megatron_tp2pp2", "megatron_qwen2_tp2", "megatron_qwen3_tp2", "megatron_vpp",
+          "megatron_moe_ep2", "megatron_moe_tp2ep2"]
+DIST = ["megatron_dist_tp2", "megatron_dist_tp2pp2", "megatron_dist_qwen2_tp2pp2", "megatron_dist_qwen3_tp2",
+        "megatron_dist_moe_ep2"]
 CASES = LEGACY + DIST
-
-
-@pytest.fixture(scope="session")
-def megatron_ckpts(tmp_path_factory) -> dict[str, Path]:
-    from tests.fixtures.build import build_megatron_fixtures
-
-    return build_megatron_fixtures(tmp_path_factory.mktemp("megatron"))
 
 
 def hf_config(ckpt: Path) -> Path:
@@ -46,7 +43,8 @@ def test_megatron_merged_equals_reference(case, megatron_ckpts, megatron_merged)
     assert_exact(load_merged(megatron_merged[case]), load_reference(megatron_ckpts[case]))
 
 
-@pytest.mark.parametrize("case", ["megatron_tp2pp2", "megatron_dist_tp2"])
+@pytest.mark.parametrize("case", ["megatron_tp2pp2", "megatron_dist_tp2", "megatron_qwen2_tp2", "megatron_vpp",
+                                  "megatron_dist_qwen3_tp2", "megatron_moe_tp2ep2", "megatron_dist_moe_ep2"])
 def test_megatron_from_pretrained_gives_reference_logits(case, megatron_ckpts, megatron_merged):
     from transformers import AutoModelForCausalLM
 

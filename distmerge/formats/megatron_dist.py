@@ -26,6 +26,8 @@ from distmerge.formats.dcp import DcpFormat
 
 # Stacked name prefix -> the per-layer (and per-expert) name; longest first. `{}` takes the axis index.
 STACKED = (
+    # SequentialMLP experts (megatron-core 0.16 saves them as experts.experts.*), named like legacy files' experts
+    ("decoder.layers.mlp.experts.experts.", "decoder.layers.{}.mlp.experts.local_experts.{}."),
     ("decoder.layers.mlp.experts.local_experts.", "decoder.layers.{}.mlp.experts.local_experts.{}."),
     ("decoder.layers.", "decoder.layers.{}."),
 )
