@@ -1,12 +1,14 @@
 """Assemble: put every fragment of a unit where it belongs, then write the unit's targets.
 
 Two ways, chosen per unit:
-- direct: an identity unit without a cast whose fragments are each one contiguous run of the target
-  (FSDP's Shard(0), plain tensors). Its output file is the preallocated target: local fragments are
-  copied from the input file into it inside the kernel (copy_file_range), received ones written from
-  the receive buffer. No tensor is built.
+- direct: an identity (or row-trimming) unit without a cast whose fragments are each one contiguous run
+  of the source (FSDP's Shard(0), plain tensors, Megatron's vocabulary-parallel embeddings). Its output
+  file is the preallocated target: local fragments are copied from the input file into it inside the
+  kernel (copy_file_range), received ones written from the receive buffer; rows beyond a trimmed
+  target are never copied. No tensor is built.
 - tensor: the source tensors are preallocated (on the GPU when there is one), fragments are copied in
-  by offset, then the unit's transform and the output dtype are applied and the targets written.
+  by offset (a local fragment that is one run of a CPU source is read straight into it), then the
+  unit's transform and the output dtype are applied and the targets written.
 """
 
 from __future__ import annotations
@@ -37,6 +39,10 @@ def contiguous_start(offsets: tuple[int, ...], lengths: tuple[int, ...], shape: 
     return start
 
 
+# Transforms that keep a prefix of the source's bytes, in order: a direct unit may apply them by clipping.
+PREFIX_TRANSFORMS = ("identity", "trim_rows")
+
+
 class UnitBuild:
     """One unit on its owner: `place` each fragment (local or received), then `finish`."""
 
@@ -51,7 +57,7 @@ class UnitBuild:
                 self.tensors[src.meta.name] = torch.empty(src.meta.shape, dtype=dtype, device=device)
 
     def _is_direct(self) -> bool:
-        if self.unit.transform != "identity" or len(self.sources) != 1:
+        if self.unit.transform not in PREFIX_TRANSFORMS or len(self.sources) != 1:
             return False
         src, target = self.sources[0], self.unit.targets[0]
         if target.dtype != src.meta.dtype:
@@ -63,8 +69,13 @@ class UnitBuild:
 
     def place_local(self, source: str, frag: Fragment, reader: Reader) -> None:
         if self.direct and reader.can_copy(frag):
-            nbytes, offset = frag_bytes(frag), self._file_offset(source, frag)
-            self.writer.copy_in(lambda fd: reader.copy_to(frag, fd, offset, nbytes), offset, nbytes)
+            offset, nbytes = self._kept(source, frag)
+            if nbytes:
+                self.writer.copy_in(lambda fd: reader.copy_to(frag, fd, offset, nbytes), offset, nbytes)
+            return
+        run = self._run_in_source(source, frag) if reader.can_copy(frag) and not self.direct else None
+        if run is not None:
+            reader.read_into(frag, run)  # straight into the source tensor: no second copy
             return
         data = torch.empty(frag_bytes(frag), dtype=torch.uint8)
         reader.read_into(frag, data)
@@ -72,7 +83,9 @@ class UnitBuild:
 
     def place_received(self, source: str, frag: Fragment, data: torch.Tensor) -> None:
         if self.direct:
-            self.writer.write_bytes(memoryview(data.cpu().numpy()).cast("B"), self._file_offset(source, frag))
+            offset, nbytes = self._kept(source, frag)
+            if nbytes:
+                self.writer.write_bytes(memoryview(data[:nbytes].cpu().numpy()).cast("B"), offset)
             return
         dtype = dtypes.torch_dtype(frag.dtype)
         block = tuple(slice(o, o + n) for o, n in zip(frag.offsets, frag.lengths, strict=True))
@@ -88,7 +101,18 @@ class UnitBuild:
             self.writer.write(target.name, tensor.to(dtypes.torch_dtype(target.dtype)))
         self.tensors.clear()
 
-    def _file_offset(self, source: str, frag: Fragment) -> int:
-        meta = self.plan.sources[source].meta
-        start = contiguous_start(frag.offsets, frag.lengths, meta.shape)
-        return self.writer.offset(self.unit.targets[0].name, start * dtypes.itemsize(meta.dtype))
+    def _kept(self, source: str, frag: Fragment) -> tuple[int, int]:
+        """Where a direct fragment's bytes go in the output file, and how many of them the target keeps
+        (all for identity; for trim_rows only those before the target's end)."""
+        meta, target = self.plan.sources[source].meta, self.unit.targets[0]
+        begin = contiguous_start(frag.offsets, frag.lengths, meta.shape) * dtypes.itemsize(meta.dtype)
+        kept = max(0, min(frag_bytes(frag), target.nbytes - begin))
+        return self.writer.offset(target.name, min(begin, target.nbytes)), kept
+
+    def _run_in_source(self, source: str, frag: Fragment) -> torch.Tensor | None:
+        """The fragment's bytes inside the preallocated CPU source tensor, when they are one run of it."""
+        tensor = self.tensors[source]
+        start = contiguous_start(frag.offsets, frag.lengths, tuple(tensor.shape))
+        if start is None or tensor.device.type != "cpu":
+            return None
+        return tensor.view(-1)[start : start + frag.numel].view(torch.uint8)

@@ -76,7 +76,10 @@ def test_megatron_torchrun_output_is_byte_identical(case, megatron_ckpts, tmp_pa
     assert one == two
     summaries = [json.loads((tmp_path / name).read_text()) for name in ("s1.json", "s2.json")]
     read = [sum(r["bytes_read"] for r in s["ranks"]) for s in summaries]
-    assert read[0] == read[1]  # each input byte is read once, whatever the number of processes
+    inputs = sum(p.stat().st_size for p in (ckpt / "iter_0000001").rglob("*") if p.is_file())
+    # every output byte is read, none twice; one process also skips the vocabulary padding of the files it
+    # copies in the kernel, while a sent fragment travels whole
+    assert summaries[0]["total_bytes"] <= read[0] <= read[1] < inputs
 
 
 def save_folder(ckpt: Path) -> Path:
