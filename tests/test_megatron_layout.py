@@ -112,3 +112,27 @@ def test_missing_layers_are_named():
     config = {**QWEN3_MOE, "num_hidden_layers": 3}
     with pytest.raises(LayoutError, match=r"missing \[1, 2\]"):
         megatron.units(qwen3_moe_sources("mlp.experts.linear_fc{n}.weight{e}"), FamilyContext(config=config, cast=None))
+
+
+def test_mixtral_and_qwen2_moe_tables():
+    """Rows the end-to-end tests do not reach (no Mixtral or Qwen2-MoE fixture): names from the HF models'
+    own state dicts (MixtralForCausalLM: block_sparse_moe.experts.{e}.w1/w2/w3; Qwen2MoeForCausalLM:
+    mlp.shared_expert.*, mlp.shared_expert_gate)."""
+    layer = "decoder.layers.0."
+    shapes = {layer + "mlp.router.weight": (2, 16), layer + "mlp.experts.local_experts.1.linear_fc1.weight": (12, 16),
+              layer + "mlp.experts.local_experts.1.linear_fc2.weight": (16, 6)}
+    mixtral = {"architectures": ["MixtralForCausalLM"], "vocab_size": 100}
+    names = {t.name for u in megatron.units(metas(shapes), FamilyContext(config=mixtral, cast=None)).units
+             for t in u.targets}
+    moe = "model.layers.0.block_sparse_moe."
+    assert names == {moe + "gate.weight", moe + "experts.1.w1.weight", moe + "experts.1.w3.weight",
+                     moe + "experts.1.w2.weight"}
+    shared = {layer + "mlp.shared_experts.linear_fc1.weight": (24, 16),
+              layer + "mlp.shared_experts.gate_weight": (1, 16)}
+    qwen2_moe = {"model_type": "qwen2_moe", "vocab_size": 100}
+    units = megatron.units(metas(shared), FamilyContext(config=qwen2_moe, cast=None)).units
+    assert {t.name: t.shape for u in units for t in u.targets} == {
+        "model.layers.0.mlp.shared_expert.gate_proj.weight": (12, 16),
+        "model.layers.0.mlp.shared_expert.up_proj.weight": (12, 16),
+        "model.layers.0.mlp.shared_expert_gate.weight": (1, 16),
+    }

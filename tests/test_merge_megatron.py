@@ -18,7 +18,7 @@ from tests.conftest import assert_exact, load_merged, load_reference, merge_inpr
 LEGACY = ["megatron_tp2", "megatron_tp2pp2", "megatron_qwen2_tp2", "megatron_qwen3_tp2", "megatron_vpp",
           "megatron_moe_ep2", "megatron_moe_tp2ep2"]
 DIST = ["megatron_dist_tp2", "megatron_dist_tp2pp2", "megatron_dist_qwen2_tp2pp2", "megatron_dist_qwen3_tp2",
-        "megatron_dist_moe_ep2"]
+        "megatron_dist_moe_ep2", "megatron_dist_vpp"]
 CASES = LEGACY + DIST
 
 
@@ -64,7 +64,7 @@ def test_megatron_dtype_cast(megatron_ckpts, tmp_path):
 
 
 @pytest.mark.torchrun
-@pytest.mark.parametrize("case", ["megatron_tp2pp2", "megatron_dist_tp2pp2"])
+@pytest.mark.parametrize("case", ["megatron_tp2pp2", "megatron_dist_tp2pp2", "megatron_moe_tp2ep2"])
 def test_megatron_torchrun_output_is_byte_identical(case, megatron_ckpts, tmp_path):
     ckpt = megatron_ckpts[case]
     args = ["--input", ckpt, "--hf-config", hf_config(ckpt), "--max-shard-size", "150KB", "--quiet"]
@@ -86,13 +86,14 @@ def save_folder(ckpt: Path) -> Path:
     return ckpt / "iter_0000001"
 
 
-@pytest.mark.parametrize("nested", ["dist_ckpt", "model/dist_ckpt"])
-def test_verl_torch_dist_layouts(nested, megatron_ckpts, tmp_path):
+@pytest.mark.parametrize(("nested", "hf_name"), [("dist_ckpt", "huggingface"), ("model/dist_ckpt", "huggingface"),
+                                                ("dist_ckpt", "hf_config_and_tokenizer")])
+def test_verl_torch_dist_layouts(nested, hf_name, megatron_ckpts, tmp_path):
     """verl: actor/dist_ckpt/ + actor/huggingface/, and the newer actor/model/{dist_ckpt,huggingface}/."""
     ckpt = megatron_ckpts["megatron_dist_tp2pp2"]
     actor = tmp_path / "actor"
     shutil.copytree(save_folder(ckpt), actor / nested)
-    shutil.copytree(hf_config(ckpt), actor / nested / ".." / "huggingface")
+    shutil.copytree(hf_config(ckpt), actor / nested / ".." / hf_name)
     assert merge_inproc("--input", actor, "--output", tmp_path / "out") == 0
     assert_exact(load_merged(tmp_path / "out"), load_reference(ckpt))
     assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "llama"
@@ -133,3 +134,13 @@ def test_inspect_megatron(megatron_ckpts, capsys):
     assert info["tensors"] == len(load_reference(ckpt))
     assert any("TP=2 x PP=2" in n for n in info["notes"])
     assert any("1024 -> 1001" in n for n in info["notes"])
+
+
+@pytest.mark.parametrize(("case", "second"), [("megatron_tp2pp2", "pp"), ("megatron_moe_ep2", "ep")])
+def test_mp_rank_tt_nnn_without_args(case, second, megatron_ckpts, monkeypatch):
+    """mp_rank_00_001: stage 1 or expert rank 1? Without `args`, the word embeddings tell (stage 0 only)."""
+    from distmerge.formats import megatron_grid
+
+    monkeypatch.setattr(megatron_grid, "_args", lambda value: None)
+    grid = megatron_grid.resolve_grid(save_folder(megatron_ckpts[case]))
+    assert (grid.pp, grid.ep) == ((2, 1) if second == "pp" else (1, 2))
