@@ -32,7 +32,8 @@ def split_qkv(sources: list[torch.Tensor], heads: int, groups: int, head_dim: in
 
         rows, group by group:  [ q heads of group 0 | k_0 | v_0 | q heads of group 1 | k_1 | v_1 | ... ]
                                  (heads/groups)*head_dim  head_dim  head_dim
-    A TP shard holds whole groups, so concatenating shards keeps this order. Weights and biases alike.
+    TP splits these rows evenly: a shard holds whole groups, or (TP > groups) part of one; concatenating
+    the shards restores the order either way. Weights and biases alike.
     """
     (fused,) = sources
     per = heads // groups

@@ -14,9 +14,10 @@ import torch
 from tests.conftest import assert_exact, load_merged, load_reference, merge_inproc, reference_dir, torchrun, tree_bytes
 
 # Llama (GQA), Qwen2 (qkv bias, tied embeddings, padded vocab), Qwen3 (q/k norm, head_dim != hidden/heads),
-# Qwen3-MoE (4 experts); TP, TP x PP, virtual pipeline stages, expert parallelism with and without TP.
+# Qwen3-MoE (4 experts), Llama with one key/value head at TP=2 (a query group spans both TP ranks);
+# TP, TP x PP, virtual pipeline stages, expert parallelism with and without TP.
 LEGACY = ["megatron_tp2", "megatron_tp2pp2", "megatron_qwen2_tp2", "megatron_qwen3_tp2", "megatron_vpp",
-          "megatron_moe_ep2", "megatron_moe_tp2ep2"]
+          "megatron_moe_ep2", "megatron_moe_tp2ep2", "megatron_mqa_tp2"]
 DIST = ["megatron_dist_tp2", "megatron_dist_tp2pp2", "megatron_dist_qwen2_tp2pp2", "megatron_dist_qwen3_tp2",
         "megatron_dist_moe_ep2", "megatron_dist_vpp"]
 CASES = LEGACY + DIST
@@ -44,7 +45,8 @@ def test_megatron_merged_equals_reference(case, megatron_ckpts, megatron_merged)
 
 
 @pytest.mark.parametrize("case", ["megatron_tp2pp2", "megatron_dist_tp2", "megatron_qwen2_tp2", "megatron_vpp",
-                                  "megatron_dist_qwen3_tp2", "megatron_moe_tp2ep2", "megatron_dist_moe_ep2"])
+                                  "megatron_dist_qwen3_tp2", "megatron_moe_tp2ep2", "megatron_dist_moe_ep2",
+                                  "megatron_mqa_tp2"])
 def test_megatron_from_pretrained_gives_reference_logits(case, megatron_ckpts, megatron_merged):
     from transformers import AutoModelForCausalLM
 
