@@ -54,6 +54,16 @@ def file_of_another_save(ckpt: Path) -> None:
     shutil.copy(rank_file(ckpt.parent / "megatron_tp2", "mp_rank_01"), rank_file(ckpt, "mp_rank_01_000"))
 
 
+def file_of_another_iteration(ckpt: Path) -> None:
+    """The same run's rank file saved at iteration 2 (re-saved with megatron-core importable, as Megatron-LM does)."""
+    import torch
+
+    path = rank_file(ckpt, "mp_rank_00_001")
+    state = torch.load(path, weights_only=False)
+    state["iteration"] = 2
+    torch.save(state, path)
+
+
 def wrong_heads_in_config(ckpt: Path) -> None:
     edit_config(ckpt, num_attention_heads=8)
 
@@ -89,6 +99,7 @@ CASES: dict[str, tuple[Callable, str]] = {
     "truncated rank file": (truncated, "is not a torch.save file"),
     "rank file of another save": (file_of_another_save, "was saved by another run: its args say "
                                                         "pipeline_model_parallel_size=1"),
+    "rank file of another iteration": (file_of_another_iteration, "saved at iteration 2, not 1"),
     "config with other head counts": (wrong_heads_in_config, "wrong config.json?"),
     "architecture without a mapping": (unknown_architecture, "has no Megatron mapping"),
     "pickle that runs code": (code_in_pickle, "global posix.system is not allowed"),

@@ -40,6 +40,7 @@ class MegatronLegacyFormat:
         details = {
             "naming": "megatron", "fc1_shards": grid.tp, "expert_fc1_shards": grid.etp, "coords": grid.coords,
             "layer_offsets": offsets, "layer_counts": counts, "sizes": grid.sizes, "parallel": grid.describe(),
+            "iteration": int(m[1]) if (m := mg.ITERATION_DIR.match(save.name)) else None,
         }
         notes = [f"Megatron legacy checkpoint {save.name}: {grid.describe()}"]
         return Scan(format=self.name, root=str(save), files=files, hf_dir=mg.hf_dir_near(save, root),
@@ -71,8 +72,12 @@ class MegatronLegacyFormat:
 
 
 def _check_same_save(value: Any, details: dict, path: str) -> None:
-    """A rank file copied in from another run says so in its args (parallel sizes)."""
+    """A rank file copied in from another run or save says so: its args (parallel sizes) or iteration."""
     args = value.get("args") if isinstance(value, dict) else None
+    saved_at = value.get("iteration") if isinstance(value, dict) else None
+    if isinstance(saved_at, int) and details["iteration"] is not None and saved_at != details["iteration"]:
+        raise LayoutError(f"{path} was saved at iteration {saved_at}, not {details['iteration']} like this "
+                          "folder: a file of another save; use one save's files only")
     for what, size in details["sizes"].items():
         saved = getattr(args, what, None)
         if isinstance(saved, int) and saved != size:
