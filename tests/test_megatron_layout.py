@@ -58,6 +58,8 @@ def test_unstack_experts_and_leaves_other_names():
     ]
     plain = fragment("decoder.final_layernorm.weight", (64,), (0,), (64,))
     assert unstack(plain) == [plain]
+    per_layer = fragment("decoder.layers.5.mlp.linear_fc2.weight", (64, 128), (0, 64), (64, 64))  # non-homogeneous
+    assert unstack(per_layer) == [per_layer]
 
 
 def metas(shapes):

@@ -124,6 +124,10 @@ def test_iteration_option_and_tracker(megatron_ckpts, tmp_path, capsys):
     (ckpt / "latest_checkpointed_iteration.txt").unlink()
     assert merge_inproc("--input", ckpt, "--output", tmp_path / "none", *config) == 1
     assert "pass --iteration N (found iter_0000001)" in capsys.readouterr().err
+    (ckpt / "iter_0000001").rename(ckpt / "release")  # a converted checkpoint: tracker says "release"
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("release")
+    assert merge_inproc("--input", ckpt, "--output", tmp_path / "release", *config) == 0
+    assert_exact(load_merged(tmp_path / "release"), load_reference(original))
 
 
 def test_inspect_megatron(megatron_ckpts, capsys):
