@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from distmerge.errors import CorruptInputError, LayoutError
+from distmerge.formats.torch_private.restricted import Record as _Record
 
 
 class _QuietMeshUnpickle(logging.Filter):
@@ -28,26 +29,6 @@ class _QuietMeshUnpickle(logging.Filter):
 
 
 logging.getLogger("torch.distributed.device_mesh").addFilter(_QuietMeshUnpickle())
-
-
-class _Record:
-    """Inert stand-in for a pickled helper object: keeps constructor args and state, runs nothing."""
-
-    def __new__(cls, *args: Any) -> _Record:
-        obj = object.__new__(cls)
-        obj.__dict__["_args"] = args
-        return obj
-
-    def __init__(self, *args: Any) -> None:
-        pass
-
-    def __setstate__(self, state: Any) -> None:
-        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
-            state = {**(state[0] or {}), **state[1]}  # (dict, slots) as pickle's BUILD gives it
-        if isinstance(state, dict):
-            self.__dict__.update(state)
-        else:
-            self.__dict__["_state"] = state
 
 
 class _ShardedTensorStandIn(torch.Tensor):
