@@ -111,22 +111,7 @@ class MegatronBench(Bench):
 
     def distmerge(self, n: int) -> None:
         """Bench.distmerge plus --hf-config: Megatron-LM saves no config.json, the user passes one."""
-        row, name = f"distmerge N={n}", f"n{n}"
-        summary = self.work / f"summary_{name}.json"
-        summary.unlink(missing_ok=True)
-        prefix = [*TORCHRUN, "--standalone", "--nproc-per-node", str(n)] if n > 1 else [PY]
-        cmd = [*prefix, "-m", "distmerge", "merge", "--input", str(self.ckpt), "--output", str(self.fresh(name)),
-               "--hf-config", str(self.hf), "--overwrite", "--quiet", "--json-summary", str(summary),
-               "--max-shard-size", self.args.max_shard_size]
-        self.commands.setdefault(row, shlex.join(cmd))
-        seconds, _ = run(cmd, self.work / "logs" / f"distmerge_{name}.log")
-        data = json.loads(summary.read_text())
-        peaks = [r["peak_rss"] for r in sorted(data["ranks"], key=lambda r: r["rank"])]
-        self.times[row].append(seconds)
-        self.inner.setdefault(row, []).append(data["seconds"])
-        self.keep_peak(row, peaks)
-        print(f"    {row:<{self.width}} {seconds:8.2f} s  (own timer {data['seconds']:.2f} s, peak RSS per rank "
-              f"{' / '.join(gb(p) for p in peaks)})", flush=True)
+        super().distmerge(n, self.ckpt, extra=("--hf-config", str(self.hf)))
 
     def baseline(self) -> None:
         dest, summary = self.fresh("baseline"), self.work / "summary_baseline.json"

@@ -158,14 +158,16 @@ class Bench:
         self.times[row].append(seconds)
         print(f"    {row:<{self.width}} {seconds:8.2f} s", flush=True)
 
-    def distmerge(self, n: int, ckpt: Path, row: str = "", tag: str = "") -> None:
-        """One distmerge run with n processes; tag tells apart runs on other inputs (outputs, logs, summaries)."""
+    def distmerge(self, n: int, ckpt: Path, row: str = "", tag: str = "", extra: tuple[str, ...] = ()) -> None:
+        """One distmerge run with n processes; tag tells apart runs on other inputs (outputs, logs, summaries);
+        extra: more merge options (e.g. --hf-config)."""
         row, name = row or f"distmerge N={n}", f"n{n}{tag}"
         summary = self.work / f"summary_{name}.json"
         prefix = [*TORCHRUN, "--standalone", "--nproc-per-node", str(n)] if n > 1 else [PY]
         summary.unlink(missing_ok=True)
         cmd = [*prefix, "-m", "distmerge", "merge", "--input", str(ckpt), "--output", str(self.fresh(name)),
-               "--overwrite", "--quiet", "--json-summary", str(summary), "--max-shard-size", self.args.max_shard_size]
+               *extra, "--overwrite", "--quiet", "--json-summary", str(summary), "--max-shard-size",
+               self.args.max_shard_size]
         self.commands.setdefault(row, shlex.join(cmd))
         seconds, _ = run(cmd, self.work / "logs" / f"distmerge_{name}.log")
         data = json.loads(summary.read_text())
