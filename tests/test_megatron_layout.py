@@ -138,3 +138,27 @@ def test_mixtral_and_qwen2_moe_tables():
         "model.layers.0.mlp.shared_expert.up_proj.weight": (12, 16),
         "model.layers.0.mlp.shared_expert_gate.weight": (1, 16),
     }
+
+
+def test_torch_save_reader_finds_bf16_bytes_in_place(tmp_path):
+    """Megatron's --bf16 saves: the reader must name the dtype and the exact bytes of each tensor, views too."""
+    import os
+
+    import torch
+
+    from distmerge.formats.torch_private import torch_save
+
+    weights = torch.randn(6, 4).to(torch.bfloat16)
+    torch.save({"model": {"w": weights, "row": weights[2]}, "iteration": 7}, tmp_path / "model_optim_rng.pt")
+    saved = torch_save.read(tmp_path / "model_optim_rng.pt")
+    fd = os.open(tmp_path / "model_optim_rng.pt", os.O_RDONLY)
+    try:
+        for key, expected in saved.value["model"].items():
+            assert expected.storage.dtype == torch.bfloat16
+            start = saved.storage_offsets[expected.storage.key] + expected.storage_offset * 2
+            data = os.pread(fd, 2 * expected.size[0] * (expected.size[1] if len(expected.size) > 1 else 1), start)
+            got = torch.frombuffer(bytearray(data), dtype=torch.bfloat16).view(expected.size)
+            assert torch.equal(got, weights if key == "w" else weights[2]), key
+    finally:
+        os.close(fd)
+    assert saved.value["iteration"] == 7
