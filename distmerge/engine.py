@@ -15,13 +15,13 @@ from __future__ import annotations
 import os
 import resource
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from distmerge import discover as disc
-from distmerge import families, resume
+from distmerge import families, replicas, resume
 from distmerge import plan as planning
 from distmerge.assemble import UnitBuild
 from distmerge.comm import Comm
@@ -94,6 +94,7 @@ def merge(opts: MergeOptions, comm: Comm, progress: Progress) -> MergeResult:
     try:
         inventories = comm.gather(lambda: reader.open([i for i, r in enumerate(readers) if r == comm.rank]))
         plan = comm.agree(lambda: _plan(opts, found, inventories, comm.world))
+        plan = replace(plan, notes=(*plan.notes, *replicas.check(plan, comm, reader)))
         fp = resume.fingerprint(plan, scan.files, _output_options(opts))
         kept = comm.root_only(lambda: resume.finished_files(out, plan, fp) if opts.resume else [])
         todo = planning.without_files(plan, kept)

@@ -25,6 +25,7 @@ INDEX_NAME = "model.safetensors.index.json"
 class SourceTensor:
     meta: SourceMeta
     fragments: tuple[Fragment, ...]  # one per block, replicas removed, covering the tensor exactly
+    replicas: tuple[Fragment, ...] = ()  # the other copies of replicated blocks (never read for the output)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,11 +97,14 @@ def _merge_one(name: str, frags: list[Fragment], files: tuple[InputFile, ...]) -
                 "models or runs; use one checkpoint's files only"
             )
     blocks: dict[tuple, Fragment] = {}
+    replicas = []
     for f in sorted(frags, key=lambda f: f.file_index):
-        blocks.setdefault((f.offsets, f.lengths), f)  # replicas (HSDP, plain tensors): lowest file wins
+        if blocks.setdefault((f.offsets, f.lengths), f) is not f:  # replicas (HSDP, TP norms): lowest file wins
+            replicas.append(f)
     chosen = tuple(blocks[k] for k in sorted(blocks))
     _check_coverage(name, first.global_shape, chosen)
-    return SourceTensor(meta=SourceMeta(name=name, dtype=first.dtype, shape=first.global_shape), fragments=chosen)
+    return SourceTensor(meta=SourceMeta(name=name, dtype=first.dtype, shape=first.global_shape), fragments=chosen,
+                        replicas=tuple(replicas))
 
 
 def _check_coverage(name: str, shape: tuple[int, ...], blocks: tuple[Fragment, ...]) -> None:

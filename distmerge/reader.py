@@ -38,12 +38,13 @@ class Reader:
     def can_copy(self, frag: Fragment) -> bool:
         return frag.byte_offset >= 0
 
-    def read_into(self, frag: Fragment, dest: torch.Tensor) -> None:
-        """Fill `dest` (CPU, contiguous uint8 of the fragment's size) with the fragment's bytes."""
+    def read_into(self, frag: Fragment, dest: torch.Tensor, count: bool = True) -> None:
+        """Fill `dest` (CPU, contiguous uint8 of the fragment's size) with the fragment's bytes; `count`:
+        add them to bytes_read (the summary's `read`: bytes the output is made of)."""
         if frag.byte_offset < 0:
             view = self.opened[frag.file_index].views[(frag.key, frag.offsets)]
             dest.view(dtypes.torch_dtype(frag.dtype)).view(frag.lengths).copy_(view)
-            self.bytes_read += dest.numel()
+            self.bytes_read += dest.numel() * count
             return
         buf = memoryview(dest.numpy()).cast("B")
         fd, done = self._fd(frag.file_index), 0
@@ -52,7 +53,7 @@ class Reader:
             if got == 0:
                 self._truncated(frag)
             done += got
-        self.bytes_read += done
+        self.bytes_read += done * count
 
     def copy_to(self, frag: Fragment, out_fd: int, out_offset: int, nbytes: int) -> None:
         """Copy the fragment's bytes into an output file inside the kernel (no trip through memory).

@@ -150,3 +150,23 @@ def test_mp_rank_tt_nnn_without_args(case, second, megatron_ckpts, monkeypatch):
     monkeypatch.setattr(megatron_grid, "_args", lambda value: None)
     grid = megatron_grid.resolve_grid(save_folder(megatron_ckpts[case]))
     assert (grid.pp, grid.ep) == ((2, 1) if second == "pp" else (1, 2))
+
+
+def test_replicas_that_drifted_apart_are_reported(megatron_ckpts, tmp_path):
+    """A norm whose TP copies differ (a sequence-parallel run that did not all-reduce its grads): the merge
+    keeps TP rank 0's copy, as Megatron's converters do, and says so; equal copies say nothing."""
+    original = megatron_ckpts["megatron_tp2pp2"]
+    ckpt = Path(shutil.copytree(original, tmp_path / "ckpt"))
+    path = save_folder(ckpt) / "mp_rank_01_000" / "model_optim_rng.pt"
+    state = torch.load(path, weights_only=False)  # megatron-core is importable here, as in the run that saved it
+    state["model"]["decoder.layers.0.input_layernorm.weight"][3] += 1e-3
+    torch.save(state, path)
+    config = ["--hf-config", hf_config(original)]
+    notes = {}
+    for folder, out in ((ckpt, "drifted"), (original, "clean")):
+        summary = tmp_path / f"{out}.json"
+        assert merge_inproc("--input", folder, "--output", tmp_path / out, *config, "--json-summary", summary) == 0
+        assert_exact(load_merged(tmp_path / out), load_reference(original))
+        notes[out] = [n for n in json.loads(summary.read_text())["notes"] if "replicated copies differ" in n]
+    assert notes["clean"] == []
+    assert len(notes["drifted"]) == 1 and "1 tensor(s) (decoder.layers.0.input_layernorm.weight)" in notes["drifted"][0]
