@@ -17,6 +17,7 @@ from typing import Any
 from distmerge.errors import InputError, LayoutError
 from distmerge.formats import megatron_layout as mg
 from distmerge.formats.torch_private import torch_save
+from distmerge.formats.torch_private.restricted import TensorRef
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,10 +109,24 @@ def _second_is_pp(args: Any, save: Path, folders: dict) -> bool:
     if other is None:
         raise InputError(f"{save}: cannot tell whether mp_rank_TT_NNN numbers pipeline stages or expert ranks "
                          "(no args in the files and no folder numbered 1)")
-    from distmerge.formats.megatron_legacy import model_chunks  # the two modules describe one format
-
     chunks = model_chunks(torch_save.read(save / other).value, save / other)
     return not any("embedding.word_embeddings.weight" in state for state in chunks)
+
+
+def model_chunks(value: Any, path: Path) -> list[dict[str, Any]]:
+    """The model state dicts of a file: `model`, or `model0`, `model1`, ... with virtual pipeline stages,
+    or (older verl model.pt) the file's dict itself."""
+    if not isinstance(value, dict):
+        raise InputError(f"{path} does not hold a dict: not a Megatron checkpoint file")
+    if isinstance(value.get("model"), dict):
+        return [value["model"]]
+    numbered = sorted((int(k[5:]), v) for k, v in value.items() if k[:5] == "model" and k[5:].isdigit())
+    if numbered:
+        return [v for _, v in numbered]
+    if any(isinstance(v, TensorRef) for v in value.values()):
+        return [value]
+    raise InputError(f"{path} has no model weights (keys: {', '.join(sorted(map(str, value))[:6])}): "
+                     "an optimizer-only or non-model file")
 
 
 def _check_sizes(save: Path, args: Any, tp: int, pp: int, ep: int) -> None:

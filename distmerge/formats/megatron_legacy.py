@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from distmerge import dtypes
-from distmerge.errors import InputError, LayoutError
+from distmerge.errors import LayoutError
 from distmerge.formats import megatron_layout as mg
 from distmerge.formats.base import Fragment, InputFile, OpenedFile, Scan, input_file
-from distmerge.formats.megatron_grid import Grid, resolve_grid
+from distmerge.formats.megatron_grid import Grid, model_chunks, resolve_grid
 from distmerge.formats.torch_private import torch_save
 from distmerge.formats.torch_private.restricted import TensorRef
 
@@ -83,22 +83,6 @@ def _check_same_save(value: Any, details: dict, path: str) -> None:
         if isinstance(saved, int) and saved != size:
             raise LayoutError(f"{path} was saved by another run: its args say {what}={saved}, this save has "
                               f"{size} ({details['parallel']}); use one save's files only")
-
-
-def model_chunks(value: Any, path: Path) -> list[dict[str, Any]]:
-    """The model state dicts of a file: `model`, or `model0`, `model1`, ... with virtual pipeline stages,
-    or (older verl model.pt) the file's dict itself."""
-    if not isinstance(value, dict):
-        raise InputError(f"{path} does not hold a dict: not a Megatron checkpoint file")
-    if isinstance(value.get("model"), dict):
-        return [value["model"]]
-    numbered = sorted((int(k[5:]), v) for k, v in value.items() if k[:5] == "model" and k[5:].isdigit())
-    if numbered:
-        return [v for _, v in numbered]
-    if any(isinstance(v, TensorRef) for v in value.values()):
-        return [value]
-    raise InputError(f"{path} has no model weights (keys: {', '.join(sorted(map(str, value))[:6])}): "
-                     "an optimizer-only or non-model file")
 
 
 def _fragment(name: str, key: str, ref: TensorRef, saved: torch_save.SavedObject, file: InputFile, tp: int,
