@@ -117,9 +117,9 @@ def test_missing_layers_are_named():
 
 
 def test_mixtral_and_qwen2_moe_tables():
-    """Rows the end-to-end tests do not reach (no Mixtral or Qwen2-MoE fixture): names from the HF models'
-    own state dicts (MixtralForCausalLM: block_sparse_moe.experts.{e}.w1/w2/w3; Qwen2MoeForCausalLM:
-    mlp.shared_expert.*, mlp.shared_expert_gate)."""
+    """Mixtral and Qwen2-MoE rows by name (end to end: megatron_dist_mixtral_ep2, megatron_qwen2_moe_tp2),
+    including the grouped-GEMM spelling no fixture writes (MixtralForCausalLM's saved names:
+    block_sparse_moe.experts.{e}.w1/w2/w3; Qwen2MoeForCausalLM: mlp.shared_expert.*, shared_expert_gate)."""
     layer = "decoder.layers.0."
     shapes = {layer + "mlp.router.weight": (2, 16), layer + "mlp.experts.local_experts.1.linear_fc1.weight": (12, 16),
               layer + "mlp.experts.local_experts.1.linear_fc2.weight": (16, 6)}

@@ -14,12 +14,13 @@ import torch
 from tests.conftest import assert_exact, load_merged, load_reference, merge_inproc, reference_dir, torchrun, tree_bytes
 
 # Llama (GQA), Qwen2 (qkv bias, tied embeddings, padded vocab), Qwen3 (q/k norm, head_dim != hidden/heads),
-# Qwen3-MoE (4 experts), Llama with one key/value head at TP=2 (a query group spans both TP ranks);
+# Qwen3-MoE (4 experts), Qwen2-MoE (shared expert with its gate), Mixtral (block_sparse_moe names),
+# Llama with one key/value head at TP=2 (a query group spans both TP ranks);
 # TP, TP x PP, virtual pipeline stages, expert parallelism with and without TP.
 LEGACY = ["megatron_tp2", "megatron_tp2pp2", "megatron_qwen2_tp2", "megatron_qwen3_tp2", "megatron_vpp",
-          "megatron_moe_ep2", "megatron_moe_tp2ep2", "megatron_mqa_tp2"]
+          "megatron_moe_ep2", "megatron_moe_tp2ep2", "megatron_mqa_tp2", "megatron_qwen2_moe_tp2"]
 DIST = ["megatron_dist_tp2", "megatron_dist_tp2pp2", "megatron_dist_qwen2_tp2pp2", "megatron_dist_qwen3_tp2",
-        "megatron_dist_moe_ep2", "megatron_dist_vpp"]
+        "megatron_dist_moe_ep2", "megatron_dist_vpp", "megatron_dist_mixtral_ep2"]
 CASES = LEGACY + DIST
 
 
@@ -46,7 +47,7 @@ def test_megatron_merged_equals_reference(case, megatron_ckpts, megatron_merged)
 
 @pytest.mark.parametrize("case", ["megatron_tp2pp2", "megatron_dist_tp2", "megatron_qwen2_tp2", "megatron_vpp",
                                   "megatron_dist_qwen3_tp2", "megatron_moe_tp2ep2", "megatron_dist_moe_ep2",
-                                  "megatron_mqa_tp2"])
+                                  "megatron_mqa_tp2", "megatron_qwen2_moe_tp2", "megatron_dist_mixtral_ep2"])
 def test_megatron_from_pretrained_gives_reference_logits(case, megatron_ckpts, megatron_merged):
     from transformers import AutoModelForCausalLM
 
