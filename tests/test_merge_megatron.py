@@ -171,3 +171,10 @@ def test_replicas_that_drifted_apart_are_reported(megatron_ckpts, tmp_path):
         notes[out] = [n for n in json.loads(summary.read_text())["notes"] if "replicated copies differ" in n]
     assert notes["clean"] == []
     assert len(notes["drifted"]) == 1 and "1 tensor(s) (decoder.layers.0.input_layernorm.weight)" in notes["drifted"][0]
+
+
+def test_one_rank_folder_is_not_the_checkpoint(megatron_ckpts, tmp_path, capsys):
+    ckpt = megatron_ckpts["megatron_tp2"]
+    rank = save_folder(ckpt) / "mp_rank_01"
+    assert merge_inproc("--input", rank, "--output", tmp_path / "out", "--hf-config", hf_config(ckpt)) == 1
+    assert "one rank's folder of a Megatron save: pass the folder that holds the mp_rank_*" in capsys.readouterr().err

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from distmerge.errors import InputError
+from distmerge.formats import megatron_layout
 from distmerge.formats.base import InputFormat
 from distmerge.formats.dcp import DcpFormat
 from distmerge.formats.dcp_hf import DcpHfFormat
@@ -37,6 +38,9 @@ def pick(root: Path, requested: str = "auto") -> InputFormat:
     for fmt in FORMATS.values():
         if fmt.detect(root):
             return fmt
+    if megatron_layout.RANK_DIR.match(root.name):
+        raise InputError(f"{root} is one rank's folder of a Megatron save: pass the folder that holds the "
+                         "mp_rank_* folders (or the checkpoint folder above it)")
     listing = sorted(p.name for p in root.iterdir())[:8]
     raise InputError(
         f"{root} is not a checkpoint distmerge recognises (found: {', '.join(listing) or 'nothing'}); "
