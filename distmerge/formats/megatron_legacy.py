@@ -53,11 +53,8 @@ class MegatronLegacyFormat:
         _check_same_save(saved.value, scan.details, file.path)
         opened = OpenedFile(fragments=[], layout={})
         for chunk, state in enumerate(model_chunks(saved.value, path)):
+            _check_layer_count(state, scan.details["layer_counts"][f"{pp}/{chunk}"], file.path, pp)
             offset = scan.details["layer_offsets"][f"{pp}/{chunk}"]
-            layers = len({n for k in state if (n := mg.layer_number(k)) is not None})
-            if layers != scan.details["layer_counts"][f"{pp}/{chunk}"]:
-                raise LayoutError(f"{file.path} holds {layers} layers where the other files of pipeline stage "
-                                  f"{pp} hold {scan.details['layer_counts'][f'{pp}/{chunk}']}: a file of another save")
             experts = _local_expert_count(state)
             for key, value in state.items():
                 if key.endswith("_extra_state") or not isinstance(value, TensorRef):
@@ -69,6 +66,14 @@ class MegatronLegacyFormat:
                 kind = "replicated" if frag.global_shape == frag.lengths else f"TP split on dim {mg.tp_split_dim(name)}"
                 opened.layout[kind] = opened.layout.get(kind, 0) + 1
         return opened
+
+
+def _check_layer_count(state: dict[str, Any], expected: int, path: str, pp: int) -> None:
+    """Every file of a pipeline stage holds the same layers (scan counted them in the stage's TP rank 0)."""
+    layers = len({n for k in state if (n := mg.layer_number(k)) is not None})
+    if layers != expected:
+        raise LayoutError(f"{path} holds {layers} layers where the other files of pipeline stage {pp} hold "
+                          f"{expected}: a file of another save")
 
 
 def _check_same_save(value: Any, details: dict, path: str) -> None:
