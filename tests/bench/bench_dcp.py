@@ -35,7 +35,7 @@ from common import (
     machine_line,
     parse_size,
     print_checks,
-    show,
+    print_results,
     warm,
 )
 from compare_outputs import byte_differences, tensor_differences
@@ -163,12 +163,7 @@ def main() -> int:
         return 2
     shape = llama_shape(args.size)
     rows, note = table(bench, ckpt_bytes)
-    print(f"\nresults (median of {args.repeats}; GB/s = .distcp bytes / s; hot page cache, nothing dropped):")
-    print(show(rows, markdown=False))
-    print(note)
-    print("\ncommands:")
-    for row, cmd in bench.commands.items():
-        print(f"  {row}: {cmd}")
+    print_results(bench, rows, ".distcp bytes", note)
     ok = check(bench)
 
     cmdline = (f"python tests/bench/bench_dcp.py --size {args.size / 1e9:g}GB --world {args.world} "

@@ -30,7 +30,7 @@ from common import (
     machine_line,
     parse_size,
     print_checks,
-    show,
+    print_results,
     warm,
 )
 from compare_outputs import byte_differences, tensor_differences
@@ -107,11 +107,7 @@ def main() -> int:
         return 2
     shape = llama_shape(args.size)
     rows = table(bench, ckpt_bytes)
-    print(f"\nresults (median of {args.repeats}; GB/s = checkpoint bytes / s; hot page cache, nothing dropped):")
-    print(show(rows, markdown=False))
-    print("\ncommands:")
-    for row, cmd in bench.commands.items():
-        print(f"  {row}: {cmd}")
+    print_results(bench, rows, "checkpoint bytes")
     ok = check(bench)
 
     cmdline = (f"python tests/bench/bench_fsdp.py --size {args.size / 1e9:g}GB --world {args.world} "

@@ -32,8 +32,8 @@ from common import (
     machine_line,
     parse_size,
     print_checks,
+    print_results,
     run,
-    show,
     warm,
 )
 from compare_outputs import byte_differences, tensor_differences, tensor_index
@@ -190,11 +190,7 @@ def main() -> int:
         return 2
     shape = megatron_shape(args.size, args.tp, args.pp)
     rows = table(bench, ckpt_bytes)
-    print(f"\nresults (median of {args.repeats}; GB/s = mp_rank file bytes / s; hot page cache, nothing dropped):")
-    print(show(rows, markdown=False))
-    print("\ncommands:")
-    for row, cmd in bench.commands.items():
-        print(f"  {row}: {cmd}")
+    print_results(bench, rows, "mp_rank file bytes")
     ok = check(bench)
 
     cmdline = (f"python tests/bench/bench_megatron.py --size {args.size / 1e9:g}GB --tp {args.tp} --pp {args.pp} "

@@ -264,3 +264,14 @@ def close_report(rows: list[list[str]], ok: bool, keep: bool, out: Path, kept_in
     kept = f"kept in {out}" if keep else "deleted (--keep keeps them)"
     print(f"{kept_inputs}; merged outputs {kept}")
     return 0 if ok else 1
+
+
+def print_results(bench: Bench, rows: list, what: str, note: str = "") -> None:
+    """The results table (plain text) and the exact commands behind each row."""
+    print(f"\nresults (median of {bench.args.repeats}; GB/s = {what} / s; hot page cache, nothing dropped):")
+    print(show(rows, markdown=False))
+    if note:
+        print(note)
+    print("\ncommands:")
+    for row, cmd in bench.commands.items():
+        print(f"  {row}: {cmd}")
