@@ -59,8 +59,8 @@ def read(path: Path) -> SavedObject:
             return SavedObject(value=value, storage_offsets={i.filename[len(prefix) :]: offsets[i.filename]
                                                               for i in records})
     except zipfile.BadZipFile:
-        raise CorruptInputError(f"{path} is not a torch.save file (not a zip archive: truncated or not a "
-                                "checkpoint)") from None
+        raise CorruptInputError(f"{path} is not a torch.save file (not a zip archive: truncated, not a checkpoint, "
+                                "or saved in torch's pre-1.6 format, which distmerge does not read)") from None
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError) as err:
         raise CorruptInputError(f"{path} cannot be read safely ({err}); distmerge loads no code from "
                                 "checkpoints") from None
