@@ -59,7 +59,8 @@ class DcpFormat:
         files = tuple(input_file(root, i, p) for i, p in enumerate(paths))
         ranks = {int(m[1]) for p in os.listdir(root) if (m := RANK_OF.match(p))}
         skipped = len({c.fqn for c in md.chunks}) - len(names) + len(md.non_tensors)
-        notes = [f"skipped {skipped} entries that are not model weights (optimizer, train state, ...)"] * bool(skipped)
+        what = "optimizer, train state, extra state, ..."
+        notes = [f"skipped {skipped} entries that are not model weights ({what})"] * bool(skipped)
         return Scan(format=self.name, root=str(root), files=files, hf_dir=hf_dir_near(root),
                     world_size=len(ranks) or len(files), notes=tuple(notes))
 
