@@ -11,7 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import assert_exact, load_merged, load_reference, merge_inproc, reference_dir, torchrun, tree_bytes
+from tests.conftest import (
+    assert_exact,
+    assert_reference_logits,
+    load_merged,
+    load_reference,
+    merge_inproc,
+    reference_dir,
+    torchrun,
+    tree_bytes,
+)
 
 # Llama (GQA), Qwen2 (qkv bias, tied embeddings, padded vocab), Qwen3 (q/k norm, head_dim != hidden/heads),
 # Qwen3-MoE (4 experts), Qwen2-MoE (shared expert with its gate), Mixtral (block_sparse_moe names),
@@ -49,13 +58,7 @@ def test_megatron_merged_equals_reference(case, megatron_ckpts, megatron_merged)
                                   "megatron_dist_qwen3_tp2", "megatron_moe_tp2ep2", "megatron_dist_moe_ep2",
                                   "megatron_mqa_tp2", "megatron_qwen2_moe_tp2", "megatron_dist_mixtral_ep2"])
 def test_megatron_from_pretrained_gives_reference_logits(case, megatron_ckpts, megatron_merged):
-    from transformers import AutoModelForCausalLM
-
-    ref = torch.load(reference_dir(megatron_ckpts[case]) / "logits.pt", weights_only=True)
-    model = AutoModelForCausalLM.from_pretrained(megatron_merged[case]).eval()
-    with torch.no_grad():
-        logits = model(ref["input_ids"]).logits.float()
-    torch.testing.assert_close(logits, ref["logits"], rtol=0, atol=1e-5)
+    assert_reference_logits(megatron_merged[case], megatron_ckpts[case])
 
 
 def test_megatron_dtype_cast(megatron_ckpts, tmp_path):

@@ -6,9 +6,10 @@ model in memory next to the other jobs on the machine.
 
 from __future__ import annotations
 
-import hashlib
 from contextlib import ExitStack
 from pathlib import Path
+
+from distmerge.resume import sha256_of
 
 
 def tensor_index(folder: Path) -> dict[str, Path]:
@@ -43,18 +44,10 @@ def tensor_differences(a: Path, b: Path) -> list[str]:
     return problems
 
 
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def byte_differences(a: Path, b: Path) -> list[str]:
     """Files that are missing on one side or differ in content; empty when the folders are byte-identical."""
     fa = {p.name for p in a.iterdir() if p.is_file()}
     fb = {p.name for p in b.iterdir() if p.is_file()}
     problems = [f"{n}: only in {a}" for n in sorted(fa - fb)] + [f"{n}: only in {b}" for n in sorted(fb - fa)]
-    problems += [f"{n}: contents differ" for n in sorted(fa & fb) if sha256(a / n) != sha256(b / n)]
+    problems += [f"{n}: contents differ" for n in sorted(fa & fb) if sha256_of(a / n) != sha256_of(b / n)]
     return problems
