@@ -17,27 +17,11 @@ import torch
 
 from distmerge import dtypes, transforms
 from distmerge.errors import LayoutError
-from distmerge.exchange import frag_bytes
+from distmerge.families.base import Unit
 from distmerge.formats.base import Fragment
-from distmerge.mapping import Unit
 from distmerge.plan import Plan
 from distmerge.reader import Reader
 from distmerge.writer import ShardWriter
-
-
-def contiguous_start(offsets: tuple[int, ...], lengths: tuple[int, ...], shape: tuple[int, ...]) -> int | None:
-    """Flat element index where the block starts, if it is one contiguous run of the row-major tensor."""
-    lead = 0
-    while lead < len(shape) and lengths[lead] == 1:
-        lead += 1
-    if any(lengths[d] != shape[d] for d in range(lead + 1, len(shape))):
-        return None
-    start, stride = 0, 1
-    for d in reversed(range(len(shape))):
-        start += offsets[d] * stride
-        stride *= shape[d]
-    return start
-
 
 # Transforms that keep a prefix of the source's bytes, in order: a direct unit may apply them by clipping.
 PREFIX_TRANSFORMS = ("identity", "trim_rows")
@@ -62,7 +46,7 @@ class UnitBuild:
         src, target = self.sources[0], self.unit.targets[0]
         if target.dtype != src.meta.dtype:
             return False
-        return all(contiguous_start(f.offsets, f.lengths, src.meta.shape) is not None for f in src.fragments)
+        return all(f.flat_start() is not None for f in src.fragments)
 
     def fragments(self) -> list[tuple[str, Fragment]]:
         return [(s.meta.name, f) for s in self.sources for f in s.fragments]
@@ -77,7 +61,7 @@ class UnitBuild:
         if run is not None:
             reader.read_into(frag, run)  # straight into the source tensor: no second copy
             return
-        data = torch.empty(frag_bytes(frag), dtype=torch.uint8)
+        data = torch.empty(frag.nbytes, dtype=torch.uint8)
         reader.read_into(frag, data)
         self.place_received(source, frag, data)
 
@@ -88,8 +72,7 @@ class UnitBuild:
                 self.writer.write_bytes(memoryview(data[:nbytes].cpu().numpy()).cast("B"), offset)
             return
         dtype = dtypes.torch_dtype(frag.dtype)
-        block = tuple(slice(o, o + n) for o, n in zip(frag.offsets, frag.lengths, strict=True))
-        self.tensors[source][block].copy_(data.view(dtype).view(frag.lengths), non_blocking=True)
+        frag.view_in(self.tensors[source]).copy_(data.view(dtype).view(frag.lengths), non_blocking=True)
 
     def finish(self) -> None:
         if self.direct:
@@ -105,14 +88,14 @@ class UnitBuild:
         """Where a direct fragment's bytes go in the output file, and how many of them the target keeps
         (all for identity; for trim_rows only those before the target's end)."""
         meta, target = self.plan.sources[source].meta, self.unit.targets[0]
-        begin = contiguous_start(frag.offsets, frag.lengths, meta.shape) * dtypes.itemsize(meta.dtype)
-        kept = max(0, min(frag_bytes(frag), target.nbytes - begin))
+        begin = frag.flat_start() * dtypes.itemsize(meta.dtype)
+        kept = max(0, min(frag.nbytes, target.nbytes - begin))
         return self.writer.offset(target.name, min(begin, target.nbytes)), kept
 
     def _run_in_source(self, source: str, frag: Fragment) -> torch.Tensor | None:
         """The fragment's bytes inside the preallocated CPU source tensor, when they are one run of it."""
         tensor = self.tensors[source]
-        start = contiguous_start(frag.offsets, frag.lengths, tuple(tensor.shape))
+        start = frag.flat_start()
         if start is None or tensor.device.type != "cpu":
             return None
         return tensor.view(-1)[start : start + frag.numel].view(torch.uint8)

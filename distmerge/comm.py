@@ -143,3 +143,10 @@ def process_group(*, device: str, timeout_s: float) -> Iterator[Comm]:
     finally:
         comm.close()
         sys.stdout.flush()
+
+
+def resolve_device(device: str) -> str:
+    """--device auto: the GPU when torch sees one."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device

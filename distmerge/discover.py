@@ -7,21 +7,15 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from distmerge.errors import ConfigError, InputError, OutputError
-from distmerge.formats import megatron_layout, registry
+from distmerge.formats import registry
 from distmerge.formats.base import Scan
-from distmerge.plan import INDEX_NAME
-from distmerge.resume import RECORDS
-
-# What an earlier merge left: finished files (--overwrite removes them, --resume keeps them for
-# resume.py to judge) and half-written ones (writer.partial_name's, always removed).
-FINISHED = ("model.safetensors", "model-*-of-*.safetensors", "lora_adapter/adapter_model.safetensors",
-            "lora_adapter/adapter_config.json")
-PARTIAL = (".model*.partial", "lora_adapter/.*.partial")
+from distmerge.output_files import FINISHED, INDEX_NAME, PARTIAL, RECORDS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,12 +25,12 @@ class Discovery:
     hf_dir: str
 
 
-def discover(root: Path, fmt_name: str, hf_config: Path | None, iteration: str | None = None) -> Discovery:
-    """Format, files and config of a checked input folder (see check_input). `iteration` picks one save
-    of a Megatron checkpoint folder instead of the latest."""
-    if iteration is not None:
-        root = megatron_layout.iteration_dir(root, iteration)
-    scan = registry.pick(root, fmt_name).scan(root)
+def discover(root: Path, fmt_name: str, hf_config: Path | None, options: Mapping[str, Any]) -> Discovery:
+    """Format, files and config of a checked input folder (see check_input). `options` are the format's
+    own (formats/base.FormatOption), e.g. the Megatron save to take."""
+    fmt = registry.pick(root, fmt_name)
+    registry.check_options(fmt, options)
+    scan = fmt.scan(root, options)
     hf_dir = Path(hf_config) if hf_config else (Path(scan.hf_dir) if scan.hf_dir else None)
     if hf_dir is None:
         raise ConfigError(

@@ -17,24 +17,22 @@ import resource
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-
-import torch
+from typing import Any
 
 from distmerge import discover as disc
-from distmerge import families, replicas, resume
 from distmerge import plan as planning
+from distmerge import replicas, resume
 from distmerge.assemble import UnitBuild
 from distmerge.comm import Comm
-from distmerge.dtypes import CAST_CHOICES
-from distmerge.errors import InputError
 from distmerge.exchange import Exchanger, Pending
 from distmerge.finalize import finalize
 from distmerge.formats import registry
 from distmerge.formats.base import Fragment
-from distmerge.mapping import FamilyContext, LoraOptions
 from distmerge.plan import Plan
+from distmerge.prepare import OutputSettings, plan_merge
 from distmerge.reader import Reader
 from distmerge.report import Progress
+from distmerge.results import MergeResult, RankStats
 from distmerge.writer import ShardWriter
 
 # Fault-injection aid for tests that kill a rank mid-merge: a pause after every round. Zero otherwise.
@@ -47,40 +45,11 @@ class MergeOptions:
     output: Path
     format: str = "auto"
     hf_config: Path | None = None
-    iteration: str | None = None  # Megatron: which save (default: latest_checkpointed_iteration.txt's)
-    dtype: str = "keep"
-    max_shard_bytes: int = 5 * 10**9
-    budget_bytes: int = 128 * 2**20
+    format_options: dict[str, Any] = field(default_factory=dict)  # the format's own (Megatron's iteration)
+    settings: OutputSettings = field(default_factory=OutputSettings)
     overwrite: bool = False
     resume: bool = False
     checksum: bool = False
-    lora: LoraOptions = field(default_factory=LoraOptions)
-
-
-@dataclass(frozen=True, kw_only=True)
-class RankStats:
-    rank: int
-    bytes_read: int
-    bytes_written: int
-    files_written: int
-    peak_rss: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class MergeResult:
-    output: str
-    format: str
-    input_world_size: int
-    processes: int
-    device: str
-    tensors: int
-    files: list[tuple[str, int]]
-    total_bytes: int
-    seconds: float
-    ranks: list[RankStats]
-    notes: list[str] = field(default_factory=list)
-    copied: list[str] = field(default_factory=list)
-    resumed_files: int = 0
 
 
 def merge(opts: MergeOptions, comm: Comm, progress: Progress) -> MergeResult:
@@ -88,12 +57,12 @@ def merge(opts: MergeOptions, comm: Comm, progress: Progress) -> MergeResult:
     out = Path(opts.output)
     found = comm.root_only(lambda: _discover(opts))
     scan = found.scan
-    reader = Reader(scan, registry.FORMATS[scan.format])
+    reader = Reader(scan, registry.get(scan.format))
     readers = planning.assign_readers(scan.files, comm.world)
     writers: dict[int, ShardWriter] = {}
     try:
         inventories = comm.gather(lambda: reader.open([i for i, r in enumerate(readers) if r == comm.rank]))
-        plan = comm.agree(lambda: _plan(opts, found, inventories, comm.world))
+        plan = comm.agree(lambda: plan_merge(found, _flat(inventories), comm.world, opts.settings))
         plan = replace(plan, notes=(*plan.notes, *replicas.check(plan, comm, reader)))
         fp = resume.fingerprint(plan, scan.files, _output_options(opts))
         kept = comm.root_only(lambda: resume.finished_files(out, plan, fp) if opts.resume else [])
@@ -152,36 +121,19 @@ def _rounds(todo: Plan, opts: MergeOptions, fp: str, comm: Comm, reader: Reader,
 def _discover(opts: MergeOptions) -> disc.Discovery:
     root = disc.check_input(opts.input)
     out = disc.check_output(opts.output, opts.input, opts.overwrite or opts.resume)
-    found = disc.discover(root, opts.format, opts.hf_config, opts.iteration)
+    found = disc.discover(root, opts.format, opts.hf_config, opts.format_options)
     disc.prepare_output(out, keep_finished=opts.resume)
     return found
 
 
 def _output_options(opts: MergeOptions) -> dict:
     """What shapes the output besides the input files (resume only keeps files made the same way)."""
-    return {"dtype": opts.dtype, "max_shard_bytes": opts.max_shard_bytes, "format": opts.format,
-            "iteration": opts.iteration}
+    return {"dtype": opts.settings.dtype, "max_shard_bytes": opts.settings.max_shard_bytes, "format": opts.format,
+            **opts.format_options}
 
 
-def _plan(opts: MergeOptions, found: disc.Discovery, inventories: list[list[Fragment]], world: int) -> Plan:
-    scan = found.scan
-    sources = planning.merge_inventories([f for inv in inventories for f in inv], scan.files)
-    if not sources:
-        raise InputError(f"{scan.root}: the rank files hold no tensors")
-    metas = {name: s.meta for name, s in sources.items()}
-    ctx = FamilyContext(config=found.config, cast=CAST_CHOICES[opts.dtype], details=scan.details, lora=opts.lora,
-                        output=str(Path(opts.output).resolve()))
-    result = families.units_for(scan.details.get("naming", "hf"), metas, ctx)
-    return planning.make_plan(
-        sources=sources,
-        units=result.units,
-        files=scan.files,
-        world=world,
-        max_shard_bytes=opts.max_shard_bytes,
-        budget_bytes=opts.budget_bytes,
-        extra_files=result.extra_files,
-        notes=tuple(result.notes),
-    )
+def _flat(inventories: list[list[Fragment]]) -> list[Fragment]:
+    return [f for inventory in inventories for f in inventory]
 
 
 def _build(plan: Plan, units, pending: Pending, opts: MergeOptions, fp: str, comm: Comm, reader: Reader,
@@ -224,8 +176,3 @@ def _stats(rank: int, reader: Reader, plan: Plan) -> RankStats:
         peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     )
 
-
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device

@@ -16,15 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from distmerge import dtypes
 from distmerge.comm import Comm
 from distmerge.formats.base import Fragment
 from distmerge.plan import Plan
 from distmerge.reader import Reader
-
-
-def frag_bytes(frag: Fragment) -> int:
-    return frag.numel * dtypes.itemsize(frag.dtype)
 
 
 def slot(nbytes: int) -> int:
@@ -66,8 +61,8 @@ class Pending:
         received, at = {}, 0
         for frags in self.incoming:
             for f in frags:
-                received[f] = self.recv[at : at + frag_bytes(f)]
-                at += slot(frag_bytes(f))
+                received[f] = self.recv[at : at + f.nbytes]
+                at += slot(f.nbytes)
         return received
 
 
@@ -86,8 +81,8 @@ class Exchanger:
         me, world = self.comm.rank, self.comm.world
         outgoing = [crossing.get((me, d), []) for d in range(world)]
         incoming = [crossing.get((s, me), []) for s in range(world)]
-        send_splits = [sum(slot(frag_bytes(f)) for f in frags) for frags in outgoing]
-        recv_splits = [sum(slot(frag_bytes(f)) for f in frags) for frags in incoming]
+        send_splits = [sum(slot(f.nbytes) for f in frags) for frags in outgoing]
+        recv_splits = [sum(slot(f.nbytes) for f in frags) for frags in incoming]
         # No collective before sending: a rank whose read fails still sends (garbage of the planned size)
         # and raises at wait(), inside the round's gather, where every rank learns of it. So owners start
         # writing round k while readers are still packing round k+1.
@@ -107,8 +102,8 @@ class Exchanger:
         buf, at = self._send[slot_set][:total], 0
         for frags in outgoing:
             for f in frags:
-                self.reader.read_into(f, buf[at : at + frag_bytes(f)])
-                at += slot(frag_bytes(f))
+                self.reader.read_into(f, buf[at : at + f.nbytes])
+                at += slot(f.nbytes)
         return buf
 
     def _recv_buffer(self, total: int, slot_set: int) -> torch.Tensor:

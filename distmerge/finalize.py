@@ -4,14 +4,14 @@ config, custom code, and last the index, the commit marker of a finished merge."
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from distmerge import dtypes
-from distmerge.plan import INDEX_NAME, Plan
+from distmerge.output_files import INDEX_NAME, MODEL_FILES, atomic_write_text
+from distmerge.plan import Plan
 from distmerge.resume import write_manifest
 
 # Files of huggingface/ that are weights or indexes, never copied (the merge writes its own).
@@ -35,7 +35,7 @@ def write_config(out: Path, config: dict[str, Any], dtype: str | None) -> None:
         keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["torch_dtype"]
         for key in keys:
             config[key] = dtypes.hf_dtype_name(dtype)
-    _atomic_write(out / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
+    atomic_write_text(out / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def copy_hf_files(hf_dir: Path, out: Path) -> list[str]:
@@ -54,7 +54,7 @@ def copy_hf_files(hf_dir: Path, out: Path) -> list[str]:
 def remove_strays(out: Path, plan: Plan) -> None:
     """Model files of an earlier, differently split run that --resume left behind."""
     planned = {f.name for f in plan.files}
-    for pattern in ("model.safetensors", "model-*-of-*.safetensors"):
+    for pattern in MODEL_FILES:
         for path in out.glob(pattern):
             if path.name not in planned:
                 path.unlink()
@@ -63,8 +63,7 @@ def remove_strays(out: Path, plan: Plan) -> None:
 def write_extra_files(out: Path, plan: Plan) -> None:
     """JSON files a family asked for (a LoRA adapter's adapter_config.json)."""
     for rel, content in plan.extra_files.items():
-        (out / rel).parent.mkdir(parents=True, exist_ok=True)
-        _atomic_write(out / rel, json.dumps(content, indent=2, sort_keys=True) + "\n")
+        atomic_write_text(out / rel, json.dumps(content, indent=2, sort_keys=True) + "\n")
 
 
 def write_index(out: Path, plan: Plan) -> None:
@@ -72,7 +71,7 @@ def write_index(out: Path, plan: Plan) -> None:
     weight_map = {t.name: f.name for f in files for t in f.targets}
     total = sum(f.nbytes for f in files)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    _atomic_write(out / INDEX_NAME, json.dumps(index, indent=2) + "\n")
+    atomic_write_text(out / INDEX_NAME, json.dumps(index, indent=2) + "\n")
 
 
 def finalize(out: Path, plan: Plan, config: dict[str, Any], hf_dir: Path) -> list[str]:
@@ -84,11 +83,3 @@ def finalize(out: Path, plan: Plan, config: dict[str, Any], hf_dir: Path) -> lis
     write_index(out, plan)  # last: its presence means every file above is complete
     return copied
 
-
-def _atomic_write(path: Path, text: str) -> None:
-    temp = path.with_name(f".{path.name}.partial")
-    with open(temp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temp, path)

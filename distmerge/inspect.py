@@ -11,21 +11,20 @@ from rich.console import Console
 from rich.table import Table
 
 from distmerge import discover as disc
-from distmerge import families
-from distmerge import plan as planning
-from distmerge.dtypes import CAST_CHOICES
-from distmerge.families.hf import ties_embeddings
+from distmerge.cli_options import format_options, output_settings
+from distmerge.families.base import claim
 from distmerge.formats import registry
-from distmerge.mapping import FamilyContext
+from distmerge.prepare import plan_merge
 from distmerge.reader import Reader
 from distmerge.report import human_bytes
 
 
 def describe(args: argparse.Namespace) -> dict:
+    """What `merge` with the same options would do, planned as merge plans it (one process)."""
     root = disc.check_input(args.input)
-    found = disc.discover(root, args.format, args.hf_config, args.iteration)
+    found = disc.discover(root, args.format, args.hf_config, format_options(args))
     scan = found.scan
-    reader = Reader(scan, registry.FORMATS[scan.format])
+    reader = Reader(scan, registry.get(scan.format))
     try:
         fragments = reader.open(list(range(len(scan.files))))
         layout: Counter[str] = Counter()
@@ -33,12 +32,8 @@ def describe(args: argparse.Namespace) -> dict:
             layout.update(opened.layout)
     finally:
         reader.close()
-    sources = planning.merge_inventories(fragments, scan.files)
-    metas = {n: s.meta for n, s in sources.items()}
-    ctx = FamilyContext(config=found.config, cast=CAST_CHOICES[args.dtype], details=scan.details)
-    result = families.units_for(scan.details.get("naming", "hf"), metas, ctx)
-    plan = planning.make_plan(sources=sources, units=result.units, files=scan.files, world=1,
-                              max_shard_bytes=args.max_shard_size, budget_bytes=2**62, notes=tuple(result.notes))
+    plan = plan_merge(found, fragments, 1, output_settings(args))
+    traits = claim([f.name for f in fragments], found.config, scan.hints).traits(found.config)
     targets = [t for f in plan.files for t in f.targets]
     return {
         "input": str(root),
@@ -51,9 +46,10 @@ def describe(args: argparse.Namespace) -> dict:
         "parameters": sum(math.prod(t.shape) for t in targets),
         "bytes": plan.total_bytes,
         "dtypes": dict(Counter(t.dtype for t in targets).most_common()),
-        "tied_embeddings": ties_embeddings(found.config),
+        "tied_embeddings": traits.ties(found.config),
         "architectures": found.config.get("architectures", []),
         "output_files": [{"name": f.name, "tensors": len(f.targets), "bytes": f.nbytes} for f in plan.files],
+        "extra_files": sorted(plan.extra_files),
         "notes": [*scan.notes, *plan.notes],
     }
 
@@ -76,6 +72,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     ]
     for f in info["output_files"]:
         rows.append(("output", f"{f['name']}: {f['tensors']} tensors, {human_bytes(f['bytes'])}"))
+    rows += [("output", name) for name in info["extra_files"]]
     rows += [("note", n) for n in info["notes"]]
     for row in rows:
         table.add_row(*row)

@@ -15,10 +15,9 @@ from dataclasses import dataclass, field, replace
 
 from distmerge import dtypes
 from distmerge.errors import LayoutError
+from distmerge.families.base import SourceMeta, Target, Unit
 from distmerge.formats.base import Fragment, InputFile
-from distmerge.mapping import GROUP_FILES, SourceMeta, Target, Unit
-
-INDEX_NAME = "model.safetensors.index.json"
+from distmerge.output_files import GROUP_FILES, model_file_names
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,7 +98,7 @@ def _merge_one(name: str, frags: list[Fragment], files: tuple[InputFile, ...]) -
     blocks: dict[tuple, Fragment] = {}
     replicas = []
     for f in sorted(frags, key=lambda f: f.file_index):
-        if blocks.setdefault((f.offsets, f.lengths), f) is not f:  # replicas (HSDP, TP norms): lowest file wins
+        if blocks.setdefault(f.region, f) is not f:  # replicas (HSDP, TP norms): lowest file wins
             replicas.append(f)
     chosen = tuple(blocks[k] for k in sorted(blocks))
     _check_coverage(name, first.global_shape, chosen)
@@ -108,20 +107,16 @@ def _merge_one(name: str, frags: list[Fragment], files: tuple[InputFile, ...]) -
 
 
 def _check_coverage(name: str, shape: tuple[int, ...], blocks: tuple[Fragment, ...]) -> None:
-    """Blocks must lie inside the tensor, not overlap, and add up to all of it."""
+    """Fragments must lie inside the tensor, not overlap, and add up to all of it."""
     for b in blocks:
-        if any(o < 0 or o + n > s for o, n, s in zip(b.offsets, b.lengths, shape, strict=True)):
+        if not b.inside_tensor():
             where = f"a block at {list(b.offsets)} of size {list(b.lengths)}"
             raise LayoutError(f"{name}: {where} lies outside its shape {list(shape)}")
-    if shape and len(blocks) > 1:
-        dim = max(range(len(shape)), key=lambda d: len({b.offsets[d] for b in blocks}))
-        ordered = sorted(blocks, key=lambda b: b.offsets[dim])
-        for i, a in enumerate(ordered):
-            for b in ordered[i + 1 :]:
-                if b.offsets[dim] >= a.offsets[dim] + a.lengths[dim]:
-                    break
-                if _overlap(a, b):
-                    raise LayoutError(f"{name}: blocks at {list(a.offsets)} and {list(b.offsets)} overlap")
+    pieces = [b for b in blocks if b.numel]
+    if len(pieces) > 1:
+        a, b = _first_overlap(pieces)
+        if a is not None:
+            raise LayoutError(f"{name}: blocks at {list(a.offsets)} and {list(b.offsets)} overlap")
     covered = sum(b.numel for b in blocks)
     if covered != math.prod(shape):
         raise LayoutError(
@@ -130,11 +125,28 @@ def _check_coverage(name: str, shape: tuple[int, ...], blocks: tuple[Fragment, .
         )
 
 
-def _overlap(a: Fragment, b: Fragment) -> bool:
-    return all(
-        ao < bo + bn and bo < ao + an
-        for ao, an, bo, bn in zip(a.offsets, a.lengths, b.offsets, b.lengths, strict=True)
-    )
+def _first_overlap(blocks: list[Fragment]) -> tuple[Fragment, Fragment] | tuple[None, None]:
+    """Runs of the flattened tensor (flat fragments, contiguous blocks) are sorted and compared with their
+    neighbour; other blocks are swept along the dimension where their offsets vary most."""
+    starts = [b.flat_start() for b in blocks]
+    if all(s is not None for s in starts):
+        ordered = sorted(zip(starts, blocks, strict=True), key=lambda sb: sb[0])
+        for (s, a), (t, b) in zip(ordered, ordered[1:], strict=False):
+            if t < s + a.numel:
+                return a, b
+        return None, None
+    if any(b.flat for b in blocks):
+        raise LayoutError(f"{blocks[0].name}: flat element ranges mixed with blocks that are not contiguous")
+    shape = blocks[0].global_shape
+    dim = max(range(len(shape)), key=lambda d: len({b.offsets[d] for b in blocks}))
+    ordered = sorted(blocks, key=lambda b: b.offsets[dim])
+    for i, a in enumerate(ordered):
+        for b in ordered[i + 1 :]:
+            if b.offsets[dim] >= a.offsets[dim] + a.lengths[dim]:
+                break
+            if a.overlaps(b):
+                return a, b
+    return None, None
 
 
 def split_files(units: list[Unit], max_bytes: int, members: list[int]) -> list[list[int]]:
@@ -150,12 +162,6 @@ def split_files(units: list[Unit], max_bytes: int, members: list[int]) -> list[l
         groups[-1].append(i)
         size += nbytes
     return groups
-
-
-def file_names(count: int) -> list[str]:
-    if count == 1:
-        return ["model.safetensors"]
-    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
 
 
 def assign_owners(sizes: list[int], world: int) -> list[int]:
@@ -182,7 +188,7 @@ def make_plan(
 ) -> Plan:
     model = [i for i, u in enumerate(units) if u.targets[0].group == "model"]
     groups = split_files(units, max_shard_bytes, model)
-    names = file_names(len(groups))
+    names = model_file_names(len(groups))
     for group, name in GROUP_FILES.items():  # each other group is one file of its own
         members = [i for i, u in enumerate(units) if u.targets[0].group == group]
         if members:

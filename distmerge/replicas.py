@@ -15,7 +15,6 @@ from collections import defaultdict
 import torch
 
 from distmerge.comm import Comm
-from distmerge.exchange import frag_bytes
 from distmerge.formats.base import Fragment
 from distmerge.plan import Plan
 from distmerge.reader import Reader
@@ -27,10 +26,10 @@ SHOWN = 4  # tensors named in the note
 def check(plan: Plan, comm: Comm, reader: Reader) -> list[str]:
     """Collective: every rank calls it after the plan; returns the notes (the same on every rank)."""
     digests = comm.gather(lambda: _digests(plan, comm.rank, reader))
-    seen: dict[tuple[str, tuple[int, ...]], set[bytes]] = defaultdict(set)
+    seen: dict[tuple[str, tuple], set[bytes]] = defaultdict(set)
     for found in digests:
-        for (name, offsets, _file), digest in found.items():
-            seen[(name, offsets)].add(digest)
+        for (name, region, _file), digest in found.items():
+            seen[(name, region)].add(digest)
     differ = sorted({name for (name, _), kinds in seen.items() if len(kinds) > 1})
     if not differ:
         return []
@@ -45,19 +44,18 @@ def _checked(plan: Plan) -> list[Fragment]:
     for source in plan.sources.values():
         if not source.replicas:
             continue
-        blocks = {(f.offsets, f.lengths) for f in source.replicas}
-        out += [f for f in (*source.fragments, *source.replicas)
-                if (f.offsets, f.lengths) in blocks and frag_bytes(f) <= SMALL]
+        regions = {f.region for f in source.replicas}
+        out += [f for f in (*source.fragments, *source.replicas) if f.region in regions and f.nbytes <= SMALL]
     return out
 
 
-def _digests(plan: Plan, rank: int, reader: Reader) -> dict[tuple[str, tuple[int, ...], int], bytes]:
+def _digests(plan: Plan, rank: int, reader: Reader) -> dict[tuple[str, tuple, int], bytes]:
     out = {}
     for frag in _checked(plan):
         if plan.readers[frag.file_index] != rank:
             continue
-        data = torch.empty(frag_bytes(frag), dtype=torch.uint8)
+        data = torch.empty(frag.nbytes, dtype=torch.uint8)
         reader.read_into(frag, data, count=False)
         digest = hashlib.blake2b(data.numpy().tobytes(), digest_size=16).digest()
-        out[(frag.name, frag.offsets, frag.file_index)] = digest
+        out[(frag.name, frag.region, frag.file_index)] = digest
     return out

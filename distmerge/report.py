@@ -6,7 +6,6 @@ import json
 import sys
 import time
 from dataclasses import asdict
-from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.progress import (
@@ -20,8 +19,7 @@ from rich.progress import (
 from rich.progress import Progress as RichProgress
 from rich.table import Table
 
-if TYPE_CHECKING:
-    from distmerge.engine import MergeResult
+from distmerge.results import MergeResult
 
 
 def human_bytes(n: float) -> str:

@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import asdict
 from pathlib import Path
 
 from distmerge.formats.base import InputFile
+from distmerge.output_files import MANIFEST, atomic_write_text, record_path
 from distmerge.plan import OutputFile, Plan
 from distmerge.writer import header_bytes
-
-RECORDS = ".distmerge"
-MANIFEST = "distmerge.manifest.json"
 
 
 def fingerprint(plan: Plan, inputs: tuple[InputFile, ...], options: dict) -> str:
@@ -31,11 +28,6 @@ def fingerprint(plan: Plan, inputs: tuple[InputFile, ...], options: dict) -> str
         digest.update(f.name.encode())
         digest.update(header_bytes(f.targets)[0])
     return digest.hexdigest()
-
-
-def record_path(out: Path, name: str) -> Path:
-    """One flat folder of records: `lora_adapter/adapter_model.safetensors` -> `lora_adapter--adapter_...json`."""
-    return out / RECORDS / f"{name.replace('/', '--')}.json"
 
 
 def sha256_of(path: Path) -> str:
@@ -53,11 +45,7 @@ def record_done(out: Path, file: OutputFile, fp: str, checksum: bool) -> None:
               "tensors": [t.name for t in file.targets]}
     if checksum:
         record["sha256"] = sha256_of(path)
-    final = record_path(out, file.name)
-    final.parent.mkdir(exist_ok=True)
-    temp = final.with_name(f".{final.name}.partial")
-    temp.write_text(json.dumps(record, indent=1) + "\n")
-    os.replace(temp, final)
+    atomic_write_text(record_path(out, file.name), json.dumps(record, indent=1) + "\n")
 
 
 def finished_files(out: Path, plan: Plan, fp: str) -> list[int]:
@@ -89,6 +77,4 @@ def write_manifest(out: Path, plan: Plan) -> None:
         record = json.loads(record_path(out, f.name).read_text())
         record.pop("fingerprint", None)
         files.append(record)
-    temp = out / f".{MANIFEST}.partial"
-    temp.write_text(json.dumps({"files": files}, indent=1) + "\n")
-    os.replace(temp, out / MANIFEST)
+    atomic_write_text(out / MANIFEST, json.dumps({"files": files}, indent=1) + "\n")

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from distmerge.errors import OutputError
-from distmerge.mapping import Target
+from distmerge.families.base import Target
+from distmerge.output_files import fsync_dir, partial_name
 
 # Large single write() calls into the page cache are several times slower than 1 MiB ones here
 # (ext4: 800 MB in 8 MiB or 4 MiB calls took 0.4-3.2 s, in 1 MiB calls 0.25-0.47 s).
@@ -34,12 +35,6 @@ def header_bytes(targets: tuple[Target, ...]) -> tuple[bytes, dict[str, tuple[in
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     return len(text).to_bytes(8, "little") + text, ranges
-
-
-def partial_name(name: str) -> str:
-    """Hidden, beside the final file: `sub/file` -> `sub/.file.partial`."""
-    head, _, base = name.rpartition("/")
-    return f"{head}/.{base}.partial" if head else f".{base}.partial"
 
 
 class ShardWriter:
@@ -91,6 +86,7 @@ class ShardWriter:
             os.close(self.fd)
             self.fd = -1
         os.replace(self.temp, self.final)
+        fsync_dir(self.final.parent)
 
     def abort(self) -> None:
         if self.fd >= 0:

@@ -27,6 +27,14 @@ def fsdp_ckpts(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def dcp_ckpts(tmp_path_factory) -> dict[str, Path]:
+    """Real dcp.save folders and HuggingFaceStorageWriter shards (tests/fixtures/make_dcp.py)."""
+    from tests.fixtures.build import build_dcp_fixtures
+
+    return build_dcp_fixtures(tmp_path_factory.mktemp("dcp"))
+
+
+@pytest.fixture(scope="session")
 def megatron_ckpts(tmp_path_factory) -> dict[str, Path]:
     """Real megatron-core saves (tests/fixtures/make_megatron.py); references beside them, as for FSDP."""
     from tests.fixtures.build import build_megatron_fixtures

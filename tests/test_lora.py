@@ -13,8 +13,9 @@ import torch
 from safetensors import safe_open
 
 from distmerge.errors import InputError
-from distmerge.families import lora
-from distmerge.mapping import FamilyContext, SourceMeta
+from distmerge.families.base import FamilyContext, SourceMeta
+from distmerge.families.lora import LORA_FAMILY
+from distmerge.formats.base import Hints
 from tests.conftest import assert_exact, load_merged, merge_inproc, reference_dir
 
 CASE = "fsdp2_llama_lora_w2"
@@ -107,4 +108,4 @@ def test_unsupported_peft_variants_are_refused(key, words):
         (f"{q}.lora_B.default.weight", (8, 2)), (key, (8,)),
     ]}
     with pytest.raises(InputError, match=words):
-        lora.units(sources, FamilyContext(config={}, cast=None, details={"lora_meta": {"lora_alpha": 4}}))
+        LORA_FAMILY.units(sources, FamilyContext(config={}, cast=None, hints=Hints(lora_meta={"lora_alpha": 4})))

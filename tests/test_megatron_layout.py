@@ -6,10 +6,10 @@ import pytest
 
 from distmerge.errors import InputError, LayoutError
 from distmerge.families import megatron
+from distmerge.families.base import FamilyContext, SourceMeta
 from distmerge.formats import megatron_layout as mg
-from distmerge.formats.base import Fragment
+from distmerge.formats.base import Fragment, Hints
 from distmerge.formats.megatron_dist import unstack
-from distmerge.mapping import FamilyContext, SourceMeta
 
 QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "num_attention_heads": 4, "num_key_value_heads": 2,
              "head_dim": 8, "hidden_size": 16, "vocab_size": 100, "num_hidden_layers": 1,
@@ -84,7 +84,7 @@ def qwen3_moe_sources(experts: str) -> dict[str, SourceMeta]:
 @pytest.mark.parametrize("experts", ["mlp.experts.local_experts.{e}.linear_fc{n}.weight",
                                      "mlp.experts.linear_fc{n}.weight{e}"])
 def test_qwen3_moe_table(experts):
-    ctx = FamilyContext(config=QWEN3_MOE, cast=None, details={"fc1_shards": 2, "expert_fc1_shards": 1})
+    ctx = FamilyContext(config=QWEN3_MOE, cast=None, hints=Hints(fc1_shards=2, expert_fc1_shards=1))
     result = megatron.units(qwen3_moe_sources(experts), ctx)
     names = {t.name: t for u in result.units for t in u.targets}
     assert names["model.layers.0.mlp.gate.weight"].shape == (2, 16)

@@ -31,13 +31,6 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="session")
-def dcp_ckpts(tmp_path_factory) -> dict[str, Path]:
-    from tests.fixtures.build import build_dcp_fixtures
-
-    return build_dcp_fixtures(tmp_path_factory.mktemp("dcp"))
-
-
 @pytest.fixture(scope="module")
 def dcp_merged(dcp_ckpts, tmp_path_factory) -> dict[str, Path]:
     return merge_each(dcp_ckpts, CASES, tmp_path_factory.mktemp("dcp_merged"))

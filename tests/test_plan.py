@@ -7,10 +7,11 @@ import pytest
 
 from distmerge.cli import parse_size
 from distmerge.errors import LayoutError
-from distmerge.families import hf
+from distmerge.families.base import FamilyContext, SourceMeta
+from distmerge.families.hf import HF
 from distmerge.formats.base import Fragment, InputFile
-from distmerge.mapping import SourceMeta
-from distmerge.plan import assign_owners, assign_readers, file_names, make_plan, merge_inventories, natural_key
+from distmerge.output_files import model_file_names as file_names
+from distmerge.plan import assign_owners, assign_readers, make_plan, merge_inventories, natural_key
 
 
 def frag(name, shape, offsets, lengths, file_index, dtype="F32"):
@@ -86,7 +87,8 @@ def test_owners_and_readers_balance_bytes():
 def plan_of(names_sizes, world, max_bytes, budget):
     pieces = [frag(n, (rows, 4), (0, 0), (rows, 4), 0) for n, rows in names_sizes]
     sources = merge_inventories(pieces, files(1))
-    units = hf.units({n: s.meta for n, s in sources.items()}, {"tie_word_embeddings": False}, None)
+    untied = FamilyContext(config={"tie_word_embeddings": False}, cast=None)
+    units = HF.units({n: s.meta for n, s in sources.items()}, untied).units
     return make_plan(sources=sources, units=units, files=files(1), world=world, max_shard_bytes=max_bytes,
                      budget_bytes=budget)
 
@@ -108,8 +110,8 @@ def test_tied_head_dropped_only_when_config_ties():
         "lm_head.weight": SourceMeta(name="lm_head.weight", dtype="F32", shape=(10, 4)),
         "model.embed_tokens.weight": SourceMeta(name="model.embed_tokens.weight", dtype="F32", shape=(10, 4)),
     }
-    tied = hf.units(metas, {"tie_word_embeddings": True}, None)
-    untied = hf.units(metas, {"tie_word_embeddings": False}, "BF16")
+    tied = HF.units(metas, FamilyContext(config={"tie_word_embeddings": True}, cast=None)).units
+    untied = HF.units(metas, FamilyContext(config={"tie_word_embeddings": False}, cast="BF16")).units
     assert [u.targets[0].name for u in tied] == ["model.embed_tokens.weight"]
     assert {u.targets[0].dtype for u in untied} == {"BF16"}
 

@@ -1,21 +1,7 @@
-"""Model families: name and layout rules as tables, turned into units of work for the engine.
+"""Model families: name and layout rules as tables, turned into units of work for the engine (see base.py).
 
-A format says which naming its tensors use; LoRA keys (PEFT's) switch to the LoRA family, which wraps it.
+Registration: a family module calls `register(...)` on its instance; the import below makes it known.
+Which family takes a checkpoint is decided by `base.claim`, in each family's declared order.
 """
 
-from __future__ import annotations
-
-from distmerge.families import hf, lora, megatron
-from distmerge.families.hf import check_names_are_hf
-from distmerge.mapping import FamilyContext, FamilyResult, SourceMeta
-
-
-def units_for(naming: str, sources: dict[str, SourceMeta], ctx: FamilyContext) -> FamilyResult:
-    """`naming` is the format's word for its tensor names: "hf" (FSDP, DCP of HF models) or "megatron"."""
-    if naming == "megatron":
-        return megatron.units(sources, ctx)
-    if lora.has_lora(sources):
-        return lora.units(sources, ctx)
-    check_names_are_hf(list(sources))
-    return FamilyResult(units=hf.units(sources, ctx.config, ctx.cast))
-
+from distmerge.families import hf, lora, megatron  # noqa: F401

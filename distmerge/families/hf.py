@@ -2,18 +2,25 @@
 
 The only rule is the tied head: when config.json ties word embeddings, `lm_head.weight` is a copy of
 the embedding in the state dict, and transformers 5 refuses to load a checkpoint that stores both.
+This family comes last: it takes any Hugging Face-named tensors no other family claimed.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Collection
 
 from distmerge.errors import InputError
-from distmerge.mapping import SourceMeta, Target, Unit, output_dtype
-
-# Head -> the embedding it is tied to. The head is dropped when the config ties embeddings and the
-# embedding is there with the same shape (the model re-creates the head from it).
-TIED_HEADS = {"lm_head.weight": "model.embed_tokens.weight"}
+from distmerge.families.base import (
+    CAUSAL_LM,
+    ClaimsByNaming,
+    FamilyContext,
+    FamilyResult,
+    SourceMeta,
+    Target,
+    Unit,
+    output_dtype,
+    register,
+)
 
 # Names that give away another trainer's own naming: merging them as if they were Hugging Face names
 # would write a model no library loads. Each maps to what is missing.
@@ -25,7 +32,7 @@ FOREIGN_NAMES = {
 }
 
 
-def check_names_are_hf(names: list[str]) -> None:
+def check_names_are_hf(names: Collection[str]) -> None:
     for sign, what in FOREIGN_NAMES.items():
         if any(n.startswith(sign) for n in names):  # at the root only: BART has model.decoder.layers.*
             shown = ", ".join(sorted(names)[:4])
@@ -35,23 +42,21 @@ def check_names_are_hf(names: list[str]) -> None:
             )
 
 
-def units(sources: dict[str, SourceMeta], config: dict[str, Any], cast: str | None) -> list[Unit]:
-    drop = dropped_heads({n: s.shape for n, s in sources.items()}, config)
-    return [
-        Unit(sources=(s.name,), targets=(Target(name=s.name, shape=s.shape, dtype=output_dtype(s.dtype, cast)),))
-        for s in sources.values()
-        if s.name not in drop
-    ]
+class HfFamily(ClaimsByNaming):
+    name = "hf"
+    naming = "hf"
+    order = 90
+
+    def units(self, sources: dict[str, SourceMeta], ctx: FamilyContext) -> FamilyResult:
+        check_names_are_hf(list(sources))
+        drop = CAUSAL_LM.dropped_heads({n: s.shape for n, s in sources.items()}, ctx.config)
+        return FamilyResult(units=[as_is(s, ctx.cast) for s in sources.values() if s.name not in drop])
 
 
-def ties_embeddings(config: dict[str, Any]) -> bool:
-    """transformers' default is to tie; a config saved by it writes the key whenever it differs."""
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
-    return bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", True)))
+def as_is(source: SourceMeta, cast: str | None) -> Unit:
+    """The tensor under its own name (cast when asked)."""
+    target = Target(name=source.name, shape=source.shape, dtype=output_dtype(source.dtype, cast))
+    return Unit(sources=(source.name,), targets=(target,))
 
 
-def dropped_heads(shapes: dict[str, tuple[int, ...]], config: dict[str, Any]) -> set[str]:
-    """Output names of heads that the config ties to an embedding present with the same shape."""
-    if not ties_embeddings(config):
-        return set()
-    return {h for h, e in TIED_HEADS.items() if h in shapes and e in shapes and shapes[h] == shapes[e]}
+HF = register(HfFamily())

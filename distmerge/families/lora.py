@@ -15,11 +15,23 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Collection
+from dataclasses import replace
 from typing import Any
 
 from distmerge.errors import InputError
-from distmerge.families.hf import check_names_are_hf, dropped_heads
-from distmerge.mapping import FamilyContext, FamilyResult, SourceMeta, Target, Unit, output_dtype
+from distmerge.families.base import (
+    CAUSAL_LM,
+    FamilyContext,
+    FamilyResult,
+    ModelTraits,
+    SourceMeta,
+    Target,
+    Unit,
+    claim,
+    register,
+)
+from distmerge.formats.base import Hints
 
 PEFT_PREFIX = "base_model.model."
 LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.(?P<adapter>[^.]+)\.weight$")
@@ -32,8 +44,8 @@ UNSUPPORTED = {
 }
 
 
-def has_lora(sources: dict[str, SourceMeta]) -> bool:
-    return any(LORA.match(n) for n in sources)
+def has_lora(names: Collection[str]) -> bool:
+    return any(LORA.match(n) for n in names)
 
 
 def hf_name(name: str) -> str:
@@ -46,30 +58,68 @@ def adapter_name(name: str) -> str:
     return f"{m['module']}.lora_{m['ab']}.weight"
 
 
-def units(sources: dict[str, SourceMeta], ctx: FamilyContext) -> FamilyResult:
-    for sign, what in UNSUPPORTED.items():
-        if found := [n for n in sources if sign in n]:
-            raise InputError(f"{what} is not supported yet ({found[0]}, ...); merge without it or fuse it in training")
-    modules = _modules(sources)
-    rank = _rank(modules, sources, ctx.details.get("lora_meta") or {})
-    alpha = _alpha(ctx)
-    meta = ctx.details.get("lora_meta") or {}
-    rslora = bool(meta.get("use_rslora", False))
-    base = {n: s for n, s in sources.items() if not LORA.match(n)}
-    check_names_are_hf([hf_name(n) for n in base])
-    drop = dropped_heads({hf_name(n): s.shape for n, s in base.items()}, ctx.config)
-    if ctx.lora.mode == "merge":
-        scale = alpha / math.sqrt(rank) if rslora else alpha / rank
-        fused = {f"{m}.base_layer.weight" for m in modules}
-        out = [_plain(s, ctx) for n, s in base.items() if n not in fused and hf_name(n) not in drop]
-        out += [_fuse(m, ab, sources, ctx, scale) for m, ab in sorted(modules.items())]
-        note = f"LoRA fused into the weights of {len(modules)} modules (scale {scale:g})"
-        return FamilyResult(units=out, notes=[note])
-    out = [_plain(s, ctx) for n, s in base.items() if hf_name(n) not in drop]
-    out += [_adapter(sources[n]) for ab in modules.values() for n in ab.values()]
-    config = adapter_config(modules, rank, alpha, rslora, meta, ctx)
-    note = f"LoRA adapter (r={rank}, alpha={alpha:g}) for {len(modules)} modules written to {ADAPTER_DIR}/"
-    return FamilyResult(units=out, extra_files={f"{ADAPTER_DIR}/adapter_config.json": config}, notes=[note])
+class LoraFamily:
+    """Wraps the family that claims the base model's names: that family's units, read from the PEFT names."""
+
+    name = "lora"
+    order = 10
+
+    def claims(self, names: Collection[str], config: dict[str, Any], hints: Hints) -> bool:
+        return has_lora(names)
+
+    def traits(self, config: dict[str, Any]) -> ModelTraits:
+        return CAUSAL_LM  # what verify meets is the base model, written by the wrapped family
+
+    def units(self, sources: dict[str, SourceMeta], ctx: FamilyContext) -> FamilyResult:
+        for sign, what in UNSUPPORTED.items():
+            if found := [n for n in sources if sign in n]:
+                raise InputError(f"{what} is not supported yet ({found[0]}, ...); merge without it or fuse it in "
+                                 "training")
+        modules = _modules(sources)
+        meta = dict(ctx.hints.lora_meta or {})
+        rank, alpha = _rank(modules, sources, meta), _alpha(ctx, meta)
+        rslora = bool(meta.get("use_rslora", False))
+        base = _base(sources, ctx, skip=self)
+        if ctx.lora.mode == "merge":
+            scale = alpha / math.sqrt(rank) if rslora else alpha / rank
+            out = _fused(base.units, modules, scale)
+            note = f"LoRA fused into the weights of {len(modules)} modules (scale {scale:g})"
+            return FamilyResult(units=out, extra_files=base.extra_files, notes=[*base.notes, note])
+        out = base.units + [_adapter(sources[n]) for ab in modules.values() for n in ab.values()]
+        config = adapter_config(modules, rank, alpha, rslora, meta, ctx)
+        note = f"LoRA adapter (r={rank}, alpha={alpha:g}) for {len(modules)} modules written to {ADAPTER_DIR}/"
+        return FamilyResult(units=out, extra_files={**base.extra_files, f"{ADAPTER_DIR}/adapter_config.json": config},
+                            notes=[*base.notes, note])
+
+
+def _base(sources: dict[str, SourceMeta], ctx: FamilyContext, skip: LoraFamily) -> FamilyResult:
+    """The wrapped family's units for the base weights, with sources under their PEFT names again."""
+    peft = {hf_name(n): n for n in sources if not LORA.match(n)}
+    renamed = {name: replace(sources[p], name=name) for name, p in peft.items()}
+    inner = claim(list(renamed), ctx.config, ctx.hints, skip=skip)
+    result = inner.units(renamed, ctx)
+    units = [replace(u, sources=tuple(peft[s] for s in u.sources)) for u in result.units]
+    return FamilyResult(units=units, extra_files=result.extra_files, notes=result.notes)
+
+
+def _fused(units: list[Unit], modules: dict[str, dict[str, str]], scale: float) -> list[Unit]:
+    """Each adapted module's base unit becomes W + (B @ A) * scale, with the same target."""
+    fused = {f"{m}.base_layer.weight": ab for m, ab in modules.items()}
+    out = []
+    for unit in units:
+        ab = fused.pop(unit.sources[0], None) if len(unit.sources) == 1 else None
+        if ab is None:
+            out.append(unit)
+        elif unit.transform != "identity":
+            raise InputError(f"{unit.sources[0]}: LoRA can only be fused into a weight written as it is")
+        else:
+            out.append(Unit(sources=(*unit.sources, ab["A"], ab["B"]), targets=unit.targets, transform="lora_fuse",
+                            params=(("scale", scale),)))
+    if fused:
+        raise InputError(f"{next(iter(fused))}: its LoRA cannot be fused, the model does not write this weight "
+                         "(a tied head?); use --lora adapter")
+    return out
+
 
 
 def _modules(sources: dict[str, SourceMeta]) -> dict[str, dict[str, str]]:
@@ -99,8 +149,7 @@ def _rank(modules: dict[str, dict[str, str]], sources: dict[str, SourceMeta], me
     return rank
 
 
-def _alpha(ctx: FamilyContext) -> float:
-    meta = ctx.details.get("lora_meta") or {}
+def _alpha(ctx: FamilyContext, meta: dict[str, Any]) -> float:
     alpha = ctx.lora.alpha if ctx.lora.alpha is not None else meta.get("lora_alpha")
     if alpha is None:
         raise InputError("LoRA weights found but no lora_alpha: no lora_train_meta.json; pass --lora-alpha")
@@ -109,21 +158,9 @@ def _alpha(ctx: FamilyContext) -> float:
     return float(alpha)
 
 
-def _plain(s: SourceMeta, ctx: FamilyContext) -> Unit:
-    return Unit(sources=(s.name,), targets=(Target(name=hf_name(s.name), shape=s.shape,
-                                                   dtype=output_dtype(s.dtype, ctx.cast)),))
-
-
 def _adapter(s: SourceMeta) -> Unit:
     return Unit(sources=(s.name,), targets=(Target(name=adapter_name(s.name), shape=s.shape, dtype=s.dtype,
                                                    group="adapter"),))
-
-
-def _fuse(module: str, ab: dict[str, str], sources: dict[str, SourceMeta], ctx: FamilyContext, scale: float) -> Unit:
-    base = sources[f"{module}.base_layer.weight"]
-    target = Target(name=hf_name(f"{module}.weight"), shape=base.shape, dtype=output_dtype(base.dtype, ctx.cast))
-    return Unit(sources=(base.name, ab["A"], ab["B"]), targets=(target,), transform="lora_fuse",
-                params=(("scale", scale),))
 
 
 def adapter_config(modules, rank: int, alpha: float, rslora: bool, meta: dict[str, Any], ctx: FamilyContext) -> dict:
@@ -145,3 +182,6 @@ def adapter_config(modules, rank: int, alpha: float, rslora: bool, meta: dict[st
         "modules_to_save": None,
         "use_dora": False,
     }
+
+
+LORA_FAMILY = register(LoraFamily())

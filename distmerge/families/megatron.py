@@ -13,17 +13,30 @@ from functools import cache
 from typing import Any
 
 from distmerge.errors import ConfigError, InputError, LayoutError
-from distmerge.families.hf import ties_embeddings
-from distmerge.families.megatron_tables import FAMILIES, MODEL_TYPES, Row
-from distmerge.mapping import FamilyContext, FamilyResult, SourceMeta, Target, Unit, output_dtype
+from distmerge.families import base
+from distmerge.families.base import FamilyContext, FamilyResult, SourceMeta, Target, Unit, output_dtype
+from distmerge.families.megatron_tables import FAMILIES, LAYERS, MODEL_TYPES, Row
+from distmerge.formats.base import Hints
 
-HEAD = "lm_head.weight"
+HEAD = base.CAUSAL_LM.tied_heads[0][0]
+
+
+class MegatronFamily(base.ClaimsByNaming):
+    """Megatron-core's names (both Megatron formats hint them), written as Hugging Face causal LMs."""
+
+    name = "megatron"
+    naming = "megatron"
+    order = 20
+
+    def units(self, sources: dict[str, SourceMeta], ctx: FamilyContext) -> FamilyResult:
+        return units(sources, ctx)
 
 
 def units(sources: dict[str, SourceMeta], ctx: FamilyContext) -> FamilyResult:
     arch = architecture(ctx.config)
     rows = _compiled(arch)
-    tied = ties_embeddings(ctx.config)
+    tied = base.CAUSAL_LM.ties(ctx.config)
+    sizes = base.CAUSAL_LM.sizes(ctx.config)
     out, notes, unmapped = [], [], []
     for meta in sources.values():
         found = next(((row, m) for row, pattern in rows if (m := pattern.fullmatch(meta.name))), None)
@@ -35,7 +48,7 @@ def units(sources: dict[str, SourceMeta], ctx: FamilyContext) -> FamilyResult:
         if tied and names == (HEAD,):
             notes.append("output_layer.weight not written: config.json ties it to the embedding")
             continue
-        params = _params(row.transform, meta, ctx)
+        params = _params(row.transform, meta, sizes, ctx.hints)
         shapes = target_shapes(row.transform, meta, params)
         dtype = output_dtype(meta.dtype, ctx.cast)
         targets = tuple(Target(name=n, shape=s, dtype=dtype) for n, s in zip(names, shapes, strict=True))
@@ -44,10 +57,10 @@ def units(sources: dict[str, SourceMeta], ctx: FamilyContext) -> FamilyResult:
         shown = ", ".join(sorted(unmapped)[:6])
         raise InputError(f"{len(unmapped)} Megatron tensors have no mapping for {arch} ({shown}): "
                          "distmerge would drop them; is config.json for this model?")
-    _check_complete(out, ctx.config, tied, arch)
+    _check_complete(out, sizes, tied, arch)
     padded = sources.get("embedding.word_embeddings.weight")
-    if padded and padded.shape[0] != ctx.config.get("vocab_size"):
-        notes.append(f"vocabulary padding trimmed: {padded.shape[0]} -> {ctx.config['vocab_size']} rows")
+    if padded and padded.shape[0] != sizes.get("vocab_size"):
+        notes.append(f"vocabulary padding trimmed: {padded.shape[0]} -> {sizes['vocab_size']} rows")
     return FamilyResult(units=out, notes=notes)
 
 
@@ -65,16 +78,15 @@ def _compiled(arch: str) -> list[tuple[Row, re.Pattern[str]]]:
     return [(row, re.compile(re.escape(row.source).replace(r"\{\}", r"(\d+)"))) for row in FAMILIES[arch]]
 
 
-def _params(transform: str, meta: SourceMeta, ctx: FamilyContext) -> tuple[tuple[str, object], ...]:
-    config = ctx.config
+def _params(transform: str, meta: SourceMeta, config: dict[str, Any], hints: Hints) -> tuple[tuple[str, object], ...]:
+    """The transform's parameters: attention sizes and vocabulary from config.json, shard layout from the format."""
     if transform == "split_qkv":
         heads = _int(config, "num_attention_heads")
         groups = config.get("num_key_value_heads") or heads
         head_dim = config.get("head_dim") or _int(config, "hidden_size") // heads
         return (("heads", heads), ("groups", groups), ("head_dim", head_dim))
     if transform == "split_gate_up":
-        key = "expert_fc1_shards" if ".experts." in meta.name else "fc1_shards"
-        return (("shards", int(ctx.details.get(key, 1))),)
+        return (("shards", hints.expert_fc1_shards if ".experts." in meta.name else hints.fc1_shards),)
     if transform == "trim_rows":
         return (("rows", _int(config, "vocab_size")),)
     return ()
@@ -106,7 +118,8 @@ def target_shapes(transform: str, meta: SourceMeta, params: tuple) -> list[tuple
 
 def _check_complete(out: list[Unit], config: dict[str, Any], tied: bool, arch: str) -> None:
     names = {t.name for u in out for t in u.targets}
-    layers = {int(m[1]) for n in names if (m := re.match(r"model\.layers\.(\d+)\.", n))}
+    layer = re.compile(re.escape(LAYERS).replace(r"\{\}", r"(\d+)"))
+    layers = {int(m[1]) for n in names if (m := layer.match(n))}
     expected = config.get("num_hidden_layers")
     if isinstance(expected, int) and layers != set(range(expected)):
         missing = sorted(set(range(expected)) - layers)[:8]
@@ -120,7 +133,10 @@ def _check_complete(out: list[Unit], config: dict[str, Any], tied: bool, arch: s
 
 
 def _int(config: dict[str, Any], key: str) -> int:
-    value = config.get(key) or (config.get("text_config") or {}).get(key)
+    value = config.get(key)
     if not isinstance(value, int):
         raise ConfigError(f"config.json has no integer {key}, which the Megatron layout needs")
     return value
+
+
+MEGATRON = base.register(MegatronFamily())

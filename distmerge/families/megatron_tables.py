@@ -19,6 +19,7 @@ class Row:
 
 
 L, M = "decoder.layers.{}.", "model.layers.{}."
+LAYERS = M  # every target layer's prefix: the family checks the layer numbers against config.json
 
 EMBEDDINGS = (
     Row("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "trim_rows"),

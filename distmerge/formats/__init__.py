@@ -1,1 +1,6 @@
-"""Input layouts. Each module answers: is this my layout, which files, which fragments, read one."""
+"""Input layouts. Each module answers: is this my layout, which files, which fragments (see base.py).
+
+Registration: a format module decorates its class with `@register`; the import below makes it known.
+"""
+
+from distmerge.formats import dcp, dcp_hf, fsdp, megatron_dist, megatron_legacy  # noqa: F401

@@ -1,14 +1,28 @@
-"""What every input format hands the engine: the files of a checkpoint and the fragments inside them."""
+"""The contract of an input format: the files of a checkpoint and the fragments inside them.
+
+Call order (distmerge/engine.py drives it; see docs/extending.md):
+
+    rank 0       fmt.detect(root)              is this my layout? (cheap: names, small marker files)
+    rank 0       fmt.scan(root, options)       -> Scan: the files, the config folder, the hints for the
+                                               model family, and the format's own state for open()
+                                               (the Scan is broadcast to every rank)
+    every rank   fmt.open(scan, file)          -> OpenedFile: the fragments of one file it was assigned
+    the engine   reads each fragment's bytes at `byte_offset` (or from the view open() kept)
+
+A format module registers itself with `@register`; distmerge/formats/__init__.py imports it.
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
+from distmerge import dtypes
 from distmerge.errors import InputError
 
 
@@ -37,6 +51,16 @@ def inside(root: Path, path: str) -> Path:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Hints:
+    """What a format tells the model families about its tensors, beyond names and shapes."""
+
+    naming: str = "hf"  # whose parameter names the tensors carry: "hf", "megatron", ...
+    fc1_shards: int = 1  # SwiGLU fc1 stored as this many [gate_i; up_i] blocks (Megatron legacy: TP)
+    expert_fc1_shards: int = 1  # the same for MoE experts (Megatron legacy: expert TP)
+    lora_meta: Mapping[str, Any] | None = None  # the trainer's LoRA settings (verl: lora_train_meta.json)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Scan:
     """What rank 0 found in the input folder, broadcast to every rank before any file is opened."""
 
@@ -46,12 +70,22 @@ class Scan:
     hf_dir: str | None  # folder with config.json / tokenizer to copy, or None
     world_size: int  # training world size the checkpoint was saved with
     notes: tuple[str, ...] = ()
-    details: dict[str, Any] = field(default_factory=dict)
+    hints: Hints = field(default_factory=Hints)
+    state: Any = None  # the format's own scan -> open() state (picklable); nothing else reads it
 
 
 @dataclass(frozen=True, kw_only=True)
 class Fragment:
-    """A block of one global tensor held in one input file (the unit of reading and of transfer)."""
+    """A piece of one global tensor held in one input file (the unit of reading and of transfer).
+
+    Two kinds, one contract:
+        block (flat=False): offsets/lengths per dimension, a box of the global tensor
+                            (FSDP Shard(d), DCP chunks, Megatron TP slices)
+        flat  (flat=True):  offsets == (start,), lengths == (count,): elements start..start+count of
+                            the tensor flattened in row-major order, which may begin mid-row
+                            (a ZeRO partition)
+    The engine uses only the methods below, never the kind.
+    """
 
     name: str
     dtype: str  # safetensors code
@@ -61,10 +95,59 @@ class Fragment:
     file_index: int
     byte_offset: int  # first byte in the file; -1: only readable through the view its reader keeps
     key: str  # the entry's key in its file, for the view fallback and for messages
+    flat: bool = False
 
     @property
     def numel(self) -> int:
         return math.prod(self.lengths)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtypes.itemsize(self.dtype)
+
+    @property
+    def region(self) -> tuple:
+        """Where in the tensor, as a key: equal regions are replicas of one another."""
+        return (self.flat, self.offsets, self.lengths)
+
+    def inside_tensor(self) -> bool:
+        if self.flat:
+            (start,), (count,) = self.offsets, self.lengths
+            return start >= 0 and count >= 0 and start + count <= math.prod(self.global_shape)
+        return all(o >= 0 and n >= 0 and o + n <= s for o, n, s in
+                   zip(self.offsets, self.lengths, self.global_shape, strict=True))
+
+    def flat_start(self) -> int | None:
+        """First element in the flattened tensor when the fragment is one contiguous run of it, else None."""
+        if self.flat:
+            return self.offsets[0]
+        shape, lengths = self.global_shape, self.lengths
+        lead = 0
+        while lead < len(shape) and lengths[lead] == 1:
+            lead += 1
+        if any(lengths[d] != shape[d] for d in range(lead + 1, len(shape))):
+            return None
+        start, stride = 0, 1
+        for d in reversed(range(len(shape))):
+            start += self.offsets[d] * stride
+            stride *= shape[d]
+        return start
+
+    def view_in(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The part of `tensor` (of the global shape) this fragment fills, shaped as `lengths`."""
+        if self.flat:
+            return tensor.view(-1)[self.offsets[0] : self.offsets[0] + self.lengths[0]]
+        return tensor[tuple(slice(o, o + n) for o, n in zip(self.offsets, self.lengths, strict=True))]
+
+    def overlaps(self, other: Fragment) -> bool:
+        """Blocks of one tensor that share an element (flat fragments are compared as runs)."""
+        if self.flat or other.flat:
+            a, b = self.flat_start(), other.flat_start()
+            if a is None or b is None:
+                raise AssertionError("flat fragments are only compared with contiguous ones")
+            return a < b + other.numel and b < a + self.numel
+        return all(ao < bo + bn and bo < ao + an for ao, an, bo, bn in
+                   zip(self.offsets, self.lengths, other.offsets, other.lengths, strict=True))
 
 
 @dataclass
@@ -77,11 +160,58 @@ class OpenedFile:
     layout: dict[str, int] = field(default_factory=dict)  # sharding description -> entry count
 
 
+@dataclass(frozen=True, kw_only=True)
+class FormatOption:
+    """A command-line option that belongs to some formats (Megatron's --iteration). Formats that share
+    one declare the same object; merge and inspect both get it."""
+
+    flag: str  # "--iteration"
+    dest: str  # key in the options handed to scan()
+    help: str
+    metavar: str = "VALUE"
+    parse: Callable[[str], Any] = str  # raises argparse.ArgumentTypeError on a bad value
+
+
 class InputFormat(Protocol):
-    name: str
+    name: str  # the --format choice
+    order: int  # detection order: lower is asked first (a more specific layout before a general one)
+    help: str  # a few words for --help: what writes this layout
+    options: tuple[FormatOption, ...]
 
     def detect(self, root: Path) -> bool: ...
 
-    def scan(self, root: Path) -> Scan: ...
+    def scan(self, root: Path, options: Mapping[str, Any]) -> Scan: ...
 
     def open(self, scan: Scan, file: InputFile) -> OpenedFile: ...
+
+    def explain(self, root: Path) -> str | None:
+        """When no format detects `root`: a message that says what to pass instead, if this format can tell."""
+        ...
+
+    def warm_up(self) -> None:
+        """Imports this format needs, done before the merge's clock starts."""
+        ...
+
+
+REGISTERED: dict[str, InputFormat] = {}
+
+
+def register(cls: type) -> type:
+    """Class decorator: make the format known to detection, --format, --help and the contract tests."""
+    fmt = cls()
+    if fmt.name in REGISTERED:
+        raise AssertionError(f"two input formats are named {fmt.name!r}")
+    REGISTERED[fmt.name] = fmt
+    return cls
+
+
+class FormatDefaults:
+    """Mix-in with the optional parts of InputFormat."""
+
+    options: tuple[FormatOption, ...] = ()
+
+    def explain(self, root: Path) -> str | None:
+        return None
+
+    def warm_up(self) -> None:
+        return None

@@ -14,11 +14,13 @@ from __future__ import annotations
 import functools
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from distmerge import dtypes
 from distmerge.errors import InputError
-from distmerge.formats.base import Fragment, InputFile, OpenedFile, Scan, input_file, inside
+from distmerge.formats.base import FormatDefaults, Fragment, InputFile, OpenedFile, Scan, input_file, inside, register
 from distmerge.formats.dcp_keys import model_names
 from distmerge.formats.torch_private import dcp as private
 
@@ -43,13 +45,16 @@ def hf_dir_near(root: Path) -> str | None:
     return None
 
 
-class DcpFormat:
+@register
+class DcpFormat(FormatDefaults):
     name = "dcp"
+    order = 40
+    help = ".metadata + .distcp folders of dcp.save: torchtitan, accelerate"
 
     def detect(self, root: Path) -> bool:
         return (root / METADATA).is_file() and any(p.suffix == ".distcp" for p in root.iterdir())
 
-    def scan(self, root: Path) -> Scan:
+    def scan(self, root: Path, options: Mapping[str, Any]) -> Scan:
         md = load_metadata(root)
         names = model_names(sorted({c.fqn for c in md.chunks}), str(root))
         paths = sorted({c.file for c in md.chunks if c.fqn in names})

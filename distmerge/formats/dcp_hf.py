@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from distmerge.errors import CorruptInputError, InputError
-from distmerge.formats.base import Fragment, InputFile, OpenedFile, Scan, input_file
+from distmerge.formats.base import FormatDefaults, Fragment, InputFile, OpenedFile, Scan, input_file, register
 from distmerge.formats.dcp import hf_dir_near
 from distmerge.formats.dcp_keys import model_names
 from distmerge.formats.safetensors_header import Header, read_header
@@ -37,18 +40,29 @@ def sharding_info(path: Path, header: Header) -> dict[str, tuple[int, ...]]:
         raise CorruptInputError(f"{path}: {reason}") from None
 
 
+@dataclass(frozen=True, kw_only=True)
+class _State:
+    """Found at scan from every header: each model tensor's output name and full shape."""
+
+    names: dict[str, str]
+    shapes: dict[str, tuple[int, ...]]
+
+
 def _rank(path: Path) -> int:
     return int(SHARD.match(path.name)[1]) - 1  # shard numbers count saving ranks from 1
 
 
-class DcpHfFormat:
+@register
+class DcpHfFormat(FormatDefaults):
     name = "dcp-hf"
+    order = 50
+    help = "shard-*-model-*.safetensors of PyTorch's distributed HuggingFaceStorageWriter"
 
     def detect(self, root: Path) -> bool:
         folder = shard_dir(root)
         return folder.is_dir() and any(SHARD.match(p.name) for p in folder.iterdir())
 
-    def scan(self, root: Path) -> Scan:
+    def scan(self, root: Path, options: Mapping[str, Any]) -> Scan:
         folder = shard_dir(root)
         paths = sorted(p for p in folder.iterdir() if SHARD.match(p.name))
         extent: dict[str, list[int]] = {}
@@ -65,12 +79,12 @@ class DcpHfFormat:
         if not files:
             raise InputError(f"{root} has no shard-*-model-*.safetensors files")
         return Scan(format=self.name, root=str(root), files=files, hf_dir=hf_dir_near(root), world_size=len(files),
-                    details={"shapes": {n: tuple(extent[n]) for n in names}, "names": names})
+                    state=_State(names=names, shapes={n: tuple(extent[n]) for n in names}))
 
     def open(self, scan: Scan, file: InputFile) -> OpenedFile:
         path = Path(scan.root) / file.path
         header = read_header(path)
-        names, shapes = scan.details["names"], scan.details["shapes"]
+        names, shapes = scan.state.names, scan.state.shapes
         opened = OpenedFile(fragments=[], layout={"HF-writer shard": 0})
         for key, offsets in sharding_info(path, header).items():
             if key not in names:

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from distmerge import dtypes
 from distmerge.errors import InputError
-from distmerge.formats.base import Fragment, InputFile, OpenedFile, Scan, input_file
+from distmerge.formats.base import FormatDefaults, Fragment, Hints, InputFile, OpenedFile, Scan, input_file, register
 from distmerge.formats.torch_private import state_dicts
 
 RANK_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
@@ -26,8 +28,11 @@ OPTIM_FILE = re.compile(r"^optim_world_size_(\d+)_rank_(\d+)\.pt$")
 WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 
 
-class FsdpFormat:
+@register
+class FsdpFormat(FormatDefaults):
     name = "fsdp"
+    order = 10
+    help = "verl's model_world_size_W_rank_R.pt files"
 
     def detect(self, root: Path) -> bool:
         """Model rank files, or the traces of a verl save without them (scan then says what is missing)."""
@@ -38,7 +43,7 @@ class FsdpFormat:
     def warm_up(self) -> None:
         state_dicts.register_dtensor()
 
-    def scan(self, root: Path) -> Scan:
+    def scan(self, root: Path, options: Mapping[str, Any]) -> Scan:
         found = {int(m[2]): (int(m[1]), p) for p in root.iterdir() if (m := RANK_FILE.match(p.name))}
         if not found:
             if any(OPTIM_FILE.match(p.name) for p in root.iterdir()):
@@ -57,7 +62,7 @@ class FsdpFormat:
             raise InputError(f"{root}: unexpected rank files for ranks {_short(extra)} (world size is {world})")
         files = tuple(input_file(root, r, found[r][1].name, rank=r) for r in range(world))
         hf = root / "huggingface"
-        details = {"lora_meta": _lora_meta(root)} if (root / LORA_META).is_file() else {}
+        hints = Hints(lora_meta=_lora_meta(root) if (root / LORA_META).is_file() else None)
         return Scan(
             format=self.name,
             root=str(root),
@@ -65,7 +70,7 @@ class FsdpFormat:
             hf_dir=str(hf) if (hf / "config.json").is_file() else None,
             world_size=world,
             notes=tuple(notes),
-            details=details,
+            hints=hints,
         )
 
     def open(self, scan: Scan, file: InputFile) -> OpenedFile:

@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
+from dataclasses import replace
 from itertools import product
 from pathlib import Path
+from typing import Any
 
 from distmerge import dtypes
 from distmerge.errors import InputError
 from distmerge.formats import megatron_layout as mg
-from distmerge.formats.base import Fragment, InputFile, OpenedFile, Scan
+from distmerge.formats.base import FormatDefaults, Fragment, Hints, InputFile, OpenedFile, Scan, register
 from distmerge.formats.dcp import DcpFormat
 
 # Stacked name prefix -> the per-layer (and per-expert) name; longest first. `{}` takes the axis index.
@@ -33,22 +36,26 @@ STACKED = (
 )
 
 
-class MegatronDistFormat:
+@register
+class MegatronDistFormat(FormatDefaults):
     name = "megatron-dist"
+    order = 30  # before dcp: a torch_dist save is a DCP folder too
+    help = "Megatron-core torch_dist folders"
+    options = (mg.ITERATION,)
 
     def detect(self, root: Path) -> bool:
         save = mg.looks_like(root)
         return save is not None and _is_torch_dist(save)
 
-    def scan(self, root: Path) -> Scan:
-        save = mg.latest_dir(root)
+    def scan(self, root: Path, options: Mapping[str, Any]) -> Scan:
+        save = mg.save_dir(root, options)
         if not _is_torch_dist(save):
             raise InputError(f"{save} is not a Megatron torch_dist save (no metadata.json with that backend)")
-        inner = DcpFormat().scan(save)
-        details = {"naming": "megatron", "fc1_shards": 1, "expert_fc1_shards": 1}
+        inner = DcpFormat().scan(save, {})
         notes = (f"Megatron torch_dist checkpoint {save.name}", *inner.notes)
-        return Scan(format=self.name, root=inner.root, files=inner.files, hf_dir=mg.hf_dir_near(save, root),
-                    world_size=inner.world_size, notes=notes, details=details)
+        # linear_fc1 is stored as the global [gate; up]: one shard for the family's split
+        return replace(inner, format=self.name, hf_dir=mg.hf_dir_near(save, root), notes=notes,
+                       hints=Hints(naming="megatron"))
 
     def open(self, scan: Scan, file: InputFile) -> OpenedFile:
         opened = DcpFormat().open(scan, file)

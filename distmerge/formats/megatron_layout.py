@@ -11,10 +11,14 @@
 
 from __future__ import annotations
 
+import argparse
 import re
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from distmerge.errors import InputError
+from distmerge.formats.base import FormatOption
 
 TRACKER = "latest_checkpointed_iteration.txt"
 ITERATION_DIR = re.compile(r"^iter_(\d{7})$")
@@ -42,6 +46,32 @@ TP_SPLIT_DIMS = (
 GROUPED_EXPERT = re.compile(r"^(.*\.mlp\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$")
 SEQUENTIAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
 LAYER = re.compile(r"^(.*?decoder\.layers\.)(\d+)(\..*)$")
+
+
+def _iteration(text: str) -> str:
+    if text != "release" and not text.isdigit():
+        raise argparse.ArgumentTypeError(f"not an iteration: {text!r} (a number such as 1000, or release)")
+    return text
+
+
+ITERATION = FormatOption(
+    flag="--iteration", dest="iteration", metavar="N", parse=_iteration,
+    help="Megatron: the save to merge, a number or 'release' (default: the one named in "
+         "latest_checkpointed_iteration.txt)",
+)
+
+
+def save_dir(root: Path, options: Mapping[str, Any]) -> Path:
+    """The folder of the save to merge: --iteration's, else the latest."""
+    iteration = options.get(ITERATION.dest)
+    return iteration_dir(root, iteration) if iteration is not None else latest_dir(root)
+
+
+def explain(root: Path) -> str | None:
+    if RANK_DIR.match(root.name):
+        return (f"{root} is one rank's folder of a Megatron save: pass the folder that holds the mp_rank_* "
+                "folders (or the checkpoint folder above it)")
+    return None
 
 
 def tp_split_dim(name: str) -> int | None:

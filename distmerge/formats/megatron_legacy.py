@@ -13,55 +13,73 @@ so the plan sees Megatron's global tensors. `mp_rank_00_001` means PP=2 or EP=2:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from distmerge import dtypes
 from distmerge.errors import LayoutError
 from distmerge.formats import megatron_layout as mg
-from distmerge.formats.base import Fragment, InputFile, OpenedFile, Scan, input_file
+from distmerge.formats.base import FormatDefaults, Fragment, Hints, InputFile, OpenedFile, Scan, input_file, register
 from distmerge.formats.megatron_grid import Grid, model_chunks, resolve_grid
 from distmerge.formats.torch_private import torch_save
 from distmerge.formats.torch_private.restricted import TensorRef
 
 
-class MegatronLegacyFormat:
+@dataclass(frozen=True, kw_only=True)
+class _State:
+    """What scan learnt that each reader needs: the grid, where each (stage, chunk) starts, the save."""
+
+    grid: Grid
+    layer_offsets: dict[tuple[int, int], int]  # (stage, chunk) -> global number of its first layer
+    layer_counts: dict[tuple[int, int], int]
+    iteration: int | None
+
+
+@register
+class MegatronLegacyFormat(FormatDefaults):
     name = "megatron"
+    order = 20
+    help = "Megatron-LM mp_rank_* files"
+    options = (mg.ITERATION,)
 
     def detect(self, root: Path) -> bool:
         save = mg.looks_like(root)
         return save is not None and save.is_dir() and any(mg.RANK_DIR.match(p.name) for p in save.iterdir())
 
-    def scan(self, root: Path) -> Scan:
-        save = mg.latest_dir(root)
+    def explain(self, root: Path) -> str | None:
+        return mg.explain(root)
+
+    def scan(self, root: Path, options: Mapping[str, Any]) -> Scan:
+        save = mg.save_dir(root, options)
         grid = resolve_grid(save)
         files = tuple(input_file(save, i, path, rank=i) for i, path in enumerate(grid.paths))
         offsets, counts = _layer_offsets(save, grid)
-        details = {
-            "naming": "megatron", "fc1_shards": grid.tp, "expert_fc1_shards": grid.etp, "coords": grid.coords,
-            "layer_offsets": offsets, "layer_counts": counts, "sizes": grid.sizes, "parallel": grid.describe(),
-            "iteration": int(m[1]) if (m := mg.ITERATION_DIR.match(save.name)) else None,
-        }
+        state = _State(grid=grid, layer_offsets=offsets, layer_counts=counts,
+                       iteration=int(m[1]) if (m := mg.ITERATION_DIR.match(save.name)) else None)
         notes = [f"Megatron legacy checkpoint {save.name}: {grid.describe()}"]
         return Scan(format=self.name, root=str(save), files=files, hf_dir=mg.hf_dir_near(save, root),
-                    world_size=len(files), notes=tuple(notes), details=details)
+                    world_size=len(files), notes=tuple(notes), state=state,
+                    hints=Hints(naming="megatron", fc1_shards=grid.tp, expert_fc1_shards=grid.etp))
 
     def open(self, scan: Scan, file: InputFile) -> OpenedFile:
         path = Path(scan.root) / file.path
         saved = torch_save.read(path)
-        tp, pp, ep = scan.details["coords"][file.path]
-        _check_same_save(saved.value, scan.details, file.path)
+        state: _State = scan.state
+        tp, pp, ep = state.grid.coords[file.path]
+        _check_same_save(saved.value, state, file.path)
         opened = OpenedFile(fragments=[], layout={})
-        for chunk, state in enumerate(model_chunks(saved.value, path)):
-            _check_layer_count(state, scan.details["layer_counts"][f"{pp}/{chunk}"], file.path, pp)
-            offset = scan.details["layer_offsets"][f"{pp}/{chunk}"]
-            experts = _local_expert_count(state)
-            for key, value in state.items():
+        for chunk, tensors in enumerate(model_chunks(saved.value, path)):
+            _check_layer_count(tensors, state.layer_counts[(pp, chunk)], file.path, pp)
+            offset = state.layer_offsets[(pp, chunk)]
+            experts = _local_expert_count(tensors)
+            for key, value in tensors.items():
                 if key.endswith("_extra_state") or not isinstance(value, TensorRef):
                     opened.skipped.append(key)
                     continue
                 name = mg.renumber(key, offset, ep * experts)
-                frag = _fragment(name, key, value, saved, file, tp, scan.details)
+                frag = _fragment(name, key, value, saved, file, tp, scan.hints)
                 opened.fragments.append(frag)
                 kind = "replicated" if frag.global_shape == frag.lengths else f"TP split on dim {mg.tp_split_dim(name)}"
                 opened.layout[kind] = opened.layout.get(kind, 0) + 1
@@ -76,28 +94,28 @@ def _check_layer_count(state: dict[str, Any], expected: int, path: str, pp: int)
                           f"{expected}: a file of another save")
 
 
-def _check_same_save(value: Any, details: dict, path: str) -> None:
+def _check_same_save(value: Any, state: _State, path: str) -> None:
     """A rank file copied in from another run or save says so: its args (parallel sizes) or iteration."""
     args = value.get("args") if isinstance(value, dict) else None
     saved_at = value.get("iteration") if isinstance(value, dict) else None
-    if isinstance(saved_at, int) and details["iteration"] is not None and saved_at != details["iteration"]:
-        raise LayoutError(f"{path} was saved at iteration {saved_at}, not {details['iteration']} like this "
+    if isinstance(saved_at, int) and state.iteration is not None and saved_at != state.iteration:
+        raise LayoutError(f"{path} was saved at iteration {saved_at}, not {state.iteration} like this "
                           "folder: a file of another save; use one save's files only")
-    for what, size in details["sizes"].items():
+    for what, size in state.grid.sizes.items():
         saved = getattr(args, what, None)
         if isinstance(saved, int) and saved != size:
             raise LayoutError(f"{path} was saved by another run: its args say {what}={saved}, this save has "
-                              f"{size} ({details['parallel']}); use one save's files only")
+                              f"{size} ({state.grid.describe()}); use one save's files only")
 
 
 def _fragment(name: str, key: str, ref: TensorRef, saved: torch_save.SavedObject, file: InputFile, tp: int,
-              details: dict) -> Fragment:
+              hints: Hints) -> Fragment:
     if not ref.contiguous:
         raise LayoutError(f"{file.path}: {key} is saved non-contiguous, which distmerge cannot read in place")
     code = dtypes.code_of(ref.storage.dtype)
     shape, offsets = list(ref.size), [0] * len(ref.size)
     dim = mg.tp_split_dim(name)
-    size = details["expert_fc1_shards"] if mg.is_expert(name) else details["fc1_shards"]
+    size = hints.expert_fc1_shards if mg.is_expert(name) else hints.fc1_shards
     if dim is not None and size > 1:
         shape[dim] *= size
         offsets[dim] = (tp % size) * ref.size[dim]
@@ -111,7 +129,7 @@ def _local_expert_count(state: dict[str, Any]) -> int:
     return max(numbers) + 1 if numbers else 0
 
 
-def _layer_offsets(save: Path, grid: Grid) -> tuple[dict[str, int], dict[str, int]]:
+def _layer_offsets(save: Path, grid: Grid) -> tuple[dict[tuple[int, int], int], dict[tuple[int, int], int]]:
     """Global number of each (stage, chunk)'s first layer, from the layer counts in one file per stage.
 
     Virtual pipeline order: chunk 0 of stages 0..PP-1, then chunk 1 of stages 0..PP-1, ... A save whose
@@ -123,18 +141,18 @@ def _layer_offsets(save: Path, grid: Grid) -> tuple[dict[str, int], dict[str, in
         for chunk, state in enumerate(model_chunks(torch_save.read(path).value, path)):
             counts[(chunk, pp)] = sorted({n for k in state if (n := mg.layer_number(k)) is not None})
     order = sorted(counts)
-    sizes = {f"{pp}/{chunk}": len(layers) for (chunk, pp), layers in counts.items()}
+    sizes = {(pp, chunk): len(layers) for (chunk, pp), layers in counts.items()}
     if all(not layers or layers[0] == 0 for layers in counts.values()):
         offsets, total = {}, 0
         for chunk, pp in order:
-            offsets[f"{pp}/{chunk}"] = total
+            offsets[(pp, chunk)] = total
             total += len(counts[(chunk, pp)])
         return offsets, sizes
     flat = [n for key in order for n in counts[key]]
     if flat != list(range(len(flat))):
         raise LayoutError(f"{save}: the layer numbers of the pipeline stages are neither local nor one global "
                           f"sequence ({_ranges(counts)}): files from different runs?")
-    return {f"{pp}/{chunk}": 0 for chunk, pp in order}, sizes
+    return {(pp, chunk): 0 for chunk, pp in order}, sizes
 
 
 def _ranges(counts: dict[tuple[int, int], list[int]]) -> str:

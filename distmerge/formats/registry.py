@@ -1,22 +1,46 @@
-"""Which input layouts exist, and how one is picked for a folder."""
+"""The registered input formats: detection, --format choices, help text and format options all come from here.
+
+A format registers itself (formats/base.register); distmerge/formats/__init__.py imports its module.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
+from distmerge import formats  # noqa: F401  (imports every format module, which registers itself)
 from distmerge.errors import InputError
-from distmerge.formats import megatron_layout
-from distmerge.formats.base import InputFormat
-from distmerge.formats.dcp import DcpFormat
-from distmerge.formats.dcp_hf import DcpHfFormat
-from distmerge.formats.fsdp import FsdpFormat
-from distmerge.formats.megatron_dist import MegatronDistFormat
-from distmerge.formats.megatron_legacy import MegatronLegacyFormat
+from distmerge.formats.base import REGISTERED, FormatOption, InputFormat
 
-# Detection order: the first format whose detect() says yes (Megatron's torch_dist is a DCP folder too).
-FORMATS: dict[str, InputFormat] = {
-    f.name: f for f in (FsdpFormat(), MegatronLegacyFormat(), MegatronDistFormat(), DcpFormat(), DcpHfFormat())
-}
+
+def all_formats() -> list[InputFormat]:
+    """In detection order."""
+    return sorted(REGISTERED.values(), key=lambda f: (f.order, f.name))
+
+
+def get(name: str) -> InputFormat:
+    if name not in REGISTERED:
+        raise InputError(f"unknown format {name!r}; known: {', '.join(f.name for f in all_formats())}")
+    return REGISTERED[name]
+
+
+def choices() -> list[str]:
+    return ["auto", *(f.name for f in all_formats())]
+
+
+def help_text() -> str:
+    described = ", ".join(f"{f.name} ({f.help})" for f in all_formats())
+    return f"input layout: auto (default: detected), {described}"
+
+
+def options() -> list[tuple[FormatOption, list[str]]]:
+    """Each format option once, with the formats that take it."""
+    found: dict[str, tuple[FormatOption, list[str]]] = {}
+    for fmt in all_formats():
+        for opt in fmt.options:
+            found.setdefault(opt.dest, (opt, []))[1].append(fmt.name)
+    return list(found.values())
 
 
 def warm_up(root: Path, requested: str = "auto") -> None:
@@ -26,23 +50,28 @@ def warm_up(root: Path, requested: str = "auto") -> None:
         fmt = pick(root, requested)
     except (InputError, OSError):
         return
-    if hasattr(fmt, "warm_up"):
-        fmt.warm_up()
+    fmt.warm_up()
 
 
 def pick(root: Path, requested: str = "auto") -> InputFormat:
     if requested != "auto":
-        if requested not in FORMATS:
-            raise InputError(f"unknown format {requested!r}; known: {', '.join(FORMATS)}")
-        return FORMATS[requested]
-    for fmt in FORMATS.values():
+        return get(requested)
+    for fmt in all_formats():
         if fmt.detect(root):
             return fmt
-    if megatron_layout.RANK_DIR.match(root.name):
-        raise InputError(f"{root} is one rank's folder of a Megatron save: pass the folder that holds the "
-                         "mp_rank_* folders (or the checkpoint folder above it)")
+    for fmt in all_formats():
+        if hint := fmt.explain(root):
+            raise InputError(hint)
     listing = sorted(p.name for p in root.iterdir())[:8]
     raise InputError(
         f"{root} is not a checkpoint distmerge recognises (found: {', '.join(listing) or 'nothing'}); "
-        f"known formats: {', '.join(FORMATS)}"
+        f"known formats: {', '.join(f.name for f in all_formats())}"
     )
+
+
+def check_options(fmt: InputFormat, given: Mapping[str, Any]) -> None:
+    """An option for another format is a mistake worth saying (--iteration on an FSDP folder)."""
+    takes = {o.dest for o in fmt.options}
+    for opt, names in options():
+        if opt.dest in given and opt.dest not in takes:
+            raise InputError(f"{opt.flag} applies to {', '.join(names)} input; {fmt.name} has no such choice")

@@ -15,19 +15,21 @@ from collections import Counter
 import torch
 
 from distmerge import dtypes
-from distmerge.families.hf import TIED_HEADS
-from distmerge.verify import Listing, TensorFiles, VerifyOptions, figures
-from distmerge.verify_report import Figures, LogitsCheck, judge
+from distmerge.verify.compare import figures
+from distmerge.verify.listing import Listing, VerifyOptions
+from distmerge.verify.report import Figures, LogitsCheck, judge
+from distmerge.verify.sides import TensorFiles
 
 ROWS, SEQ = 2, 32
 
 
 def compare_logits(listing: Listing, opts: VerifyOptions, device: torch.device) -> LogitsCheck:
-    from transformers import AutoModelForCausalLM
+    import transformers
 
     folder = opts.merged if opts.merged.is_dir() else opts.merged.parent
     dtype = _model_dtype(listing)
-    merged = AutoModelForCausalLM.from_pretrained(folder).to(device=device, dtype=dtypes.torch_dtype(dtype)).eval()
+    auto_class = getattr(transformers, listing.traits.auto_class)  # the merged model's family says which
+    merged = auto_class.from_pretrained(folder).to(device=device, dtype=dtypes.torch_dtype(dtype)).eval()
     reference = copy.deepcopy(merged)
     problem, unexpected = _load_reference(reference, listing, dtype)
     ids = _token_ids(merged.config)
@@ -66,7 +68,7 @@ def _load_reference(model: torch.nn.Module, listing: Listing, dtype: str) -> tup
         return f"the reference's weights do not fit the merged model: {str(err).splitlines()[-1].strip()[:200]}", []
     finally:
         files.close()
-    missing = sorted(set(result.missing_keys) - (set(TIED_HEADS) if listing.ties else set()))
+    missing = sorted(set(result.missing_keys) - ({h for h, _ in listing.traits.tied_heads} if listing.ties else set()))
     if missing:
         return f"the reference has no {', '.join(missing[:3])}: it cannot run as the merged model", []
     return "", sorted(result.unexpected_keys)

@@ -1,0 +1,94 @@
+"""The command-line options merge, inspect and verify share (argparse parents), and their typed form.
+
+The --format choices and each format's own options come from the format registry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """'5GB' (decimal, like Hugging Face), '512MiB' (binary), or a plain number of bytes."""
+    m = SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 5GB, 500MB, 2GiB)")
+    unit = m[2].upper()
+    base = 1024 if "I" in unit else 1000
+    power = "BKMGT".index(unit[0]) if unit and unit[0] != "B" else 0
+    value = float(m[1]) * base**power
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"size must be at least 1 byte: {text!r}")
+    return int(value)
+
+
+CAST_NAMES = ["keep", "bf16", "fp16", "fp32"]
+
+
+def add_input_options(parser: argparse.ArgumentParser, *, positional: bool = False) -> None:
+    """The input and how to read it (merge, inspect): the format and the format's own options."""
+    from distmerge.formats import registry
+
+    group = parser.add_argument_group("input")
+    if positional:
+        group.add_argument("input", type=Path, help="checkpoint folder (e.g. .../actor)")
+    else:
+        group.add_argument("--input", "-i", type=Path, required=True, help="checkpoint folder (e.g. .../actor)")
+    group.add_argument("--format", default="auto", choices=registry.choices(), metavar="FORMAT",
+                       help=registry.help_text())
+    group.add_argument("--hf-config", type=Path, metavar="DIR",
+                       help="folder with config.json (default: huggingface/ inside the input, or beside it)")
+    for opt, names in registry.options():
+        group.add_argument(opt.flag, dest=opt.dest, type=opt.parse, metavar=opt.metavar,
+                           help=f"{opt.help} [{', '.join(names)}]")
+
+
+def add_output_options(parser: argparse.ArgumentParser, *, with_folder: bool = True) -> argparse._ArgumentGroup:
+    """What the merged model looks like (merge, inspect). Returns the group, for merge's own options."""
+    group = parser.add_argument_group("output")
+    if with_folder:
+        group.add_argument("--output", "-o", type=Path, required=True, help="folder for the merged model")
+    group.add_argument("--dtype", choices=CAST_NAMES, default="keep",
+                       help="cast floating tensors (default: keep the checkpoint's dtype)")
+    group.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"), metavar="SIZE",
+                       help="largest output file (default 5GB; one file is named model.safetensors)")
+    group.add_argument("--lora", choices=["auto", "adapter", "merge"], default="auto",
+                       help="LoRA checkpoints: base model + PEFT adapter (auto, adapter) or fused weights (merge)")
+    group.add_argument("--lora-alpha", type=float, metavar="ALPHA",
+                       help="LoRA alpha when lora_train_meta.json is missing or wrong")
+    group.add_argument("--base-model", metavar="NAME_OR_PATH",
+                       help="base_model_name_or_path for adapter_config.json (default: the config's, else --output)")
+    return group
+
+
+def add_run_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """How the processes run (merge, verify)."""
+    group = parser.add_argument_group("run")
+    group.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                       help="where tensors are moved and computed (auto: cuda if present)")
+    group.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
+                       help="give up when another process is silent this long (default 600)")
+    group.add_argument("--quiet", "-q", action="store_true", help="no progress and no summary")
+    group.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    return group
+
+
+def format_options(args: argparse.Namespace) -> dict:
+    """The format options given on the command line (the ones left out are not passed)."""
+    from distmerge.formats import registry
+
+    return {opt.dest: getattr(args, opt.dest) for opt, _ in registry.options() if getattr(args, opt.dest) is not None}
+
+
+def output_settings(args: argparse.Namespace):
+    """The options that shape the output, typed (inspect has no --budget: it plans in one round)."""
+    from distmerge.families.base import LoraOptions
+    from distmerge.prepare import OutputSettings
+
+    return OutputSettings(dtype=args.dtype, max_shard_bytes=args.max_shard_size,
+                          budget_bytes=getattr(args, "budget", 2**62), output=getattr(args, "output", None) or Path(),
+                          lora=LoraOptions(mode=args.lora, alpha=args.lora_alpha, base_model=args.base_model))

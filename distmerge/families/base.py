@@ -1,0 +1,164 @@
+"""The contract between model families and the engine: units of work, declared as data.
+
+Call order (distmerge/prepare.py drives it, the same for merge and inspect; verify asks `describe`):
+
+    claim(names, config, hints)   the first registered family, in `order`, whose claims() is true
+    family.units(sources, ctx)    -> FamilyResult: units (source names -> Hugging Face targets through a
+                                  named transform), extra JSON files, notes; pure, no I/O, the same on
+                                  every rank
+    family.traits(config)         -> ModelTraits: what the written model is (tied heads, the transformers
+                                  class to load it with, where its attention sizes live)
+
+A family module registers its instance with `register`; distmerge/families/__init__.py imports it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from distmerge import dtypes
+from distmerge.errors import InputError
+from distmerge.formats.base import Hints
+
+
+@dataclass(frozen=True, kw_only=True)
+class SourceMeta:
+    """A global source tensor as the plan sees it (all fragments merged)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Target:
+    """One output tensor: its Hugging Face name, shape and output dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    group: str = "model"  # "model": the sharded model files; other groups: output_files.GROUP_FILES
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtypes.itemsize(self.dtype)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Unit:
+    """Assemble `sources`, apply the named transform (see transforms.py), produce `targets`.
+
+    A unit is never split across output files, so one owner holds everything it needs.
+    """
+
+    sources: tuple[str, ...]
+    targets: tuple[Target, ...]
+    transform: str = "identity"
+    params: tuple[tuple[str, object], ...] = ()
+
+
+def output_dtype(source_dtype: str, cast: str | None) -> str:
+    """--dtype casts floating tensors only; integer and bool buffers keep their dtype."""
+    return cast if cast and dtypes.is_float(source_dtype) else source_dtype
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraOptions:
+    mode: str = "auto"  # auto (= adapter when LoRA keys exist), adapter, merge
+    alpha: float | None = None  # overrides lora_train_meta.json
+    base_model: str | None = None  # base_model_name_or_path for adapter_config.json
+
+
+@dataclass(frozen=True, kw_only=True)
+class FamilyContext:
+    """What a family may consult besides the tensors: the HF config, the format's hints, the options."""
+
+    config: dict[str, Any]
+    cast: str | None
+    hints: Hints = field(default_factory=Hints)
+    lora: LoraOptions = field(default_factory=LoraOptions)
+    output: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class FamilyResult:
+    units: list[Unit]
+    extra_files: dict[str, dict[str, Any]] = field(default_factory=dict)  # relative path -> JSON to write
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelTraits:
+    """What the written model is, for merge (tied heads), verify and inspect alike."""
+
+    tied_heads: tuple[tuple[str, str], ...] = ()  # (head, embedding): the head is not written when tied
+    auto_class: str = "AutoModelForCausalLM"  # the transformers class that loads it (verify --logits)
+    config_block: str | None = None  # config.json key holding the attention sizes (VL: "text_config")
+
+    def sizes(self, config: dict[str, Any]) -> dict[str, Any]:
+        """Top-level keys, and what only the sizes block (when there is one) holds."""
+        block = config.get(self.config_block) if self.config_block else None
+        return {**block, **config} if isinstance(block, dict) else dict(config)
+
+    def ties(self, config: dict[str, Any]) -> bool:
+        """transformers' default is to tie; a config saved by it writes the key whenever it differs."""
+        return bool(self.sizes(config).get("tie_word_embeddings", True))
+
+    def dropped_heads(self, shapes: dict[str, tuple[int, ...]], config: dict[str, Any]) -> set[str]:
+        """Heads the config ties to an embedding present with the same shape: the model re-creates them."""
+        if not self.ties(config):
+            return set()
+        return {h for h, e in self.tied_heads if h in shapes and e in shapes and shapes[h] == shapes[e]}
+
+
+# A causal language model as transformers writes it. The head is dropped when the config ties
+# embeddings and the embedding is there with the same shape (the model re-creates the head from it).
+CAUSAL_LM = ModelTraits(tied_heads=(("lm_head.weight", "model.embed_tokens.weight"),),
+                        auto_class="AutoModelForCausalLM", config_block="text_config")
+
+
+class Family(Protocol):
+    name: str
+    order: int  # asked in this order; the first that claims the tensors wins (a fallback comes last)
+
+    def claims(self, names: Collection[str], config: dict[str, Any], hints: Hints) -> bool: ...
+
+    def units(self, sources: dict[str, SourceMeta], ctx: FamilyContext) -> FamilyResult: ...
+
+    def traits(self, config: dict[str, Any]) -> ModelTraits: ...
+
+
+class ClaimsByNaming:
+    """A family that takes every tensor of one naming (the format's hints say whose names they are) and
+    writes a causal language model."""
+
+    naming: str
+
+    def claims(self, names: Collection[str], config: dict[str, Any], hints: Hints) -> bool:
+        return hints.naming == self.naming
+
+    def traits(self, config: dict[str, Any]) -> ModelTraits:
+        return CAUSAL_LM
+
+
+REGISTERED: list[Family] = []
+
+
+def register(family: Family) -> Family:
+    if any(f.name == family.name for f in REGISTERED):
+        raise AssertionError(f"two model families are named {family.name!r}")
+    REGISTERED.append(family)
+    REGISTERED.sort(key=lambda f: (f.order, f.name))
+    return family
+
+
+def claim(names: Collection[str], config: dict[str, Any], hints: Hints, *, skip: Family | None = None) -> Family:
+    """The family for these tensors; `skip` lets a wrapping family (LoRA) find the one it wraps."""
+    for family in REGISTERED:
+        if family is not skip and family.claims(names, config, hints):
+            return family
+    shown = ", ".join(sorted(names)[:4])
+    raise InputError(f"no model family of distmerge knows these tensors ({shown}, ...; {hints.naming} names)")

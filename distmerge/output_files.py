@@ -1,0 +1,67 @@
+"""Every name distmerge writes in the output folder, and the one way it writes small files (atomically).
+
+    OUT/
+      model.safetensors | model-0000i-of-0000n.safetensors   the model (each renamed from .NAME.partial)
+      lora_adapter/adapter_model.safetensors, adapter_config.json   a LoRA run's adapter
+      config.json, tokenizer*, generation_config.json, ...     finalize, rank 0
+      distmerge.manifest.json                                   per file: tensors, bytes, sha256
+      .distmerge/NAME.json                                      per finished file: --resume's record
+      model.safetensors.index.json                              last: the commit marker
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+INDEX_NAME = "model.safetensors.index.json"
+MANIFEST = "distmerge.manifest.json"
+RECORDS = ".distmerge"
+ADAPTER_DIR = "lora_adapter"
+# Output files of the non-model groups (the model group is split by size, see model_file_names).
+GROUP_FILES = {"adapter": f"{ADAPTER_DIR}/adapter_model.safetensors"}
+# What an earlier merge left: finished files (--overwrite removes them, --resume keeps them for
+# resume.py to judge) and half-written ones (always removed).
+FINISHED = ("model.safetensors", "model-*-of-*.safetensors", *GROUP_FILES.values(),
+            f"{ADAPTER_DIR}/adapter_config.json")
+MODEL_FILES = FINISHED[:2]
+PARTIAL = (".model*.partial", f"{ADAPTER_DIR}/.*.partial")
+
+
+def model_file_names(count: int) -> list[str]:
+    """Hugging Face's names: one file is model.safetensors, more are model-0000i-of-0000n.safetensors."""
+    if count == 1:
+        return ["model.safetensors"]
+    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def partial_name(name: str) -> str:
+    """Hidden, beside the final file: `sub/file` -> `sub/.file.partial`."""
+    head, _, base = name.rpartition("/")
+    return f"{head}/.{base}.partial" if head else f".{base}.partial"
+
+
+def record_path(out: Path, name: str) -> Path:
+    """One flat folder of records: `lora_adapter/adapter_model.safetensors` -> `lora_adapter--adapter_...json`."""
+    return out / RECORDS / f"{name.replace('/', '--')}.json"
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make a rename or a new file in `folder` durable (the file's own fsync does not cover its name)."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Whole or absent after a crash: write a hidden partial file, fsync it, rename it, fsync the folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.parent / partial_name(path.name)
+    with open(temp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temp, path)
+    fsync_dir(path.parent)

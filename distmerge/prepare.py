@@ -1,0 +1,55 @@
+"""From what discovery found and the ranks' inventories to the plan: the one planning path of merge and inspect.
+
+    inventories --plan.merge_inventories--> source tensors (coverage checked)
+                --families.base.claim-----> the family for these names --units--> units, extra files, notes
+                --plan.make_plan----------> output files, owners, rounds
+
+Pure and deterministic: every rank calls it with the same arguments and gets the same plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from distmerge import families  # noqa: F401  (imports every family module, which registers itself)
+from distmerge import plan as planning
+from distmerge.discover import Discovery
+from distmerge.dtypes import CAST_CHOICES
+from distmerge.errors import InputError
+from distmerge.families.base import FamilyContext, LoraOptions, claim
+from distmerge.formats.base import Fragment
+from distmerge.plan import Plan
+
+
+@dataclass(frozen=True, kw_only=True)
+class OutputSettings:
+    """The options that shape the output."""
+
+    dtype: str = "keep"  # a --dtype choice
+    max_shard_bytes: int = 5 * 10**9
+    budget_bytes: int = 128 * 2**20
+    lora: LoraOptions = field(default_factory=LoraOptions)
+    output: Path = Path()
+
+
+def plan_merge(found: Discovery, fragments: list[Fragment], world: int, settings: OutputSettings) -> Plan:
+    scan = found.scan
+    sources = planning.merge_inventories(fragments, scan.files)
+    if not sources:
+        raise InputError(f"{scan.root}: the rank files hold no tensors")
+    metas = {name: s.meta for name, s in sources.items()}
+    family = claim(list(metas), found.config, scan.hints)
+    ctx = FamilyContext(config=found.config, cast=CAST_CHOICES[settings.dtype], hints=scan.hints, lora=settings.lora,
+                        output=str(Path(settings.output).resolve()))
+    result = family.units(metas, ctx)
+    return planning.make_plan(
+        sources=sources,
+        units=result.units,
+        files=scan.files,
+        world=world,
+        max_shard_bytes=settings.max_shard_bytes,
+        budget_bytes=settings.budget_bytes,
+        extra_files=result.extra_files,
+        notes=tuple(result.notes),
+    )

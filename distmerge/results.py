@@ -1,0 +1,31 @@
+"""What a merge reports: per-rank figures and the whole run's result (printed by report.py, returned by engine.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankStats:
+    rank: int
+    bytes_read: int
+    bytes_written: int
+    files_written: int
+    peak_rss: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class MergeResult:
+    output: str
+    format: str
+    input_world_size: int
+    processes: int
+    device: str
+    tensors: int
+    files: list[tuple[str, int]]
+    total_bytes: int
+    seconds: float
+    ranks: list[RankStats]
+    notes: list[str] = field(default_factory=list)
+    copied: list[str] = field(default_factory=list)
+    resumed_files: int = 0

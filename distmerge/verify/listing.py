@@ -1,0 +1,113 @@
+"""Pairing (rank 0, headers only): which merged tensor is compared with which reference tensor, and what
+is settled from the headers alone (missing, extra, shape). Tied heads follow the model family's traits."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from distmerge import families  # noqa: F401  (imports every family module, which registers itself)
+from distmerge.errors import ConfigError
+from distmerge.families.base import ModelTraits, claim
+from distmerge.formats.base import Hints
+from distmerge.plan import natural_key
+from distmerge.verify.report import Check, Criteria
+from distmerge.verify.sides import Side, open_side
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerifyOptions:
+    merged: Path
+    reference: Path
+    criteria: Criteria = field(default_factory=Criteria)
+    logits: bool = False
+    json: Path | None = None
+    quiet: bool = False
+
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pair:
+    """Names on both sides with equal shapes: the tensors one rank reads and compares."""
+
+    name: str
+    merged_name: str  # differs from `name` only for a tied head: the embedding the model re-uses
+    reference_name: str
+    note: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Listing:
+    merged: Side
+    reference: Side
+    traits: ModelTraits = field(default_factory=ModelTraits)  # what the merged model is (its family's)
+    ties: bool
+    pairs: tuple[Pair, ...]
+    settled: tuple[Check, ...]  # decided from the headers alone (missing, extra, shape)
+
+
+
+def make_listing(opts: VerifyOptions) -> Listing:
+    merged = open_side(opts.merged, role="merged model", allow_torch=False)
+    reference = open_side(opts.reference, role="reference", allow_torch=True)
+    config = _merged_config(opts.merged / "config.json" if opts.merged.is_dir() else opts.merged.parent / "config.json")
+    traits = claim(list(merged.tensors), config or {}, Hints()).traits(config or {})
+    ties = config is not None and traits.ties(config)  # no config.json: nothing says the head is tied
+    pairs, settled = [], []
+    for name in sorted(set(merged.tensors) | set(reference.tensors), key=natural_key):
+        pair = _pair(name, merged, reference, dict(traits.tied_heads) if ties else {})
+        if isinstance(pair, Check):
+            settled.append(pair)
+            continue
+        m, r = merged.tensors[pair.merged_name], reference.tensors[pair.reference_name]
+        if m.shape == r.shape:
+            pairs.append(pair)
+        else:
+            settled.append(_settled(name, merged, reference, "shape", _shape_reason(m.shape, r.shape), pair))
+    return Listing(merged=merged, reference=reference, traits=traits, ties=ties, pairs=tuple(pairs),
+                   settled=tuple(settled))
+
+
+def _merged_config(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text())
+    except ValueError:
+        raise ConfigError(f"{path} is not valid JSON: fix it or copy the training run's config.json") from None
+    return config if isinstance(config, dict) else {}
+
+
+def _pair(name: str, merged: Side, reference: Side, tied: dict[str, str]) -> Pair | Check:
+    """`tied`: head -> embedding, when the merged config ties them (else empty)."""
+    in_m, in_r = name in merged.tensors, name in reference.tensors
+    if in_m and in_r:
+        return Pair(name=name, merged_name=name, reference_name=name)
+    embed = tied.get(name)
+    why = "merged config.json ties embeddings; the model re-creates the head from"
+    if embed and in_r and embed in merged.tensors:
+        return Pair(name=name, merged_name=embed, reference_name=name,
+                    note=f"tied head: {why} {embed}; compared reference {name} with merged {embed}")
+    if embed and in_m and embed in reference.tensors:
+        return Pair(name=name, merged_name=name, reference_name=embed,
+                    note=f"tied head: {why} {embed}; compared merged {name} with reference {embed}")
+    outcome = "missing in merged" if in_r else "extra in merged"
+    return _settled(name, merged, reference, outcome, outcome, None)
+
+
+def _settled(name: str, merged: Side, reference: Side, outcome: str, reason: str, pair: Pair | None) -> Check:
+    m = merged.tensors.get(pair.merged_name if pair else name)
+    r = reference.tensors.get(pair.reference_name if pair else name)
+    return Check(
+        name=name, passed=False, outcome=outcome, reason=reason,
+        file=Path(merged.files[m.file]).name if m else None,
+        shape=m.shape if m else None, reference_shape=r.shape if r else None,
+        dtype=m.dtype if m else None, reference_dtype=r.dtype if r else None, note=pair.note if pair else "",
+    )
+
+
+def _shape_reason(shape: tuple[int, ...], ref: tuple[int, ...]) -> str:
+    transposed = " (transposed)" if len(shape) == 2 and shape == ref[::-1] else ""
+    return f"shape {list(shape)}, reference {list(ref)}{transposed}"
+

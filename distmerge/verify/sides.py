@@ -1,0 +1,159 @@
+"""The two sides of a verify run: a merged model and a reference, listed from headers, read one tensor at a time.
+
+Neither side is ever loaded whole: safetensors files are opened with `safe_open`, pytorch_model*.bin with
+`torch.load(mmap=True, weights_only=True)`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from distmerge import dtypes
+from distmerge.errors import CorruptInputError, InputError
+from distmerge.formats.safetensors_header import read_header
+from distmerge.output_files import INDEX_NAME
+
+TORCH_SUFFIXES = (".bin", ".pt", ".pth")
+# (kind, index file, single file), the order Hugging Face prefers them in.
+LAYOUTS = (
+    ("safetensors", INDEX_NAME, "model.safetensors"),
+    ("torch", "pytorch_model.bin.index.json", "pytorch_model.bin"),
+)
+
+
+
+@dataclass(frozen=True, kw_only=True)
+class Loc:
+    file: int  # index into Side.files
+    dtype: str  # safetensors dtype code
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Side:
+    path: str
+    kind: str  # "safetensors" | "torch"
+    files: tuple[str, ...]
+    sizes: tuple[int, ...]
+    tensors: dict[str, Loc]
+
+
+def open_side(path: Path, *, role: str, allow_torch: bool) -> Side:
+    if not path.exists():
+        raise InputError(f"{role} {path} does not exist: pass a model folder or a weights file")
+    kind, files, weight_map = _folder_layout(path, role, allow_torch) if path.is_dir() else _one_file(path, role)
+    if kind == "torch" and not allow_torch:
+        raise InputError(f"{role} {path} is not safetensors: distmerge writes model.safetensors files")
+    listed = [_list_safetensors(f) if kind == "safetensors" else _list_torch(f) for f in files]
+    tensors: dict[str, Loc] = {}
+    for i, (f, entries) in enumerate(zip(files, listed, strict=True)):
+        for name, (dtype, shape) in entries.items():
+            if name in tensors:
+                raise CorruptInputError(f"{name} is in both {files[tensors[name].file]} and {f}: use one model's files")
+            tensors[name] = Loc(file=i, dtype=dtype, shape=shape)
+    if weight_map is not None:
+        _check_index(path, files, weight_map, tensors)
+    return Side(path=str(path), kind=kind, files=tuple(map(str, files)), sizes=tuple(f.stat().st_size for f in files),
+                tensors=tensors)
+
+
+def _folder_layout(folder: Path, role: str, allow_torch: bool) -> tuple[str, list[Path], dict[str, str] | None]:
+    for kind, index, single in LAYOUTS if allow_torch else LAYOUTS[:1]:
+        if (folder / index).is_file():
+            weight_map = _read_index(folder / index)
+            return kind, [folder / f for f in sorted(set(weight_map.values()))], weight_map
+        if (folder / single).is_file():
+            return kind, [folder / single], None
+    if not allow_torch:  # the merged side: distmerge always writes the index, last
+        raise InputError(f"{role} {folder} has no {INDEX_NAME}: the merge did not finish; run it again")
+    loose = sorted(folder.glob("*.safetensors"))
+    if loose:  # sharded without an index: the files together are the model
+        return "safetensors", loose, None
+    raise InputError(f"{role} {folder} holds no model.safetensors, pytorch_model.bin or index of either: "
+                     "pass the folder of a Hugging Face model or one weights file")
+
+
+def _one_file(path: Path, role: str) -> tuple[str, list[Path], dict[str, str] | None]:
+    if path.name.endswith(".index.json"):
+        weight_map = _read_index(path)
+        kind = "torch" if any(f.endswith(TORCH_SUFFIXES) for f in weight_map.values()) else "safetensors"
+        return kind, [path.parent / f for f in sorted(set(weight_map.values()))], weight_map
+    if path.suffix == ".safetensors":
+        return "safetensors", [path], None
+    if path.suffix in TORCH_SUFFIXES:
+        return "torch", [path], None
+    raise InputError(f"{role} {path}: not a .safetensors, .bin or .index.json file")
+
+
+def _read_index(path: Path) -> dict[str, str]:
+    try:
+        weight_map = json.loads(path.read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError):
+        raise CorruptInputError(f"{path} is not a weights index (JSON with a weight_map)") from None
+    ok = isinstance(weight_map, dict) and all(isinstance(v, str) and Path(v).name == v for v in weight_map.values())
+    if not ok:
+        raise CorruptInputError(f"{path}: weight_map must map tensor names to file names in the same folder")
+    missing = sorted({f for f in weight_map.values() if not (path.parent / f).is_file()})
+    if missing:
+        raise InputError(f"{path} names files that are not there: {', '.join(missing)}; copy them or fix the index")
+    return weight_map
+
+
+def _check_index(path: Path, files: list[Path], weight_map: dict[str, str], tensors: dict[str, Loc]) -> None:
+    """The index and the files' own headers must tell the same story, else loaders disagree on the model."""
+    for name, file in weight_map.items():
+        if name not in tensors or files[tensors[name].file].name != file:
+            raise CorruptInputError(f"{path} puts {name} in {file} but that file does not hold it: fix the index")
+    unlisted = sorted(set(tensors) - set(weight_map))
+    if unlisted:
+        raise CorruptInputError(f"{path} does not list {', '.join(unlisted[:5])} that its files hold: fix the index")
+
+
+def _list_safetensors(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    return {e.name: (e.dtype, e.shape) for e in read_header(path).entries.values()}
+
+
+def _list_torch(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    return {name: (dtypes.code_of(t.dtype), tuple(t.shape)) for name, t in load_torch(path).items()}
+
+
+def load_torch(path: Path) -> dict[str, torch.Tensor]:
+    """A flat state dict, memory-mapped: a tensor's bytes are read only when it is used."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:  # unsafe pickle, legacy (non-zip) format, truncated file
+        raise CorruptInputError(f"{path} cannot be loaded safely ({type(err).__name__}): save it with "
+                                "torch.save(state_dict) or as safetensors") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CorruptInputError(f"{path} is not a flat state dict of tensors (name -> tensor)")
+    return state
+
+
+class TensorFiles:
+    """Reads one side's tensors by name, keeping each file open (memory-mapped) once it is used."""
+
+    def __init__(self, side: Side) -> None:
+        self.side = side
+        self._open: dict[int, Any] = {}
+
+    def get(self, name: str) -> torch.Tensor:
+        loc = self.side.tensors[name]
+        if loc.file not in self._open:
+            path = Path(self.side.files[loc.file])
+            if self.side.kind == "safetensors":
+                from safetensors import safe_open
+
+                self._open[loc.file] = safe_open(path, framework="pt", device="cpu")
+            else:
+                self._open[loc.file] = load_torch(path)
+        handle = self._open[loc.file]
+        return handle.get_tensor(name) if self.side.kind == "safetensors" else handle[name]
+
+    def close(self) -> None:
+        self._open.clear()  # safe_open handles and mmaps close when dropped
+

@@ -1,0 +1,94 @@
+"""The shape of the code, checked: small modules, no import cycles, nothing imported from a higher layer,
+and the engine naming no format or family (they reach it only through the registries)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "distmerge"
+MAX_LINES = 400
+# Lower layers never import higher ones. A module not listed belongs to its package's layer.
+LAYERS = {
+    0: ("errors", "dtypes", "output_files", "results"),
+    1: ("formats", "comm", "transforms"),
+    2: ("families",),
+    3: ("plan", "reader", "writer", "discover"),
+    4: ("prepare", "exchange", "assemble", "replicas", "resume", "finalize", "report"),
+    5: ("engine", "inspect", "verify", "cli_options"),
+    6: ("cli", "__main__"),
+}
+ENGINE = ("plan", "reader", "writer", "discover", "prepare", "exchange", "assemble", "replicas", "resume",
+          "finalize", "engine", "inspect")
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def imports(path: Path, known: set[str]) -> set[str]:
+    """distmerge modules imported anywhere in the file (lazy imports inside functions count too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found |= {f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in known}
+    return {m for m in found if m in known}
+
+
+def layer(module: str) -> int:
+    top = module.split(".")[1] if module.count(".") else ""
+    return next((n for n, names in LAYERS.items() if top in names), -1)
+
+
+def test_no_module_is_too_long():
+    long = {m: n for m, p in modules().items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, long
+
+
+def test_every_module_has_a_layer():
+    assert [m for m in modules() if m != "distmerge" and layer(m) < 0] == []
+
+
+def test_nothing_imports_a_higher_layer():
+    mods = modules()
+    upward = [(m, i) for m, p in mods.items() for i in imports(p, set(mods)) if i != "distmerge"
+              and m != "distmerge" and layer(i) > layer(m)]
+    assert upward == []
+
+
+def test_no_import_cycles():
+    mods = modules()
+    graph = {m: imports(p, set(mods)) - {m, "distmerge"} for m, p in mods.items()}
+    # A package's __init__ importing its own modules (registration) is not a cycle back into it.
+    graph = {m: {i for i in deps if not (m in graph.get(i, ()) and i.startswith(m + "."))} for m, deps in graph.items()}
+    state: dict[str, int] = {}
+
+    def visit(m: str, trail: list[str]) -> None:
+        state[m] = 1
+        for dep in sorted(graph[m]):
+            if state.get(dep) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(trail[trail.index(dep):] + [dep]))
+            if dep not in state:
+                visit(dep, trail + [dep])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+
+
+def test_engine_names_no_format_or_family():
+    """Formats and families plug in through their registries: the engine modules import none by name."""
+    mods = modules()
+    plugins = {m for m in mods if m.startswith(("distmerge.formats.", "distmerge.families."))}
+    allowed = {"distmerge.formats.base", "distmerge.formats.registry", "distmerge.families.base"}
+    named = [(e, i) for e in ENGINE for i in imports(mods[f"distmerge.{e}"], set(mods)) if i in plugins - allowed]
+    assert named == []
