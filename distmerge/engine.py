@@ -72,7 +72,7 @@ def merge(opts: MergeOptions, comm: Comm, progress: Progress) -> MergeResult:
         _rounds(todo, opts, fp, comm, reader, writers, progress)
         progress.stop()
         ranks = comm.gather(lambda: _stats(comm.rank, reader, todo))
-        copied = comm.root_only(lambda: finalize(out, plan, found.config, Path(found.hf_dir)))
+        copied = comm.root_only(lambda: finalize(out, plan, found.config, Path(found.hf_dir), scan.not_model_files))
     except BaseException:
         for w in writers.values():
             w.abort()

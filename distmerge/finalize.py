@@ -38,11 +38,12 @@ def write_config(out: Path, config: dict[str, Any], dtype: str | None) -> None:
     atomic_write_text(out / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def copy_hf_files(hf_dir: Path, out: Path) -> list[str]:
-    """Tokenizer, generation config, chat template, custom code: regular files only, no links out."""
+def copy_hf_files(hf_dir: Path, out: Path, skip: tuple[str, ...] = ()) -> list[str]:
+    """Tokenizer, generation config, chat template, custom code: regular files only, no links out. `skip`:
+    what the format knows to be the trainer's own (a Trainer checkpoint folder doubles as the config folder)."""
     copied = []
     for path in sorted(hf_dir.iterdir()):
-        if path.name == "config.json" or path.is_symlink() or not path.is_file():
+        if path.name == "config.json" or path.name in skip or path.is_symlink() or not path.is_file():
             continue
         if path.name.endswith(SKIP_SUFFIXES):
             continue
@@ -74,8 +75,8 @@ def write_index(out: Path, plan: Plan) -> None:
     atomic_write_text(out / INDEX_NAME, json.dumps(index, indent=2) + "\n")
 
 
-def finalize(out: Path, plan: Plan, config: dict[str, Any], hf_dir: Path) -> list[str]:
-    copied = copy_hf_files(hf_dir, out)
+def finalize(out: Path, plan: Plan, config: dict[str, Any], hf_dir: Path, skip: tuple[str, ...] = ()) -> list[str]:
+    copied = copy_hf_files(hf_dir, out, skip)
     write_config(out, config, main_dtype(plan))
     remove_strays(out, plan)
     write_extra_files(out, plan)

@@ -16,4 +16,7 @@ quiet .venv/bin/python -m pip install -e '.[test]'
 # The Megatron test fixtures save real checkpoints with megatron-core; --no-deps keeps the pinned torch
 # (its import needs only numpy and packaging, which the line above brought).
 quiet .venv/bin/python -m pip install --no-deps "${MEGATRON_SPEC:-megatron-core==0.16.1}"
+# The DeepSpeed fixtures save real ZeRO checkpoints with DeepSpeed's engine and the HF Trainer. Its first
+# deepspeed.initialize on CPU compiles a small op with the system g++ (cached in ~/.cache/torch_extensions).
+quiet .venv/bin/python -m pip install "${DEEPSPEED_SPEC:-deepspeed==0.19.8}"
 .venv/bin/python -c 'import torch, transformers, safetensors, distmerge; print(f"setup ok: torch {torch.__version__}, transformers {transformers.__version__}, distmerge {distmerge.__version__}")'

@@ -35,6 +35,14 @@ def dcp_ckpts(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def ds_ckpts(tmp_path_factory) -> dict[str, Path]:
+    """Real DeepSpeed ZeRO saves by deepspeed.initialize and the HF Trainer (tests/fixtures/make_deepspeed.py)."""
+    from tests.fixtures.deepspeed_cases import build_deepspeed_fixtures
+
+    return build_deepspeed_fixtures(tmp_path_factory.mktemp("deepspeed"))
+
+
+@pytest.fixture(scope="session")
 def megatron_ckpts(tmp_path_factory) -> dict[str, Path]:
     """Real megatron-core saves (tests/fixtures/make_megatron.py); references beside them, as for FSDP."""
     from tests.fixtures.build import build_megatron_fixtures
@@ -102,6 +110,17 @@ def assert_exact(merged: dict[str, torch.Tensor], expected: dict[str, torch.Tens
 
 def tree_bytes(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def assert_refused(ckpt: Path, out: Path, words: str, capsys, *args: str) -> None:
+    """A merge of a bad input: exit 1, one error line that says `words`, no index, the input untouched."""
+    before = tree_bytes(ckpt)
+    assert merge_inproc("--input", ckpt, "--output", out, *args) == 1
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("distmerge: error: "), lines
+    assert words in lines[0], lines[0]
+    assert not (out / "model.safetensors.index.json").exists()
+    assert tree_bytes(ckpt) == before
 
 
 def assert_reference_logits(merged: Path, ckpt: Path) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import merge_inproc, tree_bytes
+from tests.conftest import assert_refused, merge_inproc
 
 W4 = "fsdp2_llama_w4"
 
@@ -80,13 +80,7 @@ def test_bad_input(case, fsdp_ckpts, tmp_path, capsys):
     damage, words = CASES[case]
     ckpt = Path(shutil.copytree(fsdp_ckpts[W4], tmp_path / "ckpt", symlinks=True))
     damage(ckpt, fsdp_ckpts)
-    before = tree_bytes(ckpt)
-    assert merge_inproc("--input", ckpt, "--output", tmp_path / "out") == 1
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("distmerge: error: "), lines
-    assert words in lines[0], lines[0]
-    assert not (tmp_path / "out" / "model.safetensors.index.json").exists()
-    assert tree_bytes(ckpt) == before
+    assert_refused(ckpt, tmp_path / "out", words, capsys)
 
 
 @pytest.mark.parametrize(("make", "words"), [

@@ -28,6 +28,7 @@ from tests.conftest import merge_inproc, reference_dir
 # format -> (session fixture holding real checkpoints, case); cases with replicated blocks where they exist.
 SAMPLES = {
     "fsdp": ("fsdp_ckpts", "fsdp2_llama_hsdp_2x2"),
+    "deepspeed": ("ds_ckpts", "ds_z2_odd_w3"),  # flat partitions that start mid-row
     "megatron": ("megatron_ckpts", "megatron_tp2pp2"),
     "megatron-dist": ("megatron_ckpts", "megatron_dist_tp2pp2"),
     "dcp": ("dcp_ckpts", "dcp_qwen2_tied_hsdp_2x2"),

@@ -132,6 +132,10 @@ def _modules(sources: dict[str, SourceMeta]) -> dict[str, dict[str, str]]:
             adapters.add(m["adapter"])
     if len(adapters) > 1:
         raise InputError(f"the checkpoint holds several LoRA adapters ({', '.join(sorted(adapters))}): not supported")
+    if not any(f"{module}.base_layer.weight" in sources for module in modules):
+        raise InputError("the checkpoint holds LoRA weights only, no base model (the HF Trainer saves PEFT runs "
+                         "without their frozen weights; its adapter_model.safetensors is the adapter): merging onto "
+                         "a base model is not supported yet")
     for module, ab in modules.items():
         if set(ab) != {"A", "B"} or f"{module}.base_layer.weight" not in sources:
             raise InputError(f"{module}: the LoRA A, B or base weight is missing; the checkpoint is incomplete")

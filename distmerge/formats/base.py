@@ -69,6 +69,7 @@ class Scan:
     files: tuple[InputFile, ...]
     hf_dir: str | None  # folder with config.json / tokenizer to copy, or None
     world_size: int  # training world size the checkpoint was saved with
+    not_model_files: tuple[str, ...] = ()  # files of hf_dir that belong to the trainer, not the model
     notes: tuple[str, ...] = ()
     hints: Hints = field(default_factory=Hints)
     state: Any = None  # the format's own scan -> open() state (picklable); nothing else reads it

@@ -80,6 +80,18 @@ def rebuild_parameter(data, *_ignored) -> Any:
     return data  # a saved nn.Parameter: only its tensor matters
 
 
+class _TensorClass:
+    """torch.Tensor as a pickle names it (plain tensors rebuilt through _rebuild_from_type_v2)."""
+
+
+def rebuild_from_type(func, new_type, args, state) -> Any:
+    """torch._tensor._rebuild_from_type_v2: rebuild with `func` (itself from this allow-list), then set the
+    subclass. Only plain torch.Tensor is accepted: a subclass would run its own code."""
+    if new_type is not _TensorClass:
+        raise pickle.UnpicklingError("a tensor subclass is not allowed")
+    return func(*args)
+
+
 def contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
     strides, acc = [], 1
     for n in reversed(size):
@@ -94,6 +106,8 @@ TENSOR_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch", "device"): as_text,
     ("torch._utils", "_rebuild_tensor_v2"): rebuild_tensor,
     ("torch._utils", "_rebuild_parameter"): rebuild_parameter,
+    ("torch._tensor", "_rebuild_from_type_v2"): rebuild_from_type,
+    ("torch", "Tensor"): _TensorClass,
     ("collections", "OrderedDict"): OrderedDictStandIn,
 }
 

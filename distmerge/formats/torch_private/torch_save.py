@@ -45,14 +45,15 @@ class SavedObject:
     storage_offsets: dict[str, int]  # storage key -> file offset of its first byte
 
 
-def read(path: Path) -> SavedObject:
+def read(path: Path, inert_modules: tuple[str, ...] = TRAINING_MODULES) -> SavedObject:
+    """`inert_modules`: the trainer's own modules whose pickled objects become inert records."""
     try:
         with zipfile.ZipFile(path) as archive:
             names = archive.namelist()
             pkl = next((n for n in names if n.endswith("/data.pkl") or n == "data.pkl"), None)
             if pkl is None:
                 raise CorruptInputError(f"{path} is not a torch.save file (no data.pkl inside)")
-            value = loads(archive.read(pkl), {**TENSOR_GLOBALS, **SAFE_GLOBALS}, TRAINING_MODULES)
+            value = loads(archive.read(pkl), {**TENSOR_GLOBALS, **SAFE_GLOBALS}, inert_modules)
             prefix = pkl[: -len("data.pkl")] + "data/"
             records = [i for i in archive.infolist() if i.filename.startswith(prefix)]
             offsets = _record_offsets(path, records)
