@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from distmerge import __version__
@@ -35,8 +38,33 @@ config.json, tokenizer and generation config, as save_pretrained writes them. Ru
 torchrun: the processes share the reading, assembling and writing; the result is the same for any number."""
 
 
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def tell_torchrun(line: str) -> None:
+    """Write the error where torchrun looks for its root cause (the file `errors.record` would write), so its
+    failure summary shows this line instead of "To enable traceback see ...". Only under torchrun."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        with contextlib.suppress(OSError):  # the summary then lacks our line; the line itself is printed
+            Path(path).write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
+
+
+class Parser(argparse.ArgumentParser):
+    """Every process of a torchrun job parses the same command line: rank 0 alone prints usage and errors."""
+
+    def _print_message(self, message: str, file=None) -> None:
+        if _rank() == 0:
+            super()._print_message(message, file)
+
+    def error(self, message: str):
+        tell_torchrun(f"{self.prog}: error: {message}")
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="distmerge",
         description="Merge sharded training checkpoints into one Hugging Face model (safetensors).",
         epilog=EPILOG,
@@ -147,7 +175,9 @@ def _run_merge(args: argparse.Namespace) -> int:
     )
     registry.warm_up(args.input, args.format)
     if args.verify_against is not None and not args.verify_against.exists():  # before hours of merging
-        raise InputError(f"--verify-against {args.verify_against} does not exist: pass the reference model")
+        err = InputError(f"--verify-against {args.verify_against} does not exist: pass the reference model")
+        err.before_group = True
+        raise err
     with process_group(device=resolve_device(args.device), timeout_s=args.timeout) as comm:
         result = merge(opts, comm, Progress(enabled=comm.rank == 0 and not args.quiet))
         if comm.rank == 0:
@@ -172,9 +202,11 @@ def _verify_after_merge(args: argparse.Namespace, comm) -> int:
 
 
 def _report_error(err: DistmergeError, debug: bool) -> None:
-    rank = int(os.environ.get("RANK", "0"))
-    shared = hasattr(err, "origin_rank")  # every rank holds the same error: rank 0 speaks for all
-    if shared and rank != 0:
+    tell_torchrun(f"distmerge: error: {err}")
+    # Every rank holds the same error (agreed through a collective, or found by every rank alike before
+    # the group exists): rank 0 speaks for all.
+    shared = hasattr(err, "origin_rank") or getattr(err, "before_group", False)
+    if shared and _rank() != 0:
         return
     if debug:
         import traceback

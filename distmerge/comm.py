@@ -101,11 +101,19 @@ class Comm:
         return dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self._data, async_op=True)
 
     def close(self) -> None:
+        """Destroy the groups now, while this process still runs.
+
+        Our own references go too: a ProcessGroupGloo that outlives destroy_process_group() (held here, or
+        by anything still pointing at this Comm) is destroyed at interpreter exit with its worker threads
+        running, and the C++ runtime aborts ("terminate called without an active exception", SIGABRT),
+        which hid distmerge's own error under torchrun in a third of failed runs.
+        """
         if self.world > 1:
             import torch.distributed as dist
 
             if dist.is_initialized():
                 dist.destroy_process_group()
+        self._data = self._control = None
 
     # -- error transport ---------------------------------------------------------------------------
     def _attempt(self, work: Callable[[], T]) -> T | Failure:

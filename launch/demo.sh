@@ -28,15 +28,15 @@ EXTRA=()
 
 echo "== 1/3 saving $WHAT with 4 ranks -> $DEMO_DIR/$CASE"
 "$PY" -m torch.distributed.run --nproc-per-node 4 --nnodes 1 --master-addr 127.0.0.1 --master-port "$(port)" \
-  "$SCRIPT" --out "$DEMO_DIR" --case "$CASE" 2>&1 | grep -v '^W[0-9]' || true
+  "$SCRIPT" --out "$DEMO_DIR" --case "$CASE" 2>&1 | { grep -v '^W[0-9]' || true; }
 ls -R "$DEMO_DIR/$CASE" | head -12
 
 echo "== 2/3 merging with torchrun --nproc-per-node 2"
 "$PY" -m torch.distributed.run --nproc-per-node 2 --nnodes 1 --master-addr 127.0.0.1 --master-port "$(port)" \
-  -m distmerge merge --input "$DEMO_DIR/$CASE" --output "$DEMO_DIR/merged" "${EXTRA[@]}" 2>&1 | grep -v '^W[0-9]'
+  -m distmerge merge --input "$DEMO_DIR/$CASE" --output "$DEMO_DIR/merged" "${EXTRA[@]}" 2>&1 | { grep -v '^W[0-9]' || true; }
 
 echo "== 3/3 verifying: distmerge verify against the reference the saving job wrote, then the logits"
 "$PY" -m torch.distributed.run --nproc-per-node 2 --nnodes 1 --master-addr 127.0.0.1 --master-port "$(port)" \
-  -m distmerge verify --merged "$DEMO_DIR/merged" --reference "$REF/model.safetensors" 2>&1 | grep -v '^W[0-9]'
+  -m distmerge verify --merged "$DEMO_DIR/merged" --reference "$REF/model.safetensors" 2>&1 | { grep -v '^W[0-9]' || true; }
 "$PY" launch/demo_check.py "$DEMO_DIR/merged" "$REF"
 echo "merged model: $DEMO_DIR/merged"

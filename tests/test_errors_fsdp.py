@@ -93,3 +93,20 @@ def test_failure_on_one_rank_stops_every_rank(ckpt, tmp_path):
     errors = [line for line in run.stderr.splitlines() if line.startswith("distmerge: error:")]
     assert len(errors) == 1 and "model_world_size_4_rank_1.pt" in errors[0], run.stderr[-2000:]
     assert not (tmp_path / "out" / "model.safetensors.index.json").exists()
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize(("args", "line"), [
+    (["--input", "/nope"], "distmerge: error: input /nope does not exist"),
+    (["--input", "/nope", "--dtype", "fp8"], "distmerge merge: error: argument --dtype: invalid choice: 'fp8'"),
+])
+def test_torchrun_shows_the_error_once_and_as_its_root_cause(args, line, tmp_path):
+    """Made to fail first: every rank printed the error (and argparse's usage), torchrun's summary said
+    "To enable traceback see ...", and a third of failed runs aborted at exit (SIGABRT) instead of exit 1."""
+    run = torchrun(2, "merge", *args, "--output", tmp_path / "out", timeout=120)
+    assert run.returncode != 0
+    ours = [s for s in run.stderr.splitlines() if "error:" in s and s.startswith("distmerge")]
+    assert len(ours) == 1 and ours[0].startswith(line), run.stderr[-3000:]
+    assert f"traceback : {line}" in run.stderr, run.stderr[-3000:]  # torchrun's root cause is our line
+    assert "usage:" not in run.stderr or run.stderr.count("usage:") == 1
+    assert "terminate called" not in run.stderr and "SIGABRT" not in run.stderr
