@@ -26,7 +26,7 @@ def parse_size(text: str) -> int:
     return int(value)
 
 
-CAST_NAMES = ["keep", "bf16", "fp16", "fp32"]
+CAST_NAMES = ["keep", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32"]
 
 
 def add_input_options(parser: argparse.ArgumentParser, *, positional: bool = False) -> None:

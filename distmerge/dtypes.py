@@ -28,7 +28,8 @@ for _code, _name in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64")):
 _BY_DTYPE = {dtype: code for code, dtype in _CODES.items()}
 
 # --dtype choices -> safetensors code; "keep" maps to None.
-CAST_CHOICES: dict[str, str | None] = {"keep": None, "bf16": "BF16", "fp16": "F16", "fp32": "F32"}
+CAST_CHOICES: dict[str, str | None] = {"keep": None, "bf16": "BF16", "fp16": "F16", "fp32": "F32",
+                                       "bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 
 
 def code_of(dtype: torch.dtype) -> str:

@@ -110,3 +110,24 @@ def test_torchrun_shows_the_error_once_and_as_its_root_cause(args, line, tmp_pat
     assert f"traceback : {line}" in run.stderr, run.stderr[-3000:]  # torchrun's root cause is our line
     assert "usage:" not in run.stderr or run.stderr.count("usage:") == 1
     assert "terminate called" not in run.stderr and "SIGABRT" not in run.stderr
+
+
+def test_the_folder_above_the_checkpoint_names_it(fsdp_ckpts, tmp_path, capsys):
+    """verl's global_step_N/ holds actor/ (and critic/): the message says which folder to pass."""
+    step = tmp_path / "global_step_1"
+    shutil.copytree(fsdp_ckpts["fsdp2_llama_w2"], step / "actor")
+    (step / "data.pt").write_bytes(b"")
+    assert merge_inproc("--input", step, "--output", tmp_path / "out") == 1
+    assert f"holds one: pass {step / 'actor'} (fsdp)" in error_line(capsys)
+
+
+def test_an_already_merged_model_is_named(fsdp_ckpts, tmp_path, capsys):
+    assert merge_inproc("--input", fsdp_ckpts["fsdp2_llama_w2"], "--output", tmp_path / "merged") == 0
+    assert merge_inproc("--input", tmp_path / "merged", "--output", tmp_path / "again") == 1
+    assert "is already a Hugging Face model" in error_line(capsys)
+
+
+def test_dtype_takes_torch_names_too(fsdp_ckpts, tmp_path):
+    assert merge_inproc("--input", fsdp_ckpts["fsdp2_llama_w2"], "--output", tmp_path / "a", "--dtype", "bfloat16") == 0
+    assert merge_inproc("--input", fsdp_ckpts["fsdp2_llama_w2"], "--output", tmp_path / "b", "--dtype", "bf16") == 0
+    assert tree_bytes(tmp_path / "a") == tree_bytes(tmp_path / "b")

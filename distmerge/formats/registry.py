@@ -62,11 +62,28 @@ def pick(root: Path, requested: str = "auto") -> InputFormat:
     for fmt in all_formats():
         if hint := fmt.explain(root):
             raise InputError(hint)
+    if any((root / name).is_file() for name in HF_MODEL_FILES):
+        raise InputError(f"{root} is already a Hugging Face model (safetensors weights and their index): "
+                         "load it as it is, or pass the training checkpoint it came from")
+    if inner := _checkpoint_inside(root):
+        raise InputError(f"{root} is not a checkpoint but holds one: pass {inner} ({pick(inner).name})")
     listing = sorted(p.name for p in root.iterdir())[:8]
     raise InputError(
         f"{root} is not a checkpoint distmerge recognises (found: {', '.join(listing) or 'nothing'}); "
         f"known formats: {', '.join(f.name for f in all_formats())}"
     )
+
+
+# What marks a folder distmerge (or save_pretrained) already wrote.
+HF_MODEL_FILES = ("model.safetensors.index.json", "model.safetensors", "distmerge.manifest.json")
+LOOKED_AT = 64  # subfolders tried when the folder passed is one level too high
+
+
+def _checkpoint_inside(root: Path) -> Path | None:
+    """The one subfolder a format detects (verl's actor/, torchtitan's checkpoint/, a save's parent ...)."""
+    folders = sorted(p for p in root.iterdir() if p.is_dir())[:LOOKED_AT]
+    found = [p for p in folders if any(f.detect(p) for f in all_formats())]
+    return found[-1] if found else None
 
 
 def check_options(fmt: InputFormat, given: Mapping[str, Any]) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import pickle
+import re
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -86,17 +87,22 @@ def load_pickle(path: Path) -> dict[str, Any]:
         with torch.serialization.safe_globals(_SHARDED_TENSOR_GLOBALS):
             obj = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except pickle.UnpicklingError as err:
-        first = str(err).split("WeightsUnpickler error:")[-1].strip().splitlines()[0]
-        raise CorruptInputError(
-            f"{path} holds objects that are not tensors ({first[:160]}); distmerge loads checkpoints with "
-            "weights_only=True and never runs code from them"
-        ) from None
+        raise CorruptInputError(f"{path}: {_refused(str(err))}; distmerge never runs code from checkpoints") from None
     except (RuntimeError, EOFError, ValueError, OSError) as err:
         reason = str(err).splitlines()[0][:160]
         raise CorruptInputError(f"{path} cannot be read ({reason}): truncated or corrupt") from None
     if not isinstance(obj, dict):
         raise CorruptInputError(f"{path} holds a {type(obj).__name__}, not a state dict")
     return obj
+
+
+def _refused(message: str) -> str:
+    """The global torch's weights_only loader refused, named in a few words (its own message is a page)."""
+    found = re.search(r"GLOBAL ([\w.]+)", message) or re.search(r"global ['`]?([\w.]+)", message)
+    if found:
+        return f"its pickle calls {found[1]}, which is not allowed"
+    first = message.split("WeightsUnpickler error:")[-1].strip().splitlines()
+    return f"it holds objects that are not tensors ({(first[0] if first else '')[:100]})"
 
 
 def record_base(path: Path, tensors: list[torch.Tensor]) -> tuple[int, set[int]] | None:
