@@ -4,6 +4,9 @@
     discover   rank 0 checks, lists, reads config broadcast            (comm.root_only)
                each rank opens its input files    all_gather of inventories (comm.gather)
     plan       every rank, identically, no I/O    all_gather of status (comm.agree)
+    checks     each rank hashes its copies of     all_gather of figures (replicas, unwritten: only when
+               small replicas and of the sources  there is something to check)
+               the family did not write
     per round: exchange  readers pack round k+1   all_to_all_single, asynchronous (errors travel with
                                                   the round's gather)
                assemble + write  owners            all_gather of bytes written (progress)
@@ -21,7 +24,7 @@ from typing import Any
 
 from distmerge import discover as disc
 from distmerge import plan as planning
-from distmerge import replicas, resume
+from distmerge import replicas, resume, unwritten
 from distmerge.assemble import UnitBuild
 from distmerge.comm import Comm
 from distmerge.exchange import Exchanger, Pending
@@ -29,7 +32,7 @@ from distmerge.finalize import finalize
 from distmerge.formats import registry
 from distmerge.formats.base import Fragment
 from distmerge.plan import Plan
-from distmerge.prepare import OutputSettings, plan_merge
+from distmerge.prepare import OutputSettings, prepare_merge
 from distmerge.reader import Reader
 from distmerge.report import Progress
 from distmerge.results import MergeResult, RankStats
@@ -62,8 +65,10 @@ def merge(opts: MergeOptions, comm: Comm, progress: Progress) -> MergeResult:
     writers: dict[int, ShardWriter] = {}
     try:
         inventories = comm.gather(lambda: reader.open([i for i, r in enumerate(readers) if r == comm.rank]))
-        plan = comm.agree(lambda: plan_merge(found, _flat(inventories), comm.world, opts.settings))
-        plan = replace(plan, notes=(*plan.notes, *replicas.check(plan, comm, reader)))
+        prepared = comm.agree(lambda: prepare_merge(found, _flat(inventories), comm.world, opts.settings))
+        plan = prepared.plan
+        checked = unwritten.check(plan, prepared.left_out, prepared.must_equal, comm, reader)
+        plan = replace(plan, notes=(*plan.notes, *replicas.check(plan, comm, reader), *checked))
         fp = resume.fingerprint(plan, scan.files, _output_options(opts))
         kept = comm.root_only(lambda: resume.finished_files(out, plan, fp) if opts.resume else [])
         todo = planning.without_files(plan, kept)

@@ -3,16 +3,20 @@
     inventories --plan.merge_inventories--> source tensors (coverage checked)
                 --families.base.claim-----> the family for these names --units--> units, extra files, notes
                 --plan.make_plan----------> output files, owners, rounds
+                (+ the sources the family wrote into no unit: the engine checks them, see unwritten.py)
 
 Pure and deterministic: every rank calls it with the same arguments and gets the same plan.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from distmerge import families  # noqa: F401  (imports every family module, which registers itself)
+from distmerge import (
+    families,  # noqa: F401  (imports every family module, which registers itself)
+    unwritten,
+)
 from distmerge import plan as planning
 from distmerge.discover import Discovery
 from distmerge.dtypes import CAST_CHOICES
@@ -33,7 +37,24 @@ class OutputSettings:
     output: Path = Path()
 
 
+@dataclass(frozen=True, kw_only=True)
+class Prepared:
+    """The plan, and the sources the family wrote into no unit, for the engine to check (unwritten.py)."""
+
+    plan: Plan
+    left_out: dict[str, str] = field(default_factory=dict)
+    must_equal: tuple[tuple[str, str], ...] = ()
+
+
 def plan_merge(found: Discovery, fragments: list[Fragment], world: int, settings: OutputSettings) -> Plan:
+    """inspect's plan: it reads no tensor data, so the sources left out are named, not measured."""
+    prepared = prepare_merge(found, fragments, world, settings)
+    notes = unwritten.left_out_notes(prepared.left_out) + [f"{a} not written: a copy of {b}, written in its place"
+                                                           for a, b in prepared.must_equal]
+    return replace(prepared.plan, notes=(*prepared.plan.notes, *notes))
+
+
+def prepare_merge(found: Discovery, fragments: list[Fragment], world: int, settings: OutputSettings) -> Prepared:
     scan = found.scan
     sources = planning.merge_inventories(fragments, scan.files)
     if not sources:
@@ -43,7 +64,7 @@ def plan_merge(found: Discovery, fragments: list[Fragment], world: int, settings
     ctx = FamilyContext(config=found.config, cast=CAST_CHOICES[settings.dtype], hints=scan.hints, lora=settings.lora,
                         output=str(Path(settings.output).resolve()))
     result = family.units(metas, ctx)
-    return planning.make_plan(
+    plan = planning.make_plan(
         sources=sources,
         units=result.units,
         files=scan.files,
@@ -53,3 +74,4 @@ def plan_merge(found: Discovery, fragments: list[Fragment], world: int, settings
         extra_files=result.extra_files,
         notes=tuple(result.notes),
     )
+    return Prepared(plan=plan, left_out=dict(result.left_out), must_equal=tuple(result.must_equal))

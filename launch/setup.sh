@@ -19,4 +19,8 @@ quiet .venv/bin/python -m pip install --no-deps "${MEGATRON_SPEC:-megatron-core=
 # The DeepSpeed fixtures save real ZeRO checkpoints with DeepSpeed's engine and the HF Trainer. Its first
 # deepspeed.initialize on CPU compiles a small op with the system g++ (cached in ~/.cache/torch_extensions).
 quiet .venv/bin/python -m pip install "${DEEPSPEED_SPEC:-deepspeed==0.19.8}"
+# The torchtitan fixtures save with torchtitan's own CheckpointManager; --no-deps keeps the pinned torch
+# (triton and datasets, imported by modules the fixtures never run, are stubbed in tests/fixtures/torchtitan_cases.py).
+quiet .venv/bin/python -m pip install --no-deps "${TORCHTITAN_SPEC:-torchtitan==0.3.0}" spmd_types==0.2.3 torchdata==0.11.0
+quiet .venv/bin/python -m pip install tyro tensorboard
 .venv/bin/python -c 'import torch, transformers, safetensors, distmerge; print(f"setup ok: torch {torch.__version__}, transformers {transformers.__version__}, distmerge {distmerge.__version__}")'

@@ -50,6 +50,15 @@ def megatron_ckpts(tmp_path_factory) -> dict[str, Path]:
     return build_megatron_fixtures(tmp_path_factory.mktemp("megatron"))
 
 
+@pytest.fixture(scope="session")
+def tt_ckpts(tmp_path_factory) -> dict[str, Path]:
+    """Real torchtitan dumps saved by its own CheckpointManager (tests/fixtures/make_torchtitan.py); references
+    beside them in `{case}_reference/`."""
+    from tests.fixtures.make_torchtitan import build_torchtitan_fixtures
+
+    return build_torchtitan_fixtures(tmp_path_factory.mktemp("torchtitan"))
+
+
 def reference_dir(ckpt: Path) -> Path:
     return ckpt.parent / f"{ckpt.name}_reference"
 

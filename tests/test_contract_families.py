@@ -126,7 +126,67 @@ def megatron_samples() -> list[Sample]:
     return samples
 
 
-SAMPLES = {"hf": hf_samples, "lora": lora_samples, "megatron": megatron_samples}
+# torchtitan: one tiny model per table; qwen3_moe keeps a dense first layer, deepseek_v3 (MLA, dense first layer,
+# shared experts, routing bias) with and without the query low-rank projection.
+TT_MODELS = {
+    "llama": dict(SMALL),
+    "qwen3": dict(SMALL),
+    "qwen3_moe": dict(SMALL, **MOE),
+    "deepseek_v3": dict(hidden_size=16, num_attention_heads=4, intermediate_size=24, vocab_size=100,
+                        num_hidden_layers=2, tie_word_embeddings=False, n_routed_experts=2, n_shared_experts=1,
+                        moe_intermediate_size=12, first_k_dense_replace=1, q_lora_rank=8, kv_lora_rank=6,
+                        qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=4, num_experts_per_tok=1, n_group=1,
+                        topk_group=1),
+}
+
+
+@cache
+def tt_hf_state(model_type: str, q_lora: bool = True) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
+    import transformers
+
+    extra = {} if q_lora else {"q_lora_rank": None}
+    config = transformers.AutoConfig.for_model(model_type, **{**TT_MODELS[model_type], **extra})
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with tempfile.TemporaryDirectory() as out:
+        model.save_pretrained(out)
+        header = read_header(Path(out) / "model.safetensors")
+    return config.to_dict(), {e.name: e.shape for e in header.entries.values()}
+
+
+def torchtitan_sources(arch: str, gen: str, expected: dict[str, tuple[int, ...]],
+                       reached: set[str] | None = None) -> dict[str, SourceMeta]:
+    """One torchtitan tensor (stacked experts one per expert, as the format presents them) per row instance of
+    the name generation `gen` whose target the Hugging Face model has; its shape is the target's."""
+    from distmerge.families.torchtitan_tables import FAMILIES as TT
+
+    out = {}
+    layers, experts = SMALL["num_hidden_layers"], MOE["num_experts"]
+    for row in TT[arch]:
+        if row.gen not in ("", gen) or row.target is None or row.mtp:  # transformers builds no MTP layer
+            continue
+        numbers = {0: [()], 1: [(i,) for i in range(layers)],
+                   2: [(i, e) for i in range(layers) for e in range(experts)]}[row.source.count("{}")]
+        for nums in numbers:
+            if row.target.format(*nums) in expected:
+                out[row.source.format(*nums)] = expected[row.target.format(*nums)]
+                if reached is not None:
+                    reached.add(row.source)
+    return metas(out)
+
+
+def torchtitan_samples(reached: set[str] | None = None) -> list[Sample]:
+    from distmerge.families.torchtitan_tables import MODEL_TYPES as TT_TYPES
+
+    samples = []
+    for model_type, q_lora in [(t, True) for t in TT_MODELS] + [("deepseek_v3", False)]:
+        config, state = tt_hf_state(model_type, q_lora)
+        for gen in ("0.3", "0.2"):
+            sources = torchtitan_sources(TT_TYPES[model_type], gen, state, reached)
+            samples.append(Sample(config=config, sources=sources, expected=state, hints=Hints(naming="torchtitan")))
+    return samples
+
+
+SAMPLES = {"hf": hf_samples, "lora": lora_samples, "megatron": megatron_samples, "torchtitan": torchtitan_samples}
 FAMILY_NAMES = [f.name for f in REGISTERED]
 
 

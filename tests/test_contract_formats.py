@@ -33,6 +33,7 @@ SAMPLES = {
     "megatron-dist": ("megatron_ckpts", "megatron_dist_tp2pp2"),
     "dcp": ("dcp_ckpts", "dcp_qwen2_tied_hsdp_2x2"),
     "dcp-hf": ("dcp_ckpts", "dcp_llama_hfwriter_w4"),
+    "torchtitan": ("tt_ckpts", "tt_qwen3_moe_w4"),
 }
 FORMATS = [f.name for f in registry.all_formats()]
 

@@ -14,12 +14,12 @@ LAYERS = {
     1: ("formats", "comm", "transforms"),
     2: ("families",),
     3: ("plan", "reader", "writer", "discover"),
-    4: ("prepare", "exchange", "assemble", "replicas", "resume", "finalize", "report"),
+    4: ("prepare", "exchange", "assemble", "replicas", "unwritten", "resume", "finalize", "report"),
     5: ("engine", "inspect", "verify", "cli_options"),
     6: ("cli", "__main__"),
 }
-ENGINE = ("plan", "reader", "writer", "discover", "prepare", "exchange", "assemble", "replicas", "resume",
-          "finalize", "engine", "inspect")
+ENGINE = ("plan", "reader", "writer", "discover", "prepare", "exchange", "assemble", "replicas", "unwritten",
+          "resume", "finalize", "engine", "inspect")
 
 
 def modules() -> dict[str, Path]:

@@ -15,12 +15,12 @@ A family module registers its instance with `register`; distmerge/families/__ini
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from distmerge import dtypes
-from distmerge.errors import InputError
+from distmerge.errors import ConfigError, InputError
 from distmerge.formats.base import Hints
 
 
@@ -88,6 +88,9 @@ class FamilyResult:
     units: list[Unit]
     extra_files: dict[str, dict[str, Any]] = field(default_factory=dict)  # relative path -> JSON to write
     notes: list[str] = field(default_factory=list)
+    # Sources the family reads into no unit (families do no I/O; the engine checks them, see unwritten.py):
+    left_out: dict[str, str] = field(default_factory=dict)  # source -> why the output has no place for it
+    must_equal: tuple[tuple[str, str], ...] = ()  # (dropped copy, written source) that must hold equal values
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,6 +123,24 @@ CAUSAL_LM = ModelTraits(tied_heads=(("lm_head.weight", "model.embed_tokens.weigh
                         auto_class="AutoModelForCausalLM", config_block="text_config")
 
 
+def table_for(config: dict[str, Any], tables: Collection[str], model_types: dict[str, str], layout: str) -> str:
+    """The architecture whose table maps this model: config.json's `architectures`, else its `model_type`."""
+    archs = config.get("architectures") or [model_types.get(config.get("model_type", ""), "")]
+    arch = next((a for a in archs if a in tables), None)
+    if arch is None:
+        raise ConfigError(f"config.json's architecture {archs[0] or config.get('model_type')!r} has no {layout} "
+                          f"mapping; supported: {', '.join(tables)}")
+    return arch
+
+
+def config_int(config: dict[str, Any], key: str, layout: str) -> int:
+    """An integer the `layout` (a family's word) needs from config.json, or a ConfigError that says so."""
+    value = config.get(key)
+    if not isinstance(value, int):
+        raise ConfigError(f"config.json has no integer {key}, which the {layout} layout needs")
+    return value
+
+
 class Family(Protocol):
     name: str
     order: int  # asked in this order; the first that claims the tensors wins (a fallback comes last)
@@ -131,14 +152,21 @@ class Family(Protocol):
     def traits(self, config: dict[str, Any]) -> ModelTraits: ...
 
 
-class ClaimsByNaming:
-    """A family that takes every tensor of one naming (the format's hints say whose names they are) and
-    writes a causal language model."""
+@dataclass(frozen=True)
+class NamingFamily:
+    """A family that takes every tensor of one naming (the format's hints say whose names they are), turns
+    them into units with `build` (a pure function of the family's own module) and writes a causal LM."""
 
+    name: str
     naming: str
+    order: int
+    build: Callable[[dict[str, SourceMeta], FamilyContext], FamilyResult]
 
     def claims(self, names: Collection[str], config: dict[str, Any], hints: Hints) -> bool:
         return hints.naming == self.naming
+
+    def units(self, sources: dict[str, SourceMeta], ctx: FamilyContext) -> FamilyResult:
+        return self.build(sources, ctx)
 
     def traits(self, config: dict[str, Any]) -> ModelTraits:
         return CAUSAL_LM

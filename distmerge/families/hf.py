@@ -12,9 +12,9 @@ from collections.abc import Collection
 from distmerge.errors import InputError
 from distmerge.families.base import (
     CAUSAL_LM,
-    ClaimsByNaming,
     FamilyContext,
     FamilyResult,
+    NamingFamily,
     SourceMeta,
     Target,
     Unit,
@@ -42,15 +42,10 @@ def check_names_are_hf(names: Collection[str]) -> None:
             )
 
 
-class HfFamily(ClaimsByNaming):
-    name = "hf"
-    naming = "hf"
-    order = 90
-
-    def units(self, sources: dict[str, SourceMeta], ctx: FamilyContext) -> FamilyResult:
-        check_names_are_hf(list(sources))
-        drop = CAUSAL_LM.dropped_heads({n: s.shape for n, s in sources.items()}, ctx.config)
-        return FamilyResult(units=[as_is(s, ctx.cast) for s in sources.values() if s.name not in drop])
+def units(sources: dict[str, SourceMeta], ctx: FamilyContext) -> FamilyResult:
+    check_names_are_hf(list(sources))
+    drop = CAUSAL_LM.dropped_heads({n: s.shape for n, s in sources.items()}, ctx.config)
+    return FamilyResult(units=[as_is(s, ctx.cast) for s in sources.values() if s.name not in drop])
 
 
 def as_is(source: SourceMeta, cast: str | None) -> Unit:
@@ -59,4 +54,4 @@ def as_is(source: SourceMeta, cast: str | None) -> Unit:
     return Unit(sources=(source.name,), targets=(target,))
 
 
-HF = register(HfFamily())
+HF = register(NamingFamily(name="hf", naming="hf", order=90, build=units))

@@ -84,12 +84,12 @@ class LoraFamily:
             scale = alpha / math.sqrt(rank) if rslora else alpha / rank
             out = _fused(base.units, modules, scale)
             note = f"LoRA fused into the weights of {len(modules)} modules (scale {scale:g})"
-            return FamilyResult(units=out, extra_files=base.extra_files, notes=[*base.notes, note])
+            return replace(base, units=out, notes=[*base.notes, note])
         out = base.units + [_adapter(sources[n]) for ab in modules.values() for n in ab.values()]
         config = adapter_config(modules, rank, alpha, rslora, meta, ctx)
         note = f"LoRA adapter (r={rank}, alpha={alpha:g}) for {len(modules)} modules written to {ADAPTER_DIR}/"
-        return FamilyResult(units=out, extra_files={**base.extra_files, f"{ADAPTER_DIR}/adapter_config.json": config},
-                            notes=[*base.notes, note])
+        return replace(base, units=out, extra_files={**base.extra_files, f"{ADAPTER_DIR}/adapter_config.json": config},
+                       notes=[*base.notes, note])
 
 
 def _base(sources: dict[str, SourceMeta], ctx: FamilyContext, skip: LoraFamily) -> FamilyResult:
@@ -99,7 +99,8 @@ def _base(sources: dict[str, SourceMeta], ctx: FamilyContext, skip: LoraFamily) 
     inner = claim(list(renamed), ctx.config, ctx.hints, skip=skip)
     result = inner.units(renamed, ctx)
     units = [replace(u, sources=tuple(peft[s] for s in u.sources)) for u in result.units]
-    return FamilyResult(units=units, extra_files=result.extra_files, notes=result.notes)
+    return replace(result, units=units, left_out={peft[n]: why for n, why in result.left_out.items()},
+                   must_equal=tuple((peft[a], peft[b]) for a, b in result.must_equal))
 
 
 def _fused(units: list[Unit], modules: dict[str, dict[str, str]], scale: float) -> list[Unit]:

@@ -12,7 +12,7 @@ import re
 from functools import cache
 from typing import Any
 
-from distmerge.errors import ConfigError, InputError, LayoutError
+from distmerge.errors import InputError, LayoutError
 from distmerge.families import base
 from distmerge.families.base import FamilyContext, FamilyResult, SourceMeta, Target, Unit, output_dtype
 from distmerge.families.megatron_tables import FAMILIES, LAYERS, MODEL_TYPES, Row
@@ -20,16 +20,6 @@ from distmerge.formats.base import Hints
 
 HEAD = base.CAUSAL_LM.tied_heads[0][0]
 
-
-class MegatronFamily(base.ClaimsByNaming):
-    """Megatron-core's names (both Megatron formats hint them), written as Hugging Face causal LMs."""
-
-    name = "megatron"
-    naming = "megatron"
-    order = 20
-
-    def units(self, sources: dict[str, SourceMeta], ctx: FamilyContext) -> FamilyResult:
-        return units(sources, ctx)
 
 
 def units(sources: dict[str, SourceMeta], ctx: FamilyContext) -> FamilyResult:
@@ -65,12 +55,7 @@ def units(sources: dict[str, SourceMeta], ctx: FamilyContext) -> FamilyResult:
 
 
 def architecture(config: dict[str, Any]) -> str:
-    archs = config.get("architectures") or [MODEL_TYPES.get(config.get("model_type", ""), "")]
-    arch = next((a for a in archs if a in FAMILIES), None)
-    if arch is None:
-        raise ConfigError(f"config.json's architecture {archs[0] or config.get('model_type')!r} has no Megatron "
-                          f"mapping; supported: {', '.join(FAMILIES)}")
-    return arch
+    return base.table_for(config, FAMILIES, MODEL_TYPES, "Megatron")
 
 
 @cache
@@ -81,14 +66,14 @@ def _compiled(arch: str) -> list[tuple[Row, re.Pattern[str]]]:
 def _params(transform: str, meta: SourceMeta, config: dict[str, Any], hints: Hints) -> tuple[tuple[str, object], ...]:
     """The transform's parameters: attention sizes and vocabulary from config.json, shard layout from the format."""
     if transform == "split_qkv":
-        heads = _int(config, "num_attention_heads")
+        heads = base.config_int(config, "num_attention_heads", "Megatron")
         groups = config.get("num_key_value_heads") or heads
-        head_dim = config.get("head_dim") or _int(config, "hidden_size") // heads
+        head_dim = config.get("head_dim") or base.config_int(config, "hidden_size", "Megatron") // heads
         return (("heads", heads), ("groups", groups), ("head_dim", head_dim))
     if transform == "split_gate_up":
         return (("shards", hints.expert_fc1_shards if ".experts." in meta.name else hints.fc1_shards),)
     if transform == "trim_rows":
-        return (("rows", _int(config, "vocab_size")),)
+        return (("rows", base.config_int(config, "vocab_size", "Megatron")),)
     return ()
 
 
@@ -132,11 +117,5 @@ def _check_complete(out: list[Unit], config: dict[str, Any], tied: bool, arch: s
                           "was it trained with tied embeddings? fix tie_word_embeddings in config.json")
 
 
-def _int(config: dict[str, Any], key: str) -> int:
-    value = config.get(key)
-    if not isinstance(value, int):
-        raise ConfigError(f"config.json has no integer {key}, which the Megatron layout needs")
-    return value
 
-
-MEGATRON = base.register(MegatronFamily())
+MEGATRON = base.register(base.NamingFamily(name="megatron", naming="megatron", order=20, build=units))

@@ -3,4 +3,4 @@
 Registration: a format module decorates its class with `@register`; the import below makes it known.
 """
 
-from distmerge.formats import dcp, dcp_hf, deepspeed, fsdp, megatron_dist, megatron_legacy  # noqa: F401
+from distmerge.formats import dcp, dcp_hf, deepspeed, fsdp, megatron_dist, megatron_legacy, torchtitan  # noqa: F401
