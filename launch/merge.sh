@@ -47,4 +47,17 @@ if [ -z "${NPROC:-}" ]; then
   gpus=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
   NPROC=$([ "$gpus" -gt 0 ] && echo "$gpus" || echo 2)
 fi
-exec "$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC" "${rdzv[@]}" -m distmerge merge "$@"
+# torchrun follows a failure with its own traceback and summary: repeat distmerge's error line last, so the
+# end of the log (what a scheduler shows, what `tail -1` reads) says what went wrong.
+log=$(mktemp "${TMPDIR:-/tmp}/distmerge-merge.XXXXXX")
+trap 'rm -f "$log"' EXIT
+set +e
+{ "$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC" "${rdzv[@]}" -m distmerge merge "$@" 2>&1 1>&3 3>&- |
+    tee "$log" >&2 3>&-; } 3>&1
+status=${PIPESTATUS[0]}
+set -e
+if [ "$status" -ne 0 ]; then
+  line=$(grep -E '^distmerge( merge)?: error:' "$log" | tail -n 1 || true)
+  if [ -n "$line" ]; then echo "$line" >&2; fi
+fi
+exit "$status"

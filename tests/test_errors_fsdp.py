@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -131,3 +132,17 @@ def test_dtype_takes_torch_names_too(fsdp_ckpts, tmp_path):
     assert merge_inproc("--input", fsdp_ckpts["fsdp2_llama_w2"], "--output", tmp_path / "a", "--dtype", "bfloat16") == 0
     assert merge_inproc("--input", fsdp_ckpts["fsdp2_llama_w2"], "--output", tmp_path / "b", "--dtype", "bf16") == 0
     assert tree_bytes(tmp_path / "a") == tree_bytes(tmp_path / "b")
+
+
+@pytest.mark.torchrun
+def test_merge_sh_ends_with_the_error_line(tmp_path):
+    """launch/merge.sh repeats distmerge's line after torchrun's own traceback and summary."""
+    import subprocess
+
+    from tests.conftest import REPO
+
+    env = {**os.environ, "NPROC": "2", "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(["bash", str(REPO / "launch" / "merge.sh"), "--input", "/nope", "--output", tmp_path / "o"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 1
+    assert run.stderr.strip().splitlines()[-1] == "distmerge: error: input /nope does not exist"
