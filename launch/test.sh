@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash launch/setup.sh
+.venv/bin/ruff check distmerge tests  # lint first: a finding fails the run like a failed test
 exec .venv/bin/python -m pytest -q "$@"
