@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -142,8 +143,25 @@ def add_verify_parser(sub) -> None:
     add_run_options(verify)
 
 
+INTERRUPTED = {
+    "merge": "distmerge: interrupted: the files it finished are kept; run the same command with --resume to finish",
+    "verify": "distmerge: interrupted: nothing was changed; run verify again",
+    "inspect": "distmerge: interrupted",
+}
+
+
+def _interrupt_on_sigterm() -> None:
+    """torchrun passes a Ctrl-C on to its workers as SIGTERM: let it end the run the way Ctrl-C does."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        def stop(*_):
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGTERM, stop)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _interrupt_on_sigterm()
     try:
         if args.command == "inspect":
             from distmerge.inspect import run_inspect
@@ -158,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         _report_error(err, args.debug)
         return 1
     except KeyboardInterrupt:
-        print("distmerge: interrupted", file=sys.stderr, flush=True)
+        if _rank() == 0:  # every rank is interrupted: one says so
+            print(INTERRUPTED[args.command], file=sys.stderr, flush=True)
         return 130
 
 

@@ -169,3 +169,29 @@ def test_input_truncated_during_the_merge_stops_every_rank(fsdp_ckpts, tmp_path)
     errors = [line for line in stderr.splitlines() if line.startswith("distmerge: error:")]
     assert len(errors) == 1 and "truncated" in errors[0], stderr[-2000:]
     assert not (out / "model.safetensors.index.json").exists()
+
+
+@pytest.mark.torchrun
+def test_ctrl_c_says_how_to_finish_once(fsdp_ckpts, clean, tmp_path):
+    """Ctrl-C on torchrun (SIGINT; torchrun passes SIGTERM on to its workers): one line that names --resume,
+    no abort, no index; --resume then finishes byte-identical. Made to fail first: workers died silently."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--nnodes", "1",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "distmerge", "merge", "--quiet",
+           "--input", str(fsdp_ckpts["fsdp2_llama_w4"]), "--output", str(out), *SPLIT, "--budget", "16KB", "--checksum"]
+    env = {**os.environ, "DISTMERGE_TEST_ROUND_DELAY": "0.3", "OMP_NUM_THREADS": "1"}
+    job = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not model_files(out) and time.monotonic() < deadline and job.poll() is None:
+        time.sleep(0.05)
+    assert model_files(out), "the merge finished no file before the deadline"
+    job.send_signal(signal.SIGINT)
+    _, err = job.communicate(timeout=60)
+    assert job.returncode != 0
+    said = [line for line in err.splitlines() if line.startswith("distmerge:")]
+    assert said == ["distmerge: interrupted: the files it finished are kept; run the same command with --resume "
+                    "to finish"], err[-3000:]
+    assert "terminate called" not in err
+    assert not (out / "model.safetensors.index.json").exists()
+    resume(fsdp_ckpts["fsdp2_llama_w4"], out, "--checksum")
+    assert tree_bytes(out) == tree_bytes(clean)
