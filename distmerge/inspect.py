@@ -47,7 +47,8 @@ def describe(args: argparse.Namespace) -> dict:
         "bytes": plan.total_bytes,
         "dtypes": dict(Counter(t.dtype for t in targets).most_common()),
         "tied_embeddings": traits.ties(found.config),
-        "architectures": found.config.get("architectures", []),
+        "architectures": found.config.get("architectures") or [],
+        "model_type": found.config.get("model_type"),
         "output_files": [{"name": f.name, "tensors": len(f.targets), "bytes": f.nbytes} for f in plan.files],
         "extra_files": sorted(plan.extra_files),
         "notes": [*scan.notes, *plan.notes],
@@ -66,7 +67,8 @@ def run_inspect(args: argparse.Namespace) -> int:
         ("format", f"{info['format']}, world size {info['world_size']}, {info['input_files']} rank files, "
                    f"{human_bytes(info['input_bytes'])}"),
         ("sharding", "; ".join(f"{k} x{v}" for k, v in info["sharding"].items())),
-        ("model", f"{', '.join(info['architectures']) or '?'}, tied embeddings: {info['tied_embeddings']}"),
+        ("model", f"{', '.join(info['architectures']) or info['model_type'] or '?'}, "
+                  f"tied embeddings: {info['tied_embeddings']}"),
         ("tensors", f"{info['tensors']} ({info['parameters']:,} parameters, {human_bytes(info['bytes'])})"),
         ("dtypes", ", ".join(f"{k} x{v}" for k, v in info["dtypes"].items())),
     ]

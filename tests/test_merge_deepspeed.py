@@ -110,3 +110,6 @@ def test_inspect_describes_the_save(ds_ckpts, capsys):
     info = json.loads(capsys.readouterr().out)
     assert info["format"] == "deepspeed" and info["world_size"] == 3
     assert set(info["sharding"]) == {"ZeRO-1/2 fp32 partition"} and info["tensors"] == 21
+    assert info["model_type"] == "llama"  # the fixture's config has no `architectures`: the table says llama
+    assert main(["inspect", str(ds_ckpts["ds_z2_odd_w3"])]) == 0
+    assert "│ model    │ llama, tied embeddings: False" in capsys.readouterr().out

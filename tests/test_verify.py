@@ -153,6 +153,8 @@ def test_tied_head_missing_in_merged_is_accepted(qwen_tied, tmp_path, capsys):
     assert verdict(capsys) == "verify: PASS 27 tensors (26 bit-exact, 1 tied head (lm_head.weight))"
     head = by_name(report(tmp_path / "r.json"))["lm_head.weight"]
     assert head["passed"] and head["bit_exact"] and "compared reference lm_head.weight with merged" in head["note"]
+    counts = json.loads((tmp_path / "r.json").read_text())["counts"]  # the numbers the verdict line says
+    assert (counts["tensors"], counts["bit_exact"], counts["tied_heads"]) == (27, 26, 1)
 
 
 def test_tied_head_that_differs_from_the_embedding_fails(qwen_tied, tmp_path, capsys):

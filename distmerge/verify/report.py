@@ -134,18 +134,30 @@ def verdict(checks: list[Check], logits: LogitsCheck | None) -> str:
     return f"verify: PASS {len(checks)} tensors {_pass_detail(checks)}{tail}"
 
 
+def tally(checks: list[Check]) -> dict[str, int]:
+    """The counts the verdict line states, and the JSON report with it (one definition for both)."""
+    return {
+        "tensors": len(checks),
+        "passed": sum(c.passed for c in checks),
+        "failed": sum(not c.passed for c in checks),
+        "bit_exact": sum(c.outcome == "bit-exact" and not c.note for c in checks),
+        "within_tolerance": sum(c.outcome == "within tolerance" and not c.note for c in checks),
+        "tied_heads": sum(bool(c.note) for c in checks),
+        "cast": sum(bool(c.cast) for c in checks),
+    }
+
+
 def _pass_detail(checks: list[Check]) -> str:
-    exact = sum(c.outcome == "bit-exact" and not c.note for c in checks)
-    parts = [f"{exact} bit-exact"] if exact else []
-    close = sum(c.outcome == "within tolerance" and not c.note for c in checks)
-    if close:
-        parts.append(f"{close} within tolerance")
+    counts = tally(checks)
+    parts = [f"{counts['bit_exact']} bit-exact"] if counts["bit_exact"] else []
+    if counts["within_tolerance"]:
+        parts.append(f"{counts['within_tolerance']} within tolerance")
     tied = [c.name for c in checks if c.note]
     if tied:
         parts.append(f"{len(tied)} tied head ({', '.join(tied)})")
     casts = sorted({c.cast for c in checks if c.cast})
     if casts:
-        parts.append(f"{sum(bool(c.cast) for c in checks)} compared after casting the reference {', '.join(casts)}")
+        parts.append(f"{counts['cast']} compared after casting the reference {', '.join(casts)}")
     if parts == [f"{len(checks)} bit-exact"]:
         return "bit-exact"
     return "(" + ", ".join(parts) + ")"
@@ -221,13 +233,7 @@ def report_json(*, merged: str, reference: str, crit: Criteria, checks: list[Che
         "merged": merged,
         "reference": reference,
         "criteria": asdict(crit),
-        "counts": {
-            "tensors": len(checks),
-            "passed": sum(c.passed for c in checks),
-            "failed": sum(not c.passed for c in checks),
-            "bit_exact": sum(c.bit_exact for c in checks),
-            "cast": sum(bool(c.cast) for c in checks),
-        },
+        "counts": tally(checks),
         "tensors": [asdict(c) for c in checks],
         "logits": asdict(logits) if logits else None,
         "run": run,
