@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -141,7 +142,7 @@ def test_merge_sh_ends_with_the_error_line(tmp_path):
 
     from tests.conftest import REPO
 
-    env = {**os.environ, "NPROC": "2", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "NPROC": "2", "OMP_NUM_THREADS": "1", "PYTHON": sys.executable}
     run = subprocess.run(["bash", str(REPO / "launch" / "merge.sh"), "--input", "/nope", "--output", tmp_path / "o"],
                          capture_output=True, text=True, env=env, timeout=120)
     assert run.returncode == 1
