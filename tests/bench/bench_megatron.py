@@ -139,7 +139,8 @@ def table(bench: MegatronBench, ckpt_bytes: int) -> list[list[str]]:
             f"{med[row] / floor:.2f}" if merge and row != "cp" else "",
             f"{base / med[row]:.2f}" if n else "", f"{base_sync / med[row]:.2f}" if n else "",
             f"{med[row] - med[f'launch N={n}']:.2f}" if n else "",
-            f"{own[row]:.2f}" if row in own else "", f"{own['baseline'] / own[row]:.2f}" if n else "",
+            f"{own[row]:.2f}" if row in own else "",
+            f"{own['baseline'] / own[row]:.2f}" if n and "baseline" in own else "",  # a peer may have no own timer
             " / ".join(gb(p) for p in bench.rss.get(row, [])),
         ])
     return rows
