@@ -138,16 +138,17 @@ class Bench:
     def keep_peak(self, row: str, peaks: list[int]) -> None:
         self.rss[row] = [max(a, b) for a, b in zip(self.rss.get(row, [0] * len(peaks)), peaks, strict=True)]
 
-    def cp(self, files: list[Path], pattern: str) -> None:
-        dest, names = self.fresh("cp"), [str(p) for p in files]
+    def cp(self, files: list[Path], pattern: str, row: str = "cp") -> None:
+        """cp of files into a fresh folder (row), then sync of each copy (row+sync); row names a second floor."""
+        dest, names = self.fresh(slug(row)), [str(p) for p in files]
         dest.mkdir(parents=True)
-        self.commands.setdefault("cp", shlex.join(["cp", "-r", *names, str(dest)]))
-        cp_s, _ = run(["cp", "-r", *names, str(dest)], self.work / "logs" / "cp.log")
-        self.commands.setdefault("cp+sync", f"(cp as above) && sync {dest}/{pattern}")
+        self.commands.setdefault(row, shlex.join(["cp", "-r", *names, str(dest)]))
+        cp_s, _ = run(["cp", "-r", *names, str(dest)], self.work / "logs" / f"{slug(row)}.log")
+        self.commands.setdefault(f"{row}+sync", f"({row} as above) && sync {dest}/{pattern}")
         sync_s, _ = run(["sync", *(str(dest / p.name) for p in files)], self.work / "logs" / "sync.log")
-        self.times["cp"].append(cp_s)
-        self.times["cp+sync"].append(cp_s + sync_s)
-        print(f"    {'cp':<{self.width}} {cp_s:8.2f} s  (+ sync {sync_s:.2f} s = {cp_s + sync_s:.2f} s)", flush=True)
+        self.times[row].append(cp_s)
+        self.times[f"{row}+sync"].append(cp_s + sync_s)
+        print(f"    {row:<{self.width}} {cp_s:8.2f} s  (+ sync {sync_s:.2f} s = {cp_s + sync_s:.2f} s)", flush=True)
 
     def launch(self, n: int) -> None:
         prefix = [*TORCHRUN, "--standalone", "--nproc-per-node", str(n)] if n > 1 else [PY]
