@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -23,7 +26,7 @@ def fsdp_ckpts(tmp_path_factory) -> dict[str, Path]:
     """{case: checkpoint folder}; each case's reference sits beside it as `{case}_reference/`."""
     from tests.fixtures.build import build_fsdp_fixtures
 
-    return build_fsdp_fixtures(tmp_path_factory.mktemp("fsdp"))
+    return built_once("fsdp", build_fsdp_fixtures, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
@@ -31,7 +34,7 @@ def dcp_ckpts(tmp_path_factory) -> dict[str, Path]:
     """Real dcp.save folders and HuggingFaceStorageWriter shards (tests/fixtures/make_dcp.py)."""
     from tests.fixtures.build import build_dcp_fixtures
 
-    return build_dcp_fixtures(tmp_path_factory.mktemp("dcp"))
+    return built_once("dcp", build_dcp_fixtures, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
@@ -39,7 +42,7 @@ def ds_ckpts(tmp_path_factory) -> dict[str, Path]:
     """Real DeepSpeed ZeRO saves by deepspeed.initialize and the HF Trainer (tests/fixtures/make_deepspeed.py)."""
     from tests.fixtures.deepspeed_cases import build_deepspeed_fixtures
 
-    return build_deepspeed_fixtures(tmp_path_factory.mktemp("deepspeed"))
+    return built_once("deepspeed", build_deepspeed_fixtures, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
@@ -47,7 +50,7 @@ def megatron_ckpts(tmp_path_factory) -> dict[str, Path]:
     """Real megatron-core saves (tests/fixtures/make_megatron.py); references beside them, as for FSDP."""
     from tests.fixtures.build import build_megatron_fixtures
 
-    return build_megatron_fixtures(tmp_path_factory.mktemp("megatron"))
+    return built_once("megatron", build_megatron_fixtures, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
@@ -56,7 +59,31 @@ def tt_ckpts(tmp_path_factory) -> dict[str, Path]:
     beside them in `{case}_reference/`."""
     from tests.fixtures.make_torchtitan import build_torchtitan_fixtures
 
-    return build_torchtitan_fixtures(tmp_path_factory.mktemp("torchtitan"))
+    return built_once("torchtitan", build_torchtitan_fixtures, tmp_path_factory)
+
+
+def built_once(name: str, build, tmp_path_factory) -> dict[str, Path]:
+    """Build a fixture family in a fresh temp folder, or, when DISTMERGE_FIXTURE_CACHE names a folder (a
+    developer's shortcut; CI never sets it), once per version of tests/fixtures/ and then reuse it across
+    pytest runs. Tests copy a fixture before damaging it, so the cached saves stay as the jobs wrote them."""
+    cache = os.environ.get("DISTMERGE_FIXTURE_CACHE")
+    if not cache:
+        return build(tmp_path_factory.mktemp(name))
+    digest = hashlib.sha256()
+    for source in sorted((REPO / "tests" / "fixtures").glob("*.py")):
+        digest.update(source.name.encode() + source.read_bytes())
+    root = Path(cache) / f"{name}-{digest.hexdigest()[:12]}"
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with open(root.parent / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # several pytest runs at once: one builds, the others wait
+        listing = root / ".cases.json"
+        if listing.exists():
+            return {case: root / rel for case, rel in json.loads(listing.read_text()).items()}
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir()
+        cases = build(root)
+        listing.write_text(json.dumps({case: str(path.relative_to(root)) for case, path in cases.items()}))
+        return cases
 
 
 def reference_dir(ckpt: Path) -> Path:
