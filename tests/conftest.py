@@ -62,6 +62,16 @@ def tt_ckpts(tmp_path_factory) -> dict[str, Path]:
     return built_once("torchtitan", build_torchtitan_fixtures, tmp_path_factory)
 
 
+# The scripts each fixture family is made by: a change to any of them rebuilds that family's cached saves.
+FIXTURE_SOURCES = {
+    "fsdp": ("build.py", "make_fsdp.py", "make_lora.py"),
+    "dcp": ("build.py", "make_dcp.py", "make_fsdp.py"),
+    "megatron": ("build.py", "make_megatron.py", "megatron_models.py", "megatron_moe.py"),
+    "deepspeed": ("deepspeed_cases.py", "make_deepspeed.py", "make_fsdp.py"),
+    "torchtitan": ("make_torchtitan.py", "torchtitan_cases.py"),
+}
+
+
 def built_once(name: str, build, tmp_path_factory) -> dict[str, Path]:
     """Build a fixture family in a fresh temp folder, or, when DISTMERGE_FIXTURE_CACHE names a folder (a
     developer's shortcut; CI never sets it), once per version of tests/fixtures/ and then reuse it across
@@ -70,8 +80,8 @@ def built_once(name: str, build, tmp_path_factory) -> dict[str, Path]:
     if not cache:
         return build(tmp_path_factory.mktemp(name))
     digest = hashlib.sha256()
-    for source in sorted((REPO / "tests" / "fixtures").glob("*.py")):
-        digest.update(source.name.encode() + source.read_bytes())
+    for source in FIXTURE_SOURCES[name]:
+        digest.update(source.encode() + (REPO / "tests" / "fixtures" / source).read_bytes())
     root = Path(cache) / f"{name}-{digest.hexdigest()[:12]}"
     root.parent.mkdir(parents=True, exist_ok=True)
     with open(root.parent / f"{name}.lock", "w") as lock:
