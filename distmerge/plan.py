@@ -69,13 +69,13 @@ def natural_key(name: str) -> list:
 
 
 def assign_readers(files: tuple[InputFile, ...], world: int) -> tuple[int, ...]:
-    """Each input file is read by exactly one rank; largest first onto the least-loaded rank."""
+    """Each input file is read by exactly one rank; the costliest to read first, onto the least-loaded rank."""
     load = [0] * world
     readers = [0] * len(files)
-    for f in sorted(files, key=lambda f: (-f.size, f.index)):
+    for f in sorted(files, key=lambda f: (-f.read_weight, f.index)):
         rank = min(range(world), key=lambda r: (load[r], r))
         readers[f.index] = rank
-        load[rank] += f.size
+        load[rank] += f.read_weight
     return tuple(readers)
 
 

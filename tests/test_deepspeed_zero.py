@@ -57,3 +57,24 @@ def test_stage3_pieces_rebuild_every_parameter(numels, world):
         assert total == slices[r].numel()
     rebuilt = reassemble(pieces, slices, numels, names)
     assert all(torch.equal(rebuilt[n], p) for n, p in zip(names, params, strict=True))
+
+
+def test_readers_are_spread_by_the_bytes_a_merge_reads(ds_ckpts):
+    """A stage-2 save's model-states file holds the whole 16-bit module, which a merge of the masters never reads,
+    and each optimizer file is read for its master third: spreading files by size would give one reader the
+    module file plus optimizer files (shown failing with plan.assign_readers weighting by `size`)."""
+    from dataclasses import replace
+
+    from distmerge.formats.registry import get
+    from distmerge.plan import assign_readers
+
+    fmt = get("deepspeed")
+    scan = fmt.scan(ds_ckpts["ds_z2_odd_w3"], {})
+    model = [f for f in scan.files if "model_states" in f.path]
+    optims = [f for f in scan.files if "optim_states" in f.path]
+    assert len(model) == 1 and model[0].reads == 0 and model[0].size > 0
+    assert len(optims) == 3 and all(f.reads == f.size // 3 for f in optims)
+    # the tiny fixture's module is small; at the benchmark's size it is the largest file of the save
+    files = tuple(replace(f, size=10 * sum(o.size for o in optims)) if f in model else f for f in scan.files)
+    readers = assign_readers(files, 3)
+    assert sorted(readers[f.index] for f in optims) == [0, 1, 2]  # one optimizer file each

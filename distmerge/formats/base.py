@@ -35,6 +35,12 @@ class InputFile:
     size: int
     rank: int = -1
     mtime_ns: int = 0  # with size, tells --resume whether the input changed since the interrupted run
+    reads: int = -1  # the bytes a merge is expected to read from it, when the format knows it is not all of them
+
+    @property
+    def read_weight(self) -> int:
+        """What reading this file costs, for spreading files over readers (the whole file unless told)."""
+        return self.size if self.reads < 0 else self.reads
 
 
 def input_file(root: Path, index: int, path: str, rank: int = -1) -> InputFile:

@@ -14,8 +14,9 @@ fragment_address) become inert records. deepspeed is never imported.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +78,8 @@ class DeepSpeedFormat(FormatDefaults):
                        world=len(optims) or len(models), global_steps=first.get("global_steps"), roles=roles)
         world = first.get("dp_world_size")
         return Scan(format=self.name, root=str(save), hf_dir=ds.hf_dir_near(save, root),
-                    files=tuple(input_file(save, i, p, rank=roles[p][1]) for i, p in enumerate(paths)),
+                    files=tuple(_expected_reads(input_file(save, i, p, rank=roles[p][1]), state)
+                                for i, p in enumerate(paths)),
                     world_size=world if isinstance(world, int) and world > 0 else state.world,
                     notes=tuple(_notes(save, state)), state=state, hints=Hints(lora_meta=_lora_meta(root, save)),
                     not_model_files=ds.TRAINER_FILES)
@@ -92,6 +94,18 @@ class DeepSpeedFormat(FormatDefaults):
         if role == "optim":
             return _open_optim(saved, file, rank, state)
         return _open_model(saved, file, rank, state)
+
+
+def _expected_reads(file: InputFile, state: _State) -> InputFile:
+    """With masters, an optimizer file is read for its fp32 partition only (beside Adam's two moments of the same
+    size: a third), and a model-states file for its frozen fragments only (the module is not read): readers
+    are spread by these bytes, not by file sizes."""
+    if not state.masters:
+        return file
+    if state.roles[file.path][0] == "optim":
+        return replace(file, reads=file.size // 3)
+    frozen = sum(4 * math.prod(shape) for _, shape in state.frozen) // (state.world if state.stage3 else 1)
+    return replace(file, reads=min(file.size, frozen))
 
 
 def _use_masters(save: Path, asked: str | None, stage3: bool, first: dict, optims: list[str]) -> bool:
