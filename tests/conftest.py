@@ -69,6 +69,7 @@ FIXTURE_SOURCES = {
     "megatron": ("build.py", "make_megatron.py", "megatron_models.py", "megatron_moe.py"),
     "deepspeed": ("deepspeed_cases.py", "make_deepspeed.py", "make_fsdp.py"),
     "torchtitan": ("make_torchtitan.py", "torchtitan_cases.py"),
+    "vl": ("make_vl.py", "make_fsdp.py"),
 }
 
 
@@ -94,6 +95,14 @@ def built_once(name: str, build, tmp_path_factory) -> dict[str, Path]:
         cases = build(root)
         listing.write_text(json.dumps({case: str(path.relative_to(root)) for case, path in cases.items()}))
         return cases
+
+
+@pytest.fixture(scope="session")
+def vl_ckpts(tmp_path_factory) -> dict[str, Path]:
+    """A real FSDP2 save of a tiny Qwen2.5-VL (tests/fixtures/make_vl.py); save_pretrained's output beside it."""
+    from tests.fixtures.make_vl import build_vl_fixtures
+
+    return built_once("vl", build_vl_fixtures, tmp_path_factory)
 
 
 def reference_dir(ckpt: Path) -> Path:

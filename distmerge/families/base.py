@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from distmerge import dtypes
@@ -119,8 +119,13 @@ class ModelTraits:
 
 # A causal language model as transformers writes it. The head is dropped when the config ties
 # embeddings and the embedding is there with the same shape (the model re-creates the head from it).
-CAUSAL_LM = ModelTraits(tied_heads=(("lm_head.weight", "model.embed_tokens.weight"),),
+# Vision-language models nest the embedding under model.language_model. (hub_names.py).
+CAUSAL_LM = ModelTraits(tied_heads=(("lm_head.weight", "model.embed_tokens.weight"),
+                                    ("lm_head.weight", "model.language_model.embed_tokens.weight")),
                         auto_class="AutoModelForCausalLM", config_block="text_config")
+
+# A vision-language model (a vision_config in config.json): the same heads, loaded by another auto class.
+IMAGE_TEXT_LM = replace(CAUSAL_LM, auto_class="AutoModelForImageTextToText")
 
 
 def table_for(config: dict[str, Any], tables: Collection[str], model_types: dict[str, str], layout: str) -> str:
@@ -169,7 +174,7 @@ class NamingFamily:
         return self.build(sources, ctx)
 
     def traits(self, config: dict[str, Any]) -> ModelTraits:
-        return CAUSAL_LM
+        return IMAGE_TEXT_LM if isinstance(config.get("vision_config"), dict) else CAUSAL_LM
 
 
 REGISTERED: list[Family] = []

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from distmerge.errors import InputError
+from distmerge.families import hub_names
 from distmerge.families.base import (
     CAUSAL_LM,
     FamilyContext,
@@ -45,12 +46,14 @@ def check_names_are_hf(names: Collection[str]) -> None:
 def units(sources: dict[str, SourceMeta], ctx: FamilyContext) -> FamilyResult:
     check_names_are_hf(list(sources))
     drop = CAUSAL_LM.dropped_heads({n: s.shape for n, s in sources.items()}, ctx.config)
-    return FamilyResult(units=[as_is(s, ctx.cast) for s in sources.values() if s.name not in drop])
+    rules = hub_names.rules_for(ctx.config)
+    return FamilyResult(units=[as_is(s, ctx.cast, rules) for s in sources.values() if s.name not in drop])
 
 
-def as_is(source: SourceMeta, cast: str | None) -> Unit:
-    """The tensor under its own name (cast when asked)."""
-    target = Target(name=source.name, shape=source.shape, dtype=output_dtype(source.dtype, cast))
+def as_is(source: SourceMeta, cast: str | None, rules: hub_names.Rules = ()) -> Unit:
+    """The tensor under its own name, or the hub name `save_pretrained` gives it (cast when asked)."""
+    name = hub_names.to_hub(source.name, rules)
+    target = Target(name=name, shape=source.shape, dtype=output_dtype(source.dtype, cast))
     return Unit(sources=(source.name,), targets=(target,))
 
 

@@ -23,6 +23,7 @@ HEAD = base.CAUSAL_LM.tied_heads[0][0]
 
 
 def units(sources: dict[str, SourceMeta], ctx: FamilyContext) -> FamilyResult:
+    refuse_vision_language(sources, ctx.config)
     arch = architecture(ctx.config)
     rows = _compiled(arch)
     tied = base.CAUSAL_LM.ties(ctx.config)
@@ -52,6 +53,17 @@ def units(sources: dict[str, SourceMeta], ctx: FamilyContext) -> FamilyResult:
     if padded and padded.shape[0] != sizes.get("vocab_size"):
         notes.append(f"vocabulary padding trimmed: {padded.shape[0]} -> {sizes['vocab_size']} rows")
     return FamilyResult(units=out, notes=notes)
+
+
+def refuse_vision_language(sources: dict[str, SourceMeta], config: dict[str, Any]) -> None:
+    """Megatron's vision-language models keep the tower (`vision_model.*`, `vision_projection.*`) beside
+    `language_model.*`, with the tower's layers numbered apart from the language model's pipeline stages: no
+    table maps them yet, and a text-only merge would silently write half a model."""
+    tower = sorted(n for n in sources if n.startswith(("vision_model.", "vision_projection.")))
+    if tower or isinstance(config.get("vision_config"), dict):
+        what = f"its vision tower ({tower[0]}, ...)" if tower else "config.json's vision_config"
+        raise InputError(f"a Megatron vision-language save ({what}): distmerge has no mapping for Megatron's "
+                         "vision tower and projector yet (Megatron-Bridge's export converts it)")
 
 
 def architecture(config: dict[str, Any]) -> str:

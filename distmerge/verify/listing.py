@@ -9,6 +9,7 @@ from pathlib import Path
 
 from distmerge import families  # noqa: F401  (imports every family module, which registers itself)
 from distmerge.errors import ConfigError
+from distmerge.families import hub_names
 from distmerge.families.base import ModelTraits, claim
 from distmerge.formats.base import Hints
 from distmerge.plan import natural_key
@@ -43,6 +44,7 @@ class Listing:
     reference: Side
     traits: ModelTraits = field(default_factory=ModelTraits)  # what the merged model is (its family's)
     ties: bool
+    hub_rules: hub_names.Rules = ()  # a vision-language model's module <-> hub name prefixes (hub_names.py)
     pairs: tuple[Pair, ...]
     settled: tuple[Check, ...]  # decided from the headers alone (missing, extra, shape)
 
@@ -54,9 +56,15 @@ def make_listing(opts: VerifyOptions) -> Listing:
     config = _merged_config(opts.merged / "config.json" if opts.merged.is_dir() else opts.merged.parent / "config.json")
     traits = claim(list(merged.tensors), config or {}, Hints()).traits(config or {})
     ties = config is not None and traits.ties(config)  # no config.json: nothing says the head is tied
+    # Both sides under the names save_pretrained writes (a reference saved with the module's names of a
+    # vision-language model pairs with the merged hub names), each mapped back to the side's own name.
+    rules = hub_names.rules_for(config or {})
+    on_merged = {hub_names.to_hub(n, rules): n for n in merged.tensors}
+    on_reference = {hub_names.to_hub(n, rules): n for n in reference.tensors}
+    tied = _tied(traits, rules, {*on_merged, *on_reference}) if ties else {}
     pairs, settled = [], []
-    for name in sorted(set(merged.tensors) | set(reference.tensors), key=natural_key):
-        pair = _pair(name, merged, reference, dict(traits.tied_heads) if ties else {})
+    for name in sorted(set(on_merged) | set(on_reference), key=natural_key):
+        pair = _pair(name, on_merged, on_reference, tied, merged, reference)
         if isinstance(pair, Check):
             settled.append(pair)
             continue
@@ -65,7 +73,7 @@ def make_listing(opts: VerifyOptions) -> Listing:
             pairs.append(pair)
         else:
             settled.append(_settled(name, merged, reference, "shape", _shape_reason(m.shape, r.shape), pair))
-    return Listing(merged=merged, reference=reference, traits=traits, ties=ties, pairs=tuple(pairs),
+    return Listing(merged=merged, reference=reference, traits=traits, ties=ties, hub_rules=rules, pairs=tuple(pairs),
                    settled=tuple(settled))
 
 
@@ -79,21 +87,33 @@ def _merged_config(path: Path) -> dict | None:
     return config if isinstance(config, dict) else {}
 
 
-def _pair(name: str, merged: Side, reference: Side, tied: dict[str, str]) -> Pair | Check:
-    """`tied`: head -> embedding, when the merged config ties them (else empty)."""
-    in_m, in_r = name in merged.tensors, name in reference.tensors
-    if in_m and in_r:
-        return Pair(name=name, merged_name=name, reference_name=name)
+def _tied(traits: ModelTraits, rules: hub_names.Rules, names: set[str]) -> dict[str, str]:
+    """Head -> the embedding it re-uses, in hub names; of a family's candidate embeddings, the one present."""
+    tied: dict[str, str] = {}
+    for head, embed in traits.tied_heads:
+        if hub_names.to_hub(embed, rules) in names:
+            tied.setdefault(hub_names.to_hub(head, rules), hub_names.to_hub(embed, rules))
+    return tied
+
+
+def _pair(name: str, on_merged: dict[str, str], on_reference: dict[str, str], tied: dict[str, str], merged: Side,
+          reference: Side) -> Pair | Check:
+    """`name` in hub names; `on_*`: hub name -> the side's own name; `tied`: head -> embedding, when the merged
+    config ties them (else empty)."""
+    m, r = on_merged.get(name), on_reference.get(name)
+    if m and r:
+        return Pair(name=name, merged_name=m, reference_name=r)
     embed = tied.get(name)
     why = "merged config.json ties embeddings; the model re-creates the head from"
-    if embed and in_r and embed in merged.tensors:
-        return Pair(name=name, merged_name=embed, reference_name=name,
-                    note=f"tied head: {why} {embed}; compared reference {name} with merged {embed}")
-    if embed and in_m and embed in reference.tensors:
-        return Pair(name=name, merged_name=name, reference_name=embed,
-                    note=f"tied head: {why} {embed}; compared merged {name} with reference {embed}")
-    outcome = "missing in merged" if in_r else "extra in merged"
-    return _settled(name, merged, reference, outcome, outcome, None)
+    if embed and r and embed in on_merged:
+        return Pair(name=name, merged_name=on_merged[embed], reference_name=r,
+                    note=f"tied head: {why} {embed}; compared reference {r} with merged {on_merged[embed]}")
+    if embed and m and embed in on_reference:
+        return Pair(name=name, merged_name=m, reference_name=on_reference[embed],
+                    note=f"tied head: {why} {embed}; compared merged {m} with reference {on_reference[embed]}")
+    outcome = "missing in merged" if r else "extra in merged"
+    return _settled(name, merged, reference, outcome, outcome,
+                    Pair(name=name, merged_name=m or "", reference_name=r or ""))
 
 
 def _settled(name: str, merged: Side, reference: Side, outcome: str, reason: str, pair: Pair | None) -> Check:

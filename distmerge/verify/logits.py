@@ -15,6 +15,7 @@ from collections import Counter
 import torch
 
 from distmerge import dtypes
+from distmerge.families import hub_names
 from distmerge.verify.compare import figures
 from distmerge.verify.listing import Listing, VerifyOptions
 from distmerge.verify.report import Figures, LogitsCheck, judge
@@ -61,7 +62,7 @@ def _load_reference(model: torch.nn.Module, listing: Listing, dtype: str) -> tup
     """
     files = TensorFiles(listing.reference)
     try:
-        state = {n: files.get(n) for n in listing.reference.tensors}
+        state = {hub_names.to_module(n, listing.hub_rules): files.get(n) for n in listing.reference.tensors}
         state = {n: t.to(dtypes.torch_dtype(dtype)) if t.is_floating_point() else t for n, t in state.items()}
         result = model.load_state_dict(state, strict=False)
     except RuntimeError as err:  # a shape that does not fit
