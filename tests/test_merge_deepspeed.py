@@ -17,7 +17,8 @@ from tests.fixtures.deepspeed_cases import DS_CASES
 
 STAGE0 = [c for c, case in DS_CASES.items() if case.stage == 0]
 LORA = [c for c, case in DS_CASES.items() if case.lora]
-MASTERS = [c for c, case in DS_CASES.items() if c not in STAGE0 + LORA and case.driver != "openrlhf"]  # see test_merge_openrlhf
+# OpenRLHF's save needs --hf-config: tests/test_merge_openrlhf.py
+MASTERS = [c for c, case in DS_CASES.items() if c not in STAGE0 + LORA and case.driver != "openrlhf"]
 
 
 def input_dir(ckpt: Path) -> Path:
