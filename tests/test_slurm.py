@@ -160,12 +160,17 @@ def assert_succeeded(job: Job) -> None:
         assert job.record["JobState"] in ("COMPLETED", "COMPLETING"), job.describe()
 
 
-def assert_failed(job: Job, status: int) -> None:
+def assert_failed(job: Job, status: int) -> str:
+    """The job failed with `status`; its log ends with the exit status, then the error line that says why
+    (returned)."""
     assert job.sbatch_rc == status, job.describe()
-    assert job.log.rstrip().splitlines()[-1] == f"merge.sbatch: exit status {status}", job.describe()
+    *_, said, why = job.log.rstrip().splitlines()
+    assert said == f"merge.sbatch: exit status {status}", job.describe()
+    assert why.startswith(("distmerge: error: ", "merge.sbatch: error: ")), job.describe()
     if job.record:
         assert job.record["ExitCode"] == f"{status}:0", job.describe()
         assert job.record["JobState"] in ("FAILED", "COMPLETING"), job.describe()
+    return why
 
 
 def test_one_node_two_processes(ckpt, slurm_cluster, tmp_path):
@@ -194,17 +199,16 @@ def test_bad_input_fails_the_job(slurm_cluster, tmp_path):
     out = tmp_path / "merged"
     job = submit(tmp_path, sbatch_opts=("--nodes=1",), DISTMERGE_INPUT=str(tmp_path / "no-such-checkpoint"),
                  DISTMERGE_OUTPUT=str(out), DISTMERGE_NPROC="2")
-    assert_failed(job, 1)
+    last = assert_failed(job, 1)
     errors = [line for line in job.log.splitlines() if line.startswith("distmerge: error: ")]
-    # Printed once by rank 0, and repeated by launch/merge.sh after torchrun's summary, near the end of the log.
-    assert len(set(errors)) == 1 and "no-such-checkpoint" in errors[0], job.describe()
-    assert errors[0] in job.log.splitlines()[-4:], job.describe()
+    # Printed once by rank 0, repeated by launch/merge.sh after torchrun's summary and by merge.sbatch last.
+    assert len(set(errors)) == 1 and "no-such-checkpoint" in errors[0] and last == errors[0], job.describe()
     assert not (out / "model.safetensors.index.json").exists()
 
 
 def test_missing_input_is_refused_before_any_step(slurm_cluster, tmp_path):
     out = tmp_path / "merged"
     job = submit(tmp_path, DISTMERGE_OUTPUT=str(out))
-    assert_failed(job, 2)
-    assert "merge.sbatch: error: no checkpoint to merge: set DISTMERGE_INPUT or pass --input" in job.log
+    last = assert_failed(job, 2)
+    assert last.startswith("merge.sbatch: error: no checkpoint to merge: set DISTMERGE_INPUT or pass --input")
     assert "srun" not in job.log and not out.exists()
