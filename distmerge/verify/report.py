@@ -119,11 +119,21 @@ def fmt(x: float) -> str:
     return f"{x:.3g}"
 
 
+def _outputs_word(logits: LogitsCheck) -> str:
+    """A value head gives one number per token (no KL: one label has no distribution); else logits."""
+    return "values" if math.isnan(logits.kl) else "logits"
+
+
+def _kl_part(logits: LogitsCheck) -> str:
+    return "" if math.isnan(logits.kl) else f", KL {fmt(logits.kl)}"
+
+
 # -- the verdict ---------------------------------------------------------------------------------------
 def verdict(checks: list[Check], logits: LogitsCheck | None) -> str:
     failed = [c for c in checks if not c.passed]
     bad_logits = logits is not None and not logits.passed
-    tail = "" if logits is None else f"; logits max abs {fmt(logits.figures.max_abs)}, KL {fmt(logits.kl)}"
+    tail = "" if logits is None else (f"; {_outputs_word(logits)} max abs {fmt(logits.figures.max_abs)}"
+                                      f"{_kl_part(logits)}")
     if failed or bad_logits:
         named = [f"{c.name} ({c.reason})" for c in failed[:VERDICT_NAMES]]
         if len(failed) > VERDICT_NAMES:
@@ -210,9 +220,9 @@ def print_report(checks: list[Check], logits: LogitsCheck | None, *, quiet: bool
         console.print(shown)
     if logits is not None and not quiet:
         f = logits.figures
-        console.print(f"logits: {logits.input_shape[0]}x{logits.input_shape[1]} tokens in {logits.dtype}: max abs "
-                      f"{fmt(f.max_abs)}, cosine {f.cosine:.6f}, KL {fmt(logits.kl)}; {logits.note}", markup=False,
-                      soft_wrap=True)
+        console.print(f"{_outputs_word(logits)}: {logits.input_shape[0]}x{logits.input_shape[1]} tokens in "
+                      f"{logits.dtype}: max abs {fmt(f.max_abs)}, cosine {f.cosine:.6f}{_kl_part(logits)}; "
+                      f"{logits.note}", markup=False, soft_wrap=True)
     failed = [c for c in checks if not c.passed]
     if len(failed) > VERDICT_NAMES:
         for c in failed:
