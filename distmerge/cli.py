@@ -16,6 +16,7 @@ from distmerge.cli_options import (
     add_input_options,
     add_output_options,
     add_run_options,
+    base_model_dir,
     format_options,
     output_settings,
     parse_size,
@@ -179,6 +180,20 @@ def main(argv: list[str] | None = None) -> int:
         if _rank() == 0:  # every rank is interrupted: one says so
             print(INTERRUPTED[args.command], file=sys.stderr, flush=True)
         return 130
+    except Exception as err:  # noqa: BLE001  (inspect works outside the collectives: same one line as a bug there)
+        _report_error(_internal(err), args.debug)
+        return 1
+
+
+def _internal(err: Exception) -> DistmergeError:
+    """What comm.Comm gives an unexpected exception inside a collective: one line, the trace for --debug."""
+    import traceback
+
+    first = (str(err).splitlines() or [""])[0][:300]
+    wrapped = DistmergeError(f"internal error on rank {_rank()}: {type(err).__name__}: {first} (rerun with --debug)")
+    wrapped.trace = "".join(traceback.format_exception(err))
+    wrapped.before_group = True
+    return wrapped
 
 
 def _run_merge(args: argparse.Namespace) -> int:
@@ -190,6 +205,7 @@ def _run_merge(args: argparse.Namespace) -> int:
     opts = MergeOptions(
         input=args.input, output=args.output, format=args.format, hf_config=args.hf_config,
         format_options=format_options(args), settings=output_settings(args), overwrite=args.overwrite,
+        base_model=base_model_dir(args),
         resume=args.resume, checksum=args.checksum,
     )
     registry.warm_up(args.input, args.format)

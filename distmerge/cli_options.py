@@ -60,8 +60,10 @@ def add_output_options(parser: argparse.ArgumentParser, *, with_folder: bool = T
                        help="LoRA checkpoints: base model + PEFT adapter (auto, adapter) or fused weights (merge)")
     group.add_argument("--lora-alpha", type=float, metavar="ALPHA",
                        help="LoRA alpha when lora_train_meta.json is missing or wrong")
-    group.add_argument("--base-model", metavar="NAME_OR_PATH",
-                       help="base_model_name_or_path for adapter_config.json (default: the config's, else --output)")
+    group.add_argument("--base-model", metavar="NAME_OR_DIR",
+                       help="LoRA: the base model. A Hugging Face folder (config.json + safetensors): its weights "
+                            "complete a LoRA-only save (base model + adapter, or fused with --lora merge). Any value: "
+                            "base_model_name_or_path in adapter_config.json (default: the config's)")
     return group
 
 
@@ -82,6 +84,12 @@ def format_options(args: argparse.Namespace) -> dict:
     from distmerge.formats import registry
 
     return {opt.dest: getattr(args, opt.dest) for opt, _ in registry.options() if getattr(args, opt.dest) is not None}
+
+
+def base_model_dir(args: argparse.Namespace) -> Path | None:
+    """--base-model as a second input root: only when it names a folder (a hub name only names the base)."""
+    value = getattr(args, "base_model", None)
+    return Path(value) if value and Path(value).is_dir() else None
 
 
 def output_settings(args: argparse.Namespace):

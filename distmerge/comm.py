@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import torch
 
 from distmerge import errors
-from distmerge.errors import DistmergeError
+from distmerge.errors import DistmergeError, InputError
 
 T = TypeVar("T")
 
@@ -47,19 +47,33 @@ class Comm:
         self.rank = int(os.environ.get("RANK", "0"))
         self.device = torch.device(device)
         self._data = self._control = None
+        if self.device.type == "cuda":
+            # Before any CUDA work and before NCCL starts: each process's tensors, and its NCCL communicator,
+            # live on its own GPU (cuda:0 for every rank otherwise).
+            self.device = cuda_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(self.device)
         if self.world > 1:
-            import torch.distributed as dist
+            self._start_group(timedelta(seconds=timeout_s))
 
-            timeout = timedelta(seconds=timeout_s)
-            if self.device.type == "cuda":
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-                self.device = torch.device("cuda", torch.cuda.current_device())
-                dist.init_process_group("nccl", timeout=timeout, device_id=self.device)
-                self._control = dist.new_group(backend="gloo", timeout=timeout)  # objects stay on the CPU
-            else:
-                dist.init_process_group("gloo", timeout=timeout)
-                self._control = dist.group.WORLD
-            self._data = dist.group.WORLD
+    def _start_group(self, timeout: timedelta) -> None:
+        import torch.distributed as dist
+
+        if self.device.type != "cuda":
+            dist.init_process_group("gloo", timeout=timeout)
+            self._control = self._data = dist.group.WORLD
+            return
+        try:  # device_id: NCCL connects now, so a refusal is reported here, not at the first exchange
+            dist.init_process_group("nccl", timeout=timeout, device_id=self.device)
+            self._control = dist.new_group(backend="gloo", timeout=timeout)  # objects stay on the CPU
+        except Exception as err:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            gpus, here = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+            hint = (f"{here} processes on {gpus} GPU(s), and NCCL refuses two ranks on one GPU: run at most "
+                    f"{gpus} per node" if here > gpus else "NCCL_DEBUG=INFO says more")
+            raise _before_group(DistmergeError(f"NCCL could not start on {self.device} ({type(err).__name__}: "
+                                               f"{_first_line(err)}): {hint}, or use --device cpu")) from None
+        self._data = dist.group.WORLD
 
     # -- collectives -------------------------------------------------------------------------------
     def root_only(self, work: Callable[[], T]) -> T:
@@ -141,20 +155,56 @@ class Comm:
 def process_group(*, device: str, timeout_s: float) -> Iterator[Comm]:
     """A Comm for one command. An unexpected exception (a peer died, a collective timed out) becomes
     this rank's one-line error; the group is destroyed and stdout flushed on success and on failure."""
-    comm = Comm(device=device, timeout_s=timeout_s)
+    comm = None
     try:
+        comm = Comm(device=device, timeout_s=timeout_s)  # inside: a group that cannot start is one line too
         yield comm
     except DistmergeError:
         raise
     except Exception as err:
-        raise DistmergeError(f"rank {comm.rank}: {type(err).__name__}: {str(err).splitlines()[0][:300]}") from err
+        rank = comm.rank if comm is not None else int(os.environ.get("RANK", "0"))
+        raise DistmergeError(f"rank {rank}: {type(err).__name__}: {_first_line(err)}") from err
     finally:
-        comm.close()
+        if comm is not None:
+            comm.close()
         sys.stdout.flush()
 
 
 def resolve_device(device: str) -> str:
-    """--device auto: the GPU when torch sees one."""
+    """--device auto: the GPU when torch sees one. --device cuda without one: a clear error, before any
+    process group exists (every rank finds the same, rank 0 says it)."""
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise _before_group(InputError(f"--device cuda: {_why_no_cuda()}; use --device cpu (or auto)"))
     return device
+
+
+def cuda_device(local_rank: int) -> torch.device:
+    """The GPU of the process with this LOCAL_RANK. More processes than GPUs share them round-robin; NCCL
+    then decides whether two ranks may use one GPU (recent versions refuse: see _start_group)."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise _before_group(InputError(f"--device cuda: {_why_no_cuda()}; use --device cpu (or auto)"))
+    return torch.device("cuda", gpu_for_rank(local_rank, count))
+
+
+def gpu_for_rank(local_rank: int, gpus: int) -> int:
+    return local_rank % gpus
+
+
+def _why_no_cuda() -> str:
+    if torch.version.cuda is None:
+        return f"this torch ({torch.__version__}) is built without CUDA"
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return "no GPU is visible" + (f" (CUDA_VISIBLE_DEVICES={hidden!r})" if hidden is not None else "")
+
+
+def _before_group(err: DistmergeError) -> DistmergeError:
+    err.before_group = True  # the same error on every rank: rank 0 alone prints it
+    return err
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0][:300] if lines else ""

@@ -5,13 +5,13 @@ Nothing here reads tensor data. The result is broadcast so every rank plans from
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from distmerge import input_tree
 from distmerge.errors import ConfigError, InputError, OutputError
 from distmerge.formats import registry
 from distmerge.formats.base import Scan
@@ -25,21 +25,41 @@ class Discovery:
     hf_dir: str
 
 
-def discover(root: Path, fmt_name: str, hf_config: Path | None, options: Mapping[str, Any]) -> Discovery:
+def discover(root: Path, fmt_name: str, hf_config: Path | None, options: Mapping[str, Any],
+             base_model: Path | None = None) -> Discovery:
     """Format, files and config of a checked input folder (see check_input). `options` are the format's
-    own (formats/base.FormatOption), e.g. the Megatron save to take."""
+    own (formats/base.FormatOption), e.g. the Megatron save to take. `base_model`: a second input root, a
+    Hugging Face folder whose weight files join the input (a LoRA-only save's base); its config.json serves
+    when the checkpoint has none."""
     fmt = registry.pick(root, fmt_name)
     registry.check_options(fmt, options)
     scan = fmt.scan(root, options)
     hf_dir = Path(hf_config) if hf_config else (Path(scan.hf_dir) if scan.hf_dir else None)
+    if base_model is not None:
+        scan = registry.with_base_model(scan, base_model)
+        if not hf_config and (hf_dir is None or not (hf_dir / "config.json").is_file()):
+            hf_dir = Path(base_model)
     if hf_dir is None:
         raise ConfigError(
             f"no config.json: {root} has no huggingface/ folder; pass --hf-config DIR with the model's config.json"
         )
+    if not hf_config and (tree := input_tree.tree_for(hf_dir)) is not None:
+        _check_hf_dir(tree, hf_dir)
     return Discovery(scan=scan, config=read_config(hf_dir), hf_dir=str(hf_dir))
 
 
+def _check_hf_dir(tree: input_tree.InputTree, hf_dir: Path) -> None:
+    """The config folder the format found inside the input is copied from: it must not lead out of it
+    (an outside folder is the user's to name, with --hf-config)."""
+    try:
+        tree.folder(hf_dir)
+    except InputError:
+        raise InputError(f"{hf_dir} leads outside the input folder (or is not a folder): distmerge does not "
+                         "follow it; pass --hf-config DIR with the model's config folder if you trust it") from None
+
+
 def check_input(input_dir: Path) -> Path:
+    """The input folder, resolved and walked once (input_tree.py): later lookups go through that walk."""
     root = Path(input_dir).resolve()
     if not root.exists():
         raise InputError(f"input {input_dir} does not exist")
@@ -47,6 +67,7 @@ def check_input(input_dir: Path) -> Path:
         raise InputError(f"input {input_dir} is not a folder: pass the checkpoint folder")
     if not any(root.iterdir()):
         raise InputError(f"input {input_dir} is empty")
+    input_tree.load(root)
     return root
 
 
@@ -55,9 +76,9 @@ def read_config(hf_dir: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"{path} does not exist; pass --hf-config DIR with the model's config.json")
     try:
-        config = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as err:
-        raise ConfigError(f"{path} is not valid JSON ({err}); fix it or pass --hf-config DIR") from None
+        config = input_tree.read_json(path, input_tree.CONFIG_CAP, "model config")
+    except InputError as err:
+        raise ConfigError(f"{err}; or pass --hf-config DIR") from None
     if not isinstance(config, dict):
         raise ConfigError(f"{path} is not a JSON object; fix it or pass --hf-config DIR")
     return config
@@ -82,7 +103,8 @@ def prepare_output(out: Path, keep_finished: bool = False) -> None:
     """Create the folder and remove the old index first, so a stale model never looks done. --overwrite
     also removes earlier model files and their records; --resume keeps them for resume.py to judge."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / INDEX_NAME).unlink(missing_ok=True)
+    if not keep_finished:  # --resume: resume.start removes it once it knows the merge is not already complete
+        (out / INDEX_NAME).unlink(missing_ok=True)
     patterns = PARTIAL if keep_finished else PARTIAL + FINISHED
     for pattern in patterns:
         for path in out.glob(pattern):

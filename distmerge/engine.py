@@ -7,10 +7,13 @@
     checks     each rank hashes its copies of     all_gather of figures (replicas, unwritten: only when
                small replicas and of the sources  there is something to check)
                the family did not write
+    resume     each rank checks the output files  all_gather of the checks (always; empty without --resume),
+               it owns; rank 0 decides            then broadcast of rank 0's decision (resume.start)
     per round: exchange  readers pack round k+1   all_to_all_single, asynchronous (errors travel with
                                                   the round's gather)
                assemble + write  owners            all_gather of bytes written (progress)
-    finalize   rank 0: config, tokenizer, index   broadcast (comm.root_only)
+    finalize   rank 0: config, tokenizer, index   broadcast (comm.root_only); none when --resume found the
+                                                  merge already complete
 """
 
 from __future__ import annotations
@@ -23,14 +26,14 @@ from pathlib import Path
 from typing import Any
 
 from distmerge import discover as disc
+from distmerge import inventory, replicas, resume, unwritten
 from distmerge import plan as planning
-from distmerge import replicas, resume, unwritten
 from distmerge.assemble import UnitBuild
 from distmerge.comm import Comm
+from distmerge.errors import CorruptInputError
 from distmerge.exchange import Exchanger, Pending
 from distmerge.finalize import finalize
 from distmerge.formats import registry
-from distmerge.formats.base import Fragment
 from distmerge.plan import Plan
 from distmerge.prepare import OutputSettings, prepare_merge
 from distmerge.reader import Reader
@@ -40,6 +43,9 @@ from distmerge.writer import ShardWriter
 
 # Fault-injection aid for tests that kill a rank mid-merge: a pause after every round. Zero otherwise.
 ROUND_DELAY_S = float(os.environ.get("DISTMERGE_TEST_ROUND_DELAY", "0"))
+# Fault-injection aid for the test that one rank's error mid-round is raised on every rank: "RANK:ROUND" makes
+# that rank's share of that round fail as a read error would (tests/test_promises.py). Empty otherwise.
+FAIL_AT = os.environ.get("DISTMERGE_TEST_FAIL_AT", "")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,6 +55,7 @@ class MergeOptions:
     format: str = "auto"
     hf_config: Path | None = None
     format_options: dict[str, Any] = field(default_factory=dict)  # the format's own (Megatron's iteration)
+    base_model: Path | None = None  # a second input root: --base-model DIR, the base of a LoRA-only save
     settings: OutputSettings = field(default_factory=OutputSettings)
     overwrite: bool = False
     resume: bool = False
@@ -64,20 +71,24 @@ def merge(opts: MergeOptions, comm: Comm, progress: Progress) -> MergeResult:
     readers = planning.assign_readers(scan.files, comm.world)
     writers: dict[int, ShardWriter] = {}
     try:
-        inventories = comm.gather(lambda: reader.open([i for i, r in enumerate(readers) if r == comm.rank]))
-        prepared = comm.agree(lambda: prepare_merge(found, _flat(inventories), comm.world, opts.settings))
+        mine = [i for i, r in enumerate(readers) if r == comm.rank]
+        inventories = comm.gather(lambda: inventory.pack(reader.open(mine)))  # as columns: inventory.py says why
+        prepared = comm.agree(lambda: prepare_merge(found, inventory.unpack(inventories), comm.world, opts.settings))
         plan = prepared.plan
         checked = unwritten.check(plan, prepared.left_out, prepared.must_equal, comm, reader)
         plan = replace(plan, notes=(*plan.notes, *replicas.check(plan, comm, reader), *checked))
-        fp = resume.fingerprint(plan, scan.files, _output_options(opts))
-        kept = comm.root_only(lambda: resume.finished_files(out, plan, fp) if opts.resume else [])
-        todo = planning.without_files(plan, kept)
-        progress.start(plan.total_bytes, len(plan.files))
-        progress.advance(sum(plan.files[i].nbytes for i in kept))
-        _rounds(todo, opts, fp, comm, reader, writers, progress)
+        run = resume.describe(plan, scan.files, resume.output_options(opts.settings, scan.format,
+                                                                      opts.format_options, found.config))
+        begun = resume.start(out, plan, run, comm, resuming=opts.resume, checksum=opts.checksum)
+        progress.say(begun.line)
+        todo = planning.without_files(plan, list(begun.kept))
+        if not begun.complete:  # progress counts only what this run writes
+            progress.start(plan.total_bytes - _kept_bytes(plan, begun), len(plan.files), kept=len(begun.kept))
+        _rounds(todo, opts, run, comm, reader, writers, progress)
         progress.stop()
-        ranks = comm.gather(lambda: _stats(comm.rank, reader, todo))
-        copied = comm.root_only(lambda: finalize(out, plan, found.config, Path(found.hf_dir), scan.not_model_files))
+        ranks = comm.gather(lambda: _stats(comm.rank, reader, plan, writers))
+        copied = [] if begun.complete else comm.root_only(
+            lambda: finalize(out, plan, found.config, Path(found.hf_dir), scan.not_model_files))
     except BaseException:
         for w in writers.values():
             w.abort()
@@ -96,13 +107,16 @@ def merge(opts: MergeOptions, comm: Comm, progress: Progress) -> MergeResult:
         total_bytes=plan.total_bytes,
         seconds=time.perf_counter() - start,
         ranks=ranks,
-        notes=[*scan.notes, *plan.notes] + ([f"--resume kept {len(kept)} finished file(s)"] if opts.resume else []),
+        notes=[*scan.notes, *plan.notes],
         copied=copied,
-        resumed_files=len(kept),
+        resumed_files=len(begun.kept),
+        bytes_written=sum(r.bytes_written for r in ranks),
+        resume=begun.line,
     )
 
 
-def _rounds(todo: Plan, opts: MergeOptions, fp: str, comm: Comm, reader: Reader, writers, progress) -> None:
+def _rounds(todo: Plan, opts: MergeOptions, run: resume.RunRecord, comm: Comm, reader: Reader, writers,
+            progress) -> None:
     """Exchange one round ahead: round k+1 travels (its readers pack it) while round k is written."""
     exchanger = Exchanger(todo, comm, reader)
     rounds = todo.rounds
@@ -111,7 +125,8 @@ def _rounds(todo: Plan, opts: MergeOptions, fp: str, comm: Comm, reader: Reader,
     try:
         for k, units in enumerate(rounds):
             ahead = exchanger.start(rounds[k + 1], (k + 1) % 2) if k + 1 < len(rounds) else None
-            done = comm.gather(lambda u=units, p=pending: _build(todo, u, p, opts, fp, comm, reader, writers))
+            done = comm.gather(lambda u=units, p=pending, k=k: _test_fault(k, comm.rank)
+                               or _build(todo, u, p, opts, run, comm, reader, writers))
             progress.advance(sum(done))
             pending, ahead = ahead, None
             time.sleep(ROUND_DELAY_S)
@@ -123,25 +138,24 @@ def _rounds(todo: Plan, opts: MergeOptions, fp: str, comm: Comm, reader: Reader,
         raise
 
 
+def _test_fault(k: int, rank: int) -> None:
+    if f"{rank}:{k}" == FAIL_AT:
+        raise CorruptInputError(f"test fault (DISTMERGE_TEST_FAIL_AT) on rank {rank} in round {k}")
+
+
 def _discover(opts: MergeOptions) -> disc.Discovery:
     root = disc.check_input(opts.input)
     out = disc.check_output(opts.output, opts.input, opts.overwrite or opts.resume)
-    found = disc.discover(root, opts.format, opts.hf_config, opts.format_options)
+    found = disc.discover(root, opts.format, opts.hf_config, opts.format_options, opts.base_model)
     disc.prepare_output(out, keep_finished=opts.resume)
     return found
 
 
-def _output_options(opts: MergeOptions) -> dict:
-    """What shapes the output besides the input files (resume only keeps files made the same way)."""
-    return {"dtype": opts.settings.dtype, "max_shard_bytes": opts.settings.max_shard_bytes, "format": opts.format,
-            **opts.format_options}
+def _kept_bytes(plan: Plan, begun: resume.Resumption) -> int:
+    return sum(plan.files[i].nbytes for i in begun.kept)
 
 
-def _flat(inventories: list[list[Fragment]]) -> list[Fragment]:
-    return [f for inventory in inventories for f in inventory]
-
-
-def _build(plan: Plan, units, pending: Pending, opts: MergeOptions, fp: str, comm: Comm, reader: Reader,
+def _build(plan: Plan, units, pending: Pending, opts: MergeOptions, run: resume.RunRecord, comm: Comm, reader: Reader,
            writers) -> int:
     """Place this rank's fragments for the round's units (local ones while the exchange is in flight),
     write the targets, finish the files that are complete. Returns the bytes of target written."""
@@ -167,17 +181,17 @@ def _build(plan: Plan, units, pending: Pending, opts: MergeOptions, fp: str, com
     for f, writer in writers.items():
         if writer.complete and writer.fd >= 0:
             writer.finish()
-            resume.record_done(Path(opts.output), plan.files[f], fp, opts.checksum)
+            resume.record_done(Path(opts.output), plan.files[f], run, opts.checksum)
     return sum(t.nbytes for _, build in builds for t in build.unit.targets)
 
 
-def _stats(rank: int, reader: Reader, plan: Plan) -> RankStats:
-    mine = [f for f in plan.files if f.owner == rank]
+def _stats(rank: int, reader: Reader, plan: Plan, writers: dict[int, ShardWriter]) -> RankStats:
+    """What this rank did in this run: the files it wrote, not the ones --resume kept."""
     return RankStats(
         rank=rank,
         bytes_read=reader.bytes_read,
-        bytes_written=sum(f.nbytes for f in mine),
-        files_written=len(mine),
+        bytes_written=sum(plan.files[f].nbytes for f in writers),
+        files_written=len(writers),
         peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     )
 

@@ -4,12 +4,11 @@ config, custom code, and last the index, the commit marker of a finished merge."
 from __future__ import annotations
 
 import json
-import shutil
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from distmerge import dtypes
+from distmerge import dtypes, input_tree
 from distmerge.output_files import INDEX_NAME, MODEL_FILES, atomic_write_text
 from distmerge.plan import Plan
 from distmerge.resume import write_manifest
@@ -39,16 +38,19 @@ def write_config(out: Path, config: dict[str, Any], dtype: str | None) -> None:
 
 
 def copy_hf_files(hf_dir: Path, out: Path, skip: tuple[str, ...] = ()) -> list[str]:
-    """Tokenizer, generation config, chat template, custom code: regular files only, no links out. `skip`:
-    what the format knows to be the trainer's own (a Trainer checkpoint folder doubles as the config folder)."""
+    """Tokenizer, generation config, chat template, custom code: regular files only, never links, each
+    opened once and checked (input_tree.copy_file). Inside the input the listing is the one discovery
+    walked, so a config folder that leads out of the input is never read. `skip`: what the format knows
+    to be the trainer's own (a Trainer checkpoint folder doubles as the config folder)."""
+    tree = input_tree.tree_for(hf_dir)
+    names = tree.files_in(hf_dir) if tree else [p.name for p in sorted(hf_dir.iterdir())
+                                                   if not p.is_symlink() and p.is_file()]
     copied = []
-    for path in sorted(hf_dir.iterdir()):
-        if path.name == "config.json" or path.name in skip or path.is_symlink() or not path.is_file():
+    for name in names:
+        if name == "config.json" or name in skip or name.endswith(SKIP_SUFFIXES):
             continue
-        if path.name.endswith(SKIP_SUFFIXES):
-            continue
-        shutil.copyfile(path, out / path.name)
-        copied.append(path.name)
+        input_tree.copy_file(hf_dir / name, out / name)
+        copied.append(name)
     return copied
 
 
@@ -76,8 +78,12 @@ def write_index(out: Path, plan: Plan) -> None:
 
 
 def finalize(out: Path, plan: Plan, config: dict[str, Any], hf_dir: Path, skip: tuple[str, ...] = ()) -> list[str]:
+    if not plan.model_files:  # only other groups (a LoRA adapter without its base): no config.json, no index, so
+        write_manifest(out, plan)  # nothing looks like a model; the family's JSON (adapter_config.json) comes last
+        write_extra_files(out, plan)
+        return []
     copied = copy_hf_files(hf_dir, out, skip)
-    write_config(out, config, main_dtype(plan))
+    write_config(out, {**config, **plan.config_updates}, main_dtype(plan))
     remove_strays(out, plan)
     write_extra_files(out, plan)
     write_manifest(out, plan)

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from distmerge import discover as disc
-from distmerge.cli_options import format_options, output_settings
+from distmerge.cli_options import base_model_dir, format_options, output_settings
 from distmerge.families.base import claim
 from distmerge.formats import registry
 from distmerge.prepare import plan_merge
@@ -22,7 +22,7 @@ from distmerge.report import human_bytes
 def describe(args: argparse.Namespace) -> dict:
     """What `merge` with the same options would do, planned as merge plans it (one process)."""
     root = disc.check_input(args.input)
-    found = disc.discover(root, args.format, args.hf_config, format_options(args))
+    found = disc.discover(root, args.format, args.hf_config, format_options(args), base_model_dir(args))
     scan = found.scan
     reader = Reader(scan, registry.get(scan.format))
     try:

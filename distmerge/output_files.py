@@ -6,6 +6,7 @@
       config.json, tokenizer*, generation_config.json, ...     finalize, rank 0
       distmerge.manifest.json                                   per file: tensors, bytes, sha256
       .distmerge/NAME.json                                      per finished file: --resume's record
+      .distmerge/run.json                                       what shaped this run's output (resume.py)
       model.safetensors.index.json                              last: the commit marker
 """
 
@@ -17,6 +18,7 @@ from pathlib import Path
 INDEX_NAME = "model.safetensors.index.json"
 MANIFEST = "distmerge.manifest.json"
 RECORDS = ".distmerge"
+RUN_RECORD = f"{RECORDS}/run.json"
 ADAPTER_DIR = "lora_adapter"
 # Output files of the non-model groups (the model group is split by size, see model_file_names).
 GROUP_FILES = {"adapter": f"{ADAPTER_DIR}/adapter_model.safetensors"}

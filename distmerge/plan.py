@@ -8,10 +8,13 @@
 
 from __future__ import annotations
 
+import heapq
 import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
+from itertools import product
+from operator import attrgetter
 
 from distmerge import dtypes
 from distmerge.errors import LayoutError
@@ -52,6 +55,7 @@ class Plan:
     file_of_unit: tuple[int, ...]
     extra_files: dict[str, dict] = field(default_factory=dict)  # relative path -> JSON, written by finalize
     notes: tuple[str, ...] = ()  # what the family decided (e.g. where a LoRA adapter went)
+    config_updates: dict = field(default_factory=dict)  # config.json keys the family sets (written by finalize)
 
     @property
     def total_bytes(self) -> int:
@@ -69,13 +73,18 @@ def natural_key(name: str) -> list:
 
 
 def assign_readers(files: tuple[InputFile, ...], world: int) -> tuple[int, ...]:
-    """Each input file is read by exactly one rank; the costliest to read first, onto the least-loaded rank."""
-    load = [0] * world
+    """Each input file is read by exactly one rank; the costliest to read first, onto the least-loaded rank that
+    opens fewer than ceil(files / world) + 1 files."""
     readers = [0] * len(files)
+    loads = [(0, r) for r in range(world)]  # a heap of (load, rank): the least-loaded, then lowest, rank first
+    most = -(-len(files) // world) + 1  # files one rank may open: uneven weights must not pile small files on one
+    count = [0] * world
     for f in sorted(files, key=lambda f: (-f.read_weight, f.index)):
-        rank = min(range(world), key=lambda r: (load[r], r))
+        load, rank = heapq.heappop(loads)
         readers[f.index] = rank
-        load[rank] += f.read_weight
+        count[rank] += 1
+        if count[rank] < most:  # a full rank leaves the heap
+            heapq.heappush(loads, (load + f.read_weight, rank))
     return tuple(readers)
 
 
@@ -87,23 +96,47 @@ def merge_inventories(fragments: list[Fragment], files: tuple[InputFile, ...]) -
 
 
 def _merge_one(name: str, frags: list[Fragment], files: tuple[InputFile, ...]) -> SourceTensor:
-    first = min(frags, key=lambda f: f.file_index)
-    for f in frags:
-        if (f.global_shape, f.dtype) != (first.global_shape, first.dtype):
-            raise LayoutError(
-                f"{name}: {files[first.file_index].path} has shape {list(first.global_shape)} {first.dtype} but "
-                f"{files[f.file_index].path} has {list(f.global_shape)} {f.dtype}: rank files from different "
-                "models or runs; use one checkpoint's files only"
-            )
+    ordered = sorted(frags, key=attrgetter("file_index"))  # stable: the first of the lowest file comes first
+    first = ordered[0]
+    if len({(f.global_shape, f.dtype) for f in frags}) > 1:  # one set lookup per fragment; the loop only to word it
+        for f in frags:
+            if (f.global_shape, f.dtype) != (first.global_shape, first.dtype):
+                raise LayoutError(
+                    f"{name}: {files[first.file_index].path} has shape {list(first.global_shape)} {first.dtype} but "
+                    f"{files[f.file_index].path} has {list(f.global_shape)} {f.dtype}: rank files from different "
+                    "models or runs; use one checkpoint's files only"
+                )
     blocks: dict[tuple, Fragment] = {}
     replicas = []
-    for f in sorted(frags, key=lambda f: f.file_index):
+    for f in ordered:
         if blocks.setdefault(f.region, f) is not f:  # replicas (HSDP, TP norms): lowest file wins
             replicas.append(f)
     chosen = tuple(blocks[k] for k in sorted(blocks))
-    _check_coverage(name, first.global_shape, chosen)
+    if not _tiled_in_order(first.global_shape, chosen):  # the common layouts pass in one step per block
+        _check_coverage(name, first.global_shape, chosen)
     return SourceTensor(meta=SourceMeta(name=name, dtype=first.dtype, shape=first.global_shape), fragments=chosen,
                         replicas=tuple(replicas))
+
+
+def _tiled_in_order(shape: tuple[int, ...], blocks: tuple[Fragment, ...]) -> bool:
+    """True when the blocks, in region order, are runs of whole rows (or flat ranges) that follow one another from
+    the tensor's first element to its last: FSDP's Shard(0), Megatron's dim-0 splits, whole tensors, ZeRO ranges.
+    Such blocks lie inside the tensor, do not overlap and cover it. False only says "not this simple case": the
+    general check (_check_coverage) then decides and words any error. At W=1024 this is 1.2 million blocks, where
+    the general check's per-block geometry cost seconds (tests/bench/bench_scale.py)."""
+    if not blocks or not shape:
+        return False
+    flat = blocks[0].flat
+    total, rest = (math.prod(shape), None) if flat else (shape[0], shape[1:])
+    end = 0
+    for b in blocks:
+        if b.flat != flat or (not flat and (b.lengths[1:] != rest or any(b.offsets[1:]))):
+            return False
+        start, count = b.offsets[0], b.lengths[0]
+        if count < 0 or not 0 <= start <= total or (count and start != end):
+            return False
+        end += count
+    return end == total
 
 
 def _check_coverage(name: str, shape: tuple[int, ...], blocks: tuple[Fragment, ...]) -> None:
@@ -137,6 +170,8 @@ def _first_overlap(blocks: list[Fragment]) -> tuple[Fragment, Fragment] | tuple[
         return None, None
     if any(b.flat for b in blocks):
         raise LayoutError(f"{blocks[0].name}: flat element ranges mixed with blocks that are not contiguous")
+    if (found := _grid_overlap(blocks)) is not False:
+        return found
     shape = blocks[0].global_shape
     dim = max(range(len(shape)), key=lambda d: len({b.offsets[d] for b in blocks}))
     ordered = sorted(blocks, key=lambda b: b.offsets[dim])
@@ -146,6 +181,28 @@ def _first_overlap(blocks: list[Fragment]) -> tuple[Fragment, Fragment] | tuple[
                 break
             if a.overlaps(b):
                 return a, b
+    return None, None
+
+
+CELLS_PER_BLOCK = 8  # the grid check's budget; layouts that need more cells are swept pairwise
+
+
+def _grid_overlap(blocks: list[Fragment]) -> tuple[Fragment, Fragment] | tuple[None, None] | bool:
+    """Blocks placed on the grid their own edges cut: two blocks overlap iff they share a cell. Trainers'
+    layouts (per-dimension splits, DCP chunk grids) give one cell per block, so this is O(n log n) where the
+    pairwise sweep is quadratic on a 3-D grid. False when the blocks would need more than the budget."""
+    ndim = len(blocks[0].global_shape)
+    cuts = [{v: i for i, v in enumerate(sorted({b.offsets[d] for b in blocks} |
+                                                {b.offsets[d] + b.lengths[d] for b in blocks}))} for d in range(ndim)]
+    budget, owner = CELLS_PER_BLOCK * len(blocks), {}
+    for b in blocks:
+        ranges = [range(cuts[d][b.offsets[d]], cuts[d][b.offsets[d] + b.lengths[d]]) for d in range(ndim)]
+        budget -= math.prod(len(r) for r in ranges)
+        if budget < 0:
+            return False
+        for cell in product(*ranges):
+            if (other := owner.setdefault(cell, b)) is not b:
+                return other, b
     return None, None
 
 
@@ -166,12 +223,12 @@ def split_files(units: list[Unit], max_bytes: int, members: list[int]) -> list[l
 
 def assign_owners(sizes: list[int], world: int) -> list[int]:
     """Largest file first onto the rank with the fewest bytes to write."""
-    load = [0] * world
     owners = [0] * len(sizes)
+    loads = [(0, r) for r in range(world)]  # as in assign_readers: O(files x log N), not O(files x N)
     for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        rank = min(range(world), key=lambda r: (load[r], r))
+        load, rank = heapq.heappop(loads)
         owners[i] = rank
-        load[rank] += sizes[i]
+        heapq.heappush(loads, (load + sizes[i], rank))
     return owners
 
 
@@ -187,7 +244,7 @@ def make_plan(
     notes: tuple[str, ...] = (),
 ) -> Plan:
     model = [i for i, u in enumerate(units) if u.targets[0].group == "model"]
-    groups = split_files(units, max_shard_bytes, model)
+    groups = split_files(units, max_shard_bytes, model) if model else []  # only an adapter: no model files
     names = model_file_names(len(groups))
     for group, name in GROUP_FILES.items():  # each other group is one file of its own
         members = [i for i, u in enumerate(units) if u.targets[0].group == group]

@@ -22,7 +22,7 @@ from distmerge.discover import Discovery
 from distmerge.dtypes import CAST_CHOICES
 from distmerge.errors import InputError
 from distmerge.families.base import FamilyContext, LoraOptions, claim
-from distmerge.formats.base import Fragment
+from distmerge.formats.base import BASE_MODEL_PREFIX, Fragment
 from distmerge.plan import Plan
 
 
@@ -57,13 +57,19 @@ def plan_merge(found: Discovery, fragments: list[Fragment], world: int, settings
 def prepare_merge(found: Discovery, fragments: list[Fragment], world: int, settings: OutputSettings) -> Prepared:
     scan = found.scan
     sources = planning.merge_inventories(fragments, scan.files)
-    if not sources:
+    # The checkpoint's own tensors go to the family's claim; a second input root's (--base-model) ride along.
+    metas = {name: s.meta for name, s in sources.items() if not name.startswith(BASE_MODEL_PREFIX)}
+    base = {name.removeprefix(BASE_MODEL_PREFIX): s.meta for name, s in sources.items()
+            if name.startswith(BASE_MODEL_PREFIX)}
+    if not metas:
         raise InputError(f"{scan.root}: the rank files hold no tensors")
-    metas = {name: s.meta for name, s in sources.items()}
     family = claim(list(metas), found.config, scan.hints)
     ctx = FamilyContext(config=found.config, cast=CAST_CHOICES[settings.dtype], hints=scan.hints, lora=settings.lora,
-                        output=str(Path(settings.output).resolve()))
+                        output=str(Path(settings.output).resolve()), base_weights=base)
     result = family.units(metas, ctx)
+    if base and not any(s.startswith(BASE_MODEL_PREFIX) for u in result.units for s in u.sources):
+        result = replace(result, notes=[*result.notes, "--base-model: the folder's weights were not needed (the "
+                                                       "checkpoint holds its own), none was read"])
     plan = planning.make_plan(
         sources=sources,
         units=result.units,
@@ -74,4 +80,5 @@ def prepare_merge(found: Discovery, fragments: list[Fragment], world: int, setti
         extra_files=result.extra_files,
         notes=tuple(result.notes),
     )
+    plan = replace(plan, config_updates=dict(result.config_updates))  # finalize writes them into config.json
     return Prepared(plan=plan, left_out=dict(result.left_out), must_equal=tuple(result.must_equal))

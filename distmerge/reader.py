@@ -11,6 +11,7 @@ import torch
 
 from distmerge import dtypes
 from distmerge.errors import CorruptInputError
+from distmerge.formats import registry
 from distmerge.formats.base import Fragment, InputFormat, OpenedFile, Scan
 
 BOUNCE = 1 << 20  # fallback copy chunk (see writer.WRITE_CHUNK)
@@ -31,7 +32,7 @@ class Reader:
         """Discover: open the assigned files, return their fragments (the rank's inventory)."""
         found: list[Fragment] = []
         for i in indices:
-            self.opened[i] = self.fmt.open(self.scan, self.files[i])
+            self.opened[i] = registry.open_file(self.fmt, self.scan, self.files[i])
             found.extend(self.opened[i].fragments)
         return found
 
@@ -83,7 +84,8 @@ class Reader:
 
     def _fd(self, index: int) -> int:
         if index not in self._fds:
-            self._fds[index] = os.open(self.root / self.files[index].path, os.O_RDONLY)
+            file = self.files[index]  # a second input root's file (--base-model) names its own folder
+            self._fds[index] = os.open(Path(file.root or self.root) / file.path, os.O_RDONLY)
         return self._fds[index]
 
     def close(self) -> None:

@@ -41,13 +41,20 @@ class Progress:
         self._next_line = 0.0
         self._t0 = 0.0
 
-    def start(self, total: int, files: int) -> None:
+    def say(self, line: str) -> None:
+        """A line before the bar (what --resume found)."""
+        if self.enabled and line:
+            print(line, flush=True)
+
+    def start(self, total: int, files: int, kept: int = 0) -> None:
+        """`total`: the bytes this run writes, into `files` less `kept` (files --resume keeps are not counted)."""
         if not self.enabled:
             return
         self.total, self._t0 = total, time.perf_counter()
+        into = f"{files - kept} of {files} file(s) ({kept} kept)" if kept else f"{files} file(s)"
         if sys.stdout.isatty():
             self._bar = RichProgress(
-                TextColumn(f"merging into {files} file(s)"),
+                TextColumn(f"merging into {into}"),
                 BarColumn(),
                 TaskProgressColumn(),
                 DownloadColumn(),
@@ -58,7 +65,7 @@ class Progress:
             self._bar.start()
             self._task = self._bar.add_task("merge", total=total)
         else:
-            print(f"merging {human_bytes(total)} into {files} file(s)", flush=True)
+            print(f"merging {human_bytes(total)} into {into}", flush=True)
 
     def advance(self, nbytes: int) -> None:
         if not self.enabled or not nbytes:
@@ -95,19 +102,25 @@ def print_summary(result: MergeResult) -> None:
     console = Console(width=max(100, Console().width))
     for note in result.notes:
         console.print(f"note: {note}", markup=False)
-    rate = result.total_bytes / max(result.seconds, 1e-9)
     console.print(summary_table(result))
+    kept = (f" ({result.resumed_files} file(s) kept from an earlier run, {human_bytes(result.bytes_written)} "
+            "written)" if result.resumed_files else "")
     console.print(
-        f"distmerge: {result.tensors} tensors, {len(result.files)} file(s), {human_bytes(result.total_bytes)} "
-        f"in {result.seconds:.2f} s ({human_bytes(rate)}/s), {result.processes} process(es) on {result.device} "
-        f"-> {result.output}",
+        f"distmerge: {result.tensors} tensors, {len(result.files)} file(s), {human_bytes(result.total_bytes)}{kept} "
+        f"in {result.seconds:.2f} s ({human_bytes(write_rate(result))}/s), {result.processes} process(es) on "
+        f"{result.device} -> {result.output}",
         markup=False,
         soft_wrap=True,  # one line whatever the terminal width: scripts grep it
     )
 
 
+def write_rate(result: MergeResult) -> float:
+    """Bytes per second this run wrote: files --resume kept took no time and count for nothing."""
+    return result.bytes_written / max(result.seconds, 1e-9)
+
+
 def summary_json(result: MergeResult) -> str:
     data = asdict(result)
-    data["gb_per_s"] = result.total_bytes / max(result.seconds, 1e-9) / 1e9
+    data["gb_per_s"] = write_rate(result) / 1e9
     data["files"] = [{"name": n, "bytes": b} for n, b in result.files]
     return json.dumps(data, indent=2) + "\n"

@@ -28,4 +28,6 @@ class MergeResult:
     ranks: list[RankStats]
     notes: list[str] = field(default_factory=list)
     copied: list[str] = field(default_factory=list)
-    resumed_files: int = 0
+    resumed_files: int = 0  # kept by --resume from the interrupted run, not written again
+    bytes_written: int = 0  # tensor bytes this run wrote (total_bytes less the kept files')
+    resume: str = ""  # what --resume found and did, one line

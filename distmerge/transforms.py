@@ -21,10 +21,13 @@ def lora_fuse(sources: list[torch.Tensor], scale: float) -> list[torch.Tensor]:
     """W + (B @ A) * scale, computed in float32 and returned in W's dtype (PEFT's merge_and_unload order).
 
         W (out, in)   A (r, in)   B (out, r)     all whole tensors on the unit's owner
+
+    Always on the CPU, even with --device cuda: cuBLAS sums the product in another order than the CPU does,
+    and the merged bytes must not depend on the device.
     """
-    base, lora_a, lora_b = sources
-    fused = base.float() + (lora_b.float() @ lora_a.float()) * scale
-    return [fused.to(base.dtype)]
+    base, lora_a, lora_b = (t.to("cpu", torch.float32) for t in sources)
+    fused = base + (lora_b @ lora_a) * scale
+    return [fused.to(sources[0].dtype)]
 
 
 def split_qkv(sources: list[torch.Tensor], heads: int, groups: int, head_dim: int) -> list[torch.Tensor]:
@@ -83,6 +86,32 @@ def rope_permute(sources: list[torch.Tensor], heads: int) -> list[torch.Tensor]:
     return [pairs.transpose(1, 2).reshape(rows, *rest).contiguous()]
 
 
+def with_zero_bias(sources: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A linear layer saved without a bias -> its weight and a zero bias, for a class whose layer has one
+    (verl's Megatron value head, Linear(hidden, 1, bias=False) -> ...ForTokenClassification's score):
+
+        weight (rows, in)   ->   weight (rows, in), bias (rows,) = 0     (x @ W.T + 0: the same outputs)
+    """
+    (weight,) = sources
+    return [weight, weight.new_zeros(weight.shape[0])]
+
+
+def mla_rope_halves(sources: list[torch.Tensor], heads: int, keep: int, rope: int) -> list[torch.Tensor]:
+    """Multi-latent attention rows whose rope part rotates interleaved pairs (megatron-core's MLA, Hugging Face
+    DeepseekV3 with rope_interleave=True) -> rotating halves (rope_interleave=False). Per head (`heads` blocks
+    of `keep + rope` rows; the kv down projection is one block, keep = kv_lora_rank):
+
+        [ keep rows | x0 y0 x1 y1 ... ]   ->   [ keep rows | x0 x1 ... | y0 y1 ... ]
+
+    The keep rows (no position embedding, or the kv latent) stay as they are.
+    """
+    (weight,) = sources
+    rest = tuple(weight.shape[1:])
+    blocks = weight.reshape(heads, keep + rope, *rest)
+    pairs = blocks[:, keep:].reshape(heads, rope // 2, 2, *rest).transpose(1, 2).reshape(heads, rope, *rest)
+    return [torch.cat([blocks[:, :keep], pairs], dim=1).reshape(weight.shape).contiguous()]
+
+
 TRANSFORMS: dict[str, Transform] = {
     "identity": identity,
     "lora_fuse": lora_fuse,
@@ -90,6 +119,8 @@ TRANSFORMS: dict[str, Transform] = {
     "split_gate_up": split_gate_up,
     "trim_rows": trim_rows,
     "rope_permute": rope_permute,
+    "with_zero_bias": with_zero_bias,
+    "mla_rope_halves": mla_rope_halves,
 }
 
 

@@ -8,8 +8,10 @@ import json
 import os
 import shutil
 import socket
+import stat
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -62,14 +64,42 @@ def tt_ckpts(tmp_path_factory) -> dict[str, Path]:
     return built_once("torchtitan", build_torchtitan_fixtures, tmp_path_factory)
 
 
+@pytest.fixture(scope="session")
+def critic_ckpts(tmp_path_factory) -> dict[str, Path]:
+    """PPO critics (value models) as verl builds them, FSDP2 and megatron-core (tests/fixtures/make_critic.py)."""
+    from tests.fixtures.make_critic import build_critic_fixtures
+
+    return built_once("critic", build_critic_fixtures, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def lora_only_ckpts(tmp_path_factory) -> dict[str, Path]:
+    """verl save_lora_only FSDP2 saves (LoRA A/B only) and their base model folder (fixtures/make_lora_only.py)."""
+    from tests.fixtures.make_lora_only import build_lora_only_fixtures
+
+    return built_once("lora_only", build_lora_only_fixtures, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def mla_ckpts(tmp_path_factory) -> dict[str, Path]:
+    """Real megatron-core saves of a tiny DeepSeek-V3 (MLA + MoE, tests/fixtures/make_megatron_mla.py)."""
+    from tests.fixtures.make_megatron_mla import build_mla_fixtures
+
+    return built_once("mla", build_mla_fixtures, tmp_path_factory)
+
+
 # The scripts each fixture family is made by: a change to any of them rebuilds that family's cached saves.
 FIXTURE_SOURCES = {
     "fsdp": ("build.py", "make_fsdp.py", "make_lora.py"),
+    "lora_only": ("build.py", "make_fsdp.py", "make_lora.py", "make_lora_only.py"),
     "dcp": ("build.py", "make_dcp.py", "make_fsdp.py"),
     "megatron": ("build.py", "make_megatron.py", "megatron_models.py", "megatron_moe.py"),
     "deepspeed": ("deepspeed_cases.py", "make_deepspeed.py", "make_fsdp.py"),
     "torchtitan": ("make_torchtitan.py", "torchtitan_cases.py"),
     "vl": ("make_vl.py", "make_fsdp.py"),
+    "mla": ("build.py", "make_megatron_mla.py", "make_megatron.py", "megatron_models.py", "megatron_moe.py"),
+    "critic": ("build.py", "make_critic.py", "make_fsdp.py", "make_megatron.py", "megatron_models.py",
+               "megatron_moe.py"),
 }
 
 
@@ -110,8 +140,10 @@ def reference_dir(ckpt: Path) -> Path:
 
 
 def merge_inproc(*args: str) -> int:
-    """One process, no torchrun: the same code path as `python -m distmerge`."""
-    return distmerge_main(["merge", "--quiet", *map(str, args)])
+    """One process, no torchrun: the same code path as `python -m distmerge`. Whether it succeeds or refuses,
+    the input tree is exactly as before (tree_digest of --input and --hf-config: every format, every test)."""
+    with input_untouched(*merge_inputs(args)):
+        return distmerge_main(["merge", "--quiet", *map(str, args)])
 
 
 def free_port() -> int:
@@ -120,14 +152,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(nproc: int, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    """A real `torchrun --nproc-per-node N -m distmerge ...` job on loopback."""
+def torchrun(nproc: int, *args: str, timeout: float = 240, launcher: tuple[str, ...] = (),
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """A real `torchrun --nproc-per-node N -m distmerge ...` job on loopback; `launcher`: more torchrun options
+    (e.g. --log-dir), `env`: more environment variables."""
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--nnodes", "1",
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "distmerge", *map(str, args),
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *launcher, "-m", "distmerge",
+        *map(str, args),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
+    with input_untouched(*(merge_inputs(args) if args and args[0] == "merge" else [])):
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
 
 
 def load_merged(out: Path) -> dict[str, torch.Tensor]:
@@ -164,18 +200,74 @@ def assert_exact(merged: dict[str, torch.Tensor], expected: dict[str, torch.Tens
 
 
 def tree_bytes(folder: Path) -> dict[str, bytes]:
+    """The top-level files of an output folder, to compare two merges' outputs byte for byte."""
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
 
 
+def tree_digest(root: Path) -> dict[str, str]:
+    """Everything under root, at any depth (`huggingface/`, Megatron's `iter_*/mp_rank_*/` and DCP's hidden
+    `.metadata` included): relative path -> kind and content. Files by sha256 of their bytes, links by their
+    target (never followed), folders by being there, anything else by its type; permission bits and mtime_ns
+    too, since a chmod, a rewrite of the same bytes or a temporary file made and removed in a folder are all
+    modifications. The root itself counts, so a link swapped in for the input folder shows."""
+    if not os.path.lexists(root):
+        return {}
+    digest = {".": _entry_digest(root)}
+    for folder, dirs, files in os.walk(root):  # does not descend into linked folders (followlinks=False)
+        for name in sorted(dirs + files):
+            path = Path(folder, name)
+            digest[str(path.relative_to(root))] = _entry_digest(path)
+    return digest
+
+
+def _entry_digest(path: Path) -> str:
+    st = path.lstat()
+    mode = f"{stat.S_IMODE(st.st_mode):o} {st.st_mtime_ns}"
+    if stat.S_ISLNK(st.st_mode):
+        return f"link -> {os.readlink(path)}"
+    if stat.S_ISDIR(st.st_mode):
+        return f"dir {mode}"
+    if stat.S_ISREG(st.st_mode):
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+        return f"file {mode} {st.st_size} {h.hexdigest()}"
+    return f"other {stat.S_IFMT(st.st_mode):o} {mode}"
+
+
+@contextmanager
+def input_untouched(*roots: Path):
+    """Assert that nothing under each root changed across the block: every file, folder and link (tree_digest).
+    The fixtures are a few MB each, so hashing before and after every merge costs milliseconds."""
+    before = [tree_digest(r) for r in roots]
+    yield
+    for root, was in zip(roots, before, strict=True):
+        now = tree_digest(root)
+        changed = sorted(k for k in was.keys() | now.keys() if was.get(k) != now.get(k))
+        assert not changed, f"the merge modified its input {root}: {changed[:10]}"
+
+
+def merge_inputs(args) -> list[Path]:
+    """The folders a merge command reads (--input, and --hf-config unless the output lies inside it)."""
+    args = [str(a) for a in args]
+    named = {flag: Path(args[i + 1]) for i, flag in enumerate(args[:-1]) if flag in ("--input", "--hf-config",
+                                                                                    "--output")}
+    out = named.get("--output")
+    config = named.get("--hf-config")
+    if config is not None and out is not None and out.resolve().is_relative_to(config.resolve()):
+        config = None
+    return [p for p in (named.get("--input"), config) if p is not None]
+
+
 def assert_refused(ckpt: Path, out: Path, words: str, capsys, *args: str) -> None:
-    """A merge of a bad input: exit 1, one error line that says `words`, no index, the input untouched."""
-    before = tree_bytes(ckpt)
-    assert merge_inproc("--input", ckpt, "--output", out, *args) == 1
+    """A merge of a bad input: exit 1, one error line that says `words`, no index, the input untouched (every
+    file, folder and link under it: tree_digest)."""
+    assert merge_inproc("--input", ckpt, "--output", out, *args) == 1  # which checks the input is untouched
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("distmerge: error: "), lines
     assert words in lines[0], lines[0]
     assert not (out / "model.safetensors.index.json").exists()
-    assert tree_bytes(ckpt) == before
 
 
 def assert_reference_logits(merged: Path, ckpt: Path) -> None:
@@ -190,7 +282,8 @@ def assert_reference_logits(merged: Path, ckpt: Path) -> None:
 
 
 def merge_each(ckpts: dict[str, Path], cases: list[str], root: Path) -> dict[str, Path]:
-    """Every case merged once by one process, into root/case (module fixtures reuse these)."""
+    """Every case merged once by one process, into root/case (module fixtures reuse these); each input's whole
+    tree is the same after its merge as before (merge_inproc checks)."""
     for case in cases:
         assert merge_inproc("--input", ckpts[case], "--output", root / case) == 0, case
     return {case: root / case for case in cases}

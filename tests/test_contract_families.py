@@ -19,6 +19,7 @@ import tempfile
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from functools import cache
+from itertools import product
 from pathlib import Path
 from typing import Any
 
@@ -46,12 +47,13 @@ class Sample:
 
 
 @cache
-def hf_state(arch: str) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
+def hf_state(arch: str, auto: str = "AutoModelForCausalLM",
+             **extra: Any) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
     import transformers
 
     model_type = next(t for t, a in MODEL_TYPES.items() if a == arch)
-    config = transformers.AutoConfig.for_model(model_type, **SMALL, **MOE)
-    model = transformers.AutoModelForCausalLM.from_config(config)
+    config = transformers.AutoConfig.for_model(model_type, **SMALL, **MOE, **extra)
+    model = getattr(transformers, auto).from_config(config)
     with tempfile.TemporaryDirectory() as out:
         model.save_pretrained(out)
         header = read_header(Path(out) / "model.safetensors")
@@ -84,10 +86,22 @@ def lora_samples() -> list[Sample]:
             for m in ("adapter", "merge")]
 
 
+def value_head_samples() -> list[Sample]:
+    """verl's FSDP critic: save_pretrained of the one-label ...ForTokenClassification, under the actor's config."""
+    samples = []
+    for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM"):
+        config, state = hf_state(arch, "AutoModelForTokenClassification", num_labels=1)
+        samples.append(Sample(config=config, sources=metas(state), expected=state))
+    return samples
+
+
+MLA_ARCHS = {"DeepseekV3ForCausalLM"}
 SPELLINGS = {  # which rows one save uses: Transformer Engine's fused norms + SequentialMLP, or local + grouped
-    "te": lambda row: ".input_layernorm." not in row.source and ".pre_mlp_layernorm." not in row.source
-    and not row.source.endswith("weight{}"),
-    "local": lambda row: "layer_norm_weight" not in row.source and ".local_experts." not in row.source,
+    # (TE's multi-latent attention keeps input_layernorm a module of its own and fuses only the q/kv norms)
+    "te": lambda row, arch: (".input_layernorm." not in row.source or arch in MLA_ARCHS)
+    and ".pre_mlp_layernorm." not in row.source and not row.source.endswith("weight{}")
+    and not (arch in MLA_ARCHS and row.source.endswith(("q_layernorm.weight", "kv_layernorm.weight"))),
+    "local": lambda row, arch: "layer_norm_weight" not in row.source and ".local_experts." not in row.source,
 }
 
 
@@ -96,7 +110,7 @@ def megatron_sources(arch: str, spelling: str, expected: dict[str, tuple[int, ..
     """One Megatron tensor per row instance whose targets the Hugging Face model has, shaped back from them."""
     out = {}
     layers, experts = SMALL["num_hidden_layers"], MOE["num_experts"]
-    for row in filter(SPELLINGS[spelling], FAMILIES[arch]):
+    for row in (r for r in FAMILIES[arch] if SPELLINGS[spelling](r, arch)):
         numbers = {0: [()], 1: [(i,) for i in range(layers)],
                    2: [(i, e) for i in range(layers) for e in range(experts)]}[row.source.count("{}")]
         for nums in numbers:
@@ -116,11 +130,17 @@ def _source_shape(row: Row, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
     return (sum(s[0] for s in shapes), *shapes[0][1:])  # identity, split_qkv, split_gate_up: rows stacked
 
 
+def megatron_states(arch: str) -> list[tuple[dict[str, Any], dict[str, tuple[int, ...]]]]:
+    """DeepSeek-V3: the torchtitan samples' model (dense first layer, then MoE), with and without the query LoRA."""
+    if arch == "DeepseekV3ForCausalLM":
+        return [tt_hf_state("deepseek_v3", q_lora) for q_lora in (True, False)]
+    return [hf_state(arch)]
+
+
 def megatron_samples() -> list[Sample]:
     samples = []
     for arch in FAMILIES:
-        config, state = hf_state(arch)
-        for spelling in SPELLINGS:
+        for spelling, (config, state) in product(SPELLINGS, megatron_states(arch)):
             samples.append(Sample(config=config, sources=megatron_sources(arch, spelling, state), expected=state,
                                   hints=Hints(naming="megatron")))
     return samples
@@ -186,7 +206,8 @@ def torchtitan_samples(reached: set[str] | None = None) -> list[Sample]:
     return samples
 
 
-SAMPLES = {"hf": hf_samples, "lora": lora_samples, "megatron": megatron_samples, "torchtitan": torchtitan_samples}
+SAMPLES = {"hf": hf_samples, "lora": lora_samples, "megatron": megatron_samples, "torchtitan": torchtitan_samples,
+           "value_head": value_head_samples}
 FAMILY_NAMES = [f.name for f in REGISTERED]
 
 
@@ -222,7 +243,8 @@ def test_tied_config_drops_exactly_the_tied_heads(name):
         names = {t.name for u in untied.units for t in u.targets}
         kept = {t.name for u in tied.units for t in u.targets}
         heads = {h for h, e in family.traits(sample.config).tied_heads if h in names and e in names}
-        assert heads and names - kept == heads
+        # a family without tied heads (a value model's) drops nothing
+        assert (heads or not family.traits(sample.config).tied_heads) and names - kept == heads
 
 
 def test_lora_adapter_and_fused_units():
@@ -242,8 +264,7 @@ def test_every_megatron_row_is_reached_through_its_own_pattern():
 
     reached: set[str] = set()
     for arch in FAMILIES:
-        _, state = hf_state(arch)
-        for spelling in SPELLINGS:
+        for spelling, (_, state) in product(SPELLINGS, megatron_states(arch)):
             megatron_sources(arch, spelling, state, reached)
         for row, _pattern in _compiled(arch):
             name = row.source.format(*range(row.source.count("{}")))

@@ -97,11 +97,13 @@ def test_any_number_of_processes_writes_the_same_bytes(case, ds_ckpts, ds_merged
 
 
 def test_lora_only_save_says_what_it_is(ds_ckpts, tmp_path, capsys):
-    """The HF Trainer saves a PEFT run without its frozen base weights (and without config.json)."""
+    """The HF Trainer saves a PEFT run without its frozen base weights (and without config.json): fusing needs
+    the base, and the error names the option (the merges themselves: tests/test_lora_only.py)."""
     ckpt = ds_ckpts[LORA[0]]
     config = ckpt.parent / f"{ckpt.name}_reference"
-    assert merge_inproc("--input", input_dir(ckpt), "--output", tmp_path, "--hf-config", config) == 1
-    assert "holds LoRA weights only, no base model" in capsys.readouterr().err
+    args = ("--input", input_dir(ckpt), "--output", tmp_path, "--hf-config", config, "--lora", "merge")
+    assert merge_inproc(*args) == 1
+    assert "holds LoRA weights only" in (err := capsys.readouterr().err) and "pass --base-model DIR" in err
 
 
 def test_inspect_describes_the_save(ds_ckpts, capsys):

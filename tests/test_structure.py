@@ -10,16 +10,16 @@ PACKAGE = Path(__file__).resolve().parents[1] / "distmerge"
 MAX_LINES = 400
 # Lower layers never import higher ones. A module not listed belongs to its package's layer.
 LAYERS = {
-    0: ("errors", "dtypes", "output_files", "results"),
+    0: ("errors", "dtypes", "output_files", "results", "input_tree"),
     1: ("formats", "comm", "transforms"),
     2: ("families",),
-    3: ("plan", "reader", "writer", "discover"),
+    3: ("plan", "reader", "writer", "discover", "inventory"),
     4: ("prepare", "exchange", "assemble", "replicas", "unwritten", "resume", "finalize", "report"),
     5: ("engine", "inspect", "verify", "cli_options"),
     6: ("cli", "__main__"),
 }
 ENGINE = ("plan", "reader", "writer", "discover", "prepare", "exchange", "assemble", "replicas", "unwritten",
-          "resume", "finalize", "engine", "inspect")
+          "resume", "finalize", "engine", "inspect", "inventory")
 
 
 def modules() -> dict[str, Path]:

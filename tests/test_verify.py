@@ -203,7 +203,15 @@ def test_merged_without_index_is_refused(llama, tmp_path, capsys):
     shutil.copytree(llama["merged"], tmp_path / "m")
     (tmp_path / "m" / INDEX).unlink()
     assert verify("--merged", tmp_path / "m", "--reference", llama["reference"]) == 1
-    assert "has no model.safetensors.index.json: the merge did not finish" in capsys.readouterr().err
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("distmerge: error: "), lines
+    assert "has no model.safetensors.index.json: the merge did not finish" in lines[0]
+
+
+def test_missing_reference_is_named(llama, tmp_path, capsys):
+    assert verify("--merged", llama["merged"], "--reference", tmp_path / "nope") == 1
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("distmerge: error: ") and str(tmp_path / "nope") in lines[0], lines
 
 
 @pytest.mark.torchrun
@@ -222,5 +230,7 @@ def test_two_processes_agree_with_one(llama, tmp_path, capsys):
     assert sum(two["run"]["compared_per_rank"]) == 21
     one.pop("run"), two.pop("run")
     assert one == two
-    assert verdict(capsys) in run.stdout.splitlines()
+    line = verdict(capsys)
+    assert line.startswith("verify: FAIL 2 of 21 tensors: ") and first in line and last in line, line
+    assert line in run.stdout.splitlines()
     assert run.stdout.count("verify: FAIL") == 1  # rank 0 speaks for all

@@ -81,6 +81,9 @@ class FamilyContext:
     hints: Hints = field(default_factory=Hints)
     lora: LoraOptions = field(default_factory=LoraOptions)
     output: str = ""
+    # The --base-model folder's tensors (a second input root), by their Hugging Face name; each SourceMeta's
+    # `name` is the source a unit reads. Empty without the option. For checkpoints that lack their base (LoRA-only).
+    base_weights: dict[str, SourceMeta] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,6 +94,9 @@ class FamilyResult:
     # Sources the family reads into no unit (families do no I/O; the engine checks them, see unwritten.py):
     left_out: dict[str, str] = field(default_factory=dict)  # source -> why the output has no place for it
     must_equal: tuple[tuple[str, str], ...] = ()  # (dropped copy, written source) that must hold equal values
+    # config.json keys the written model needs in place of the input's (a value head: its architectures and one
+    # label); finalize writes them over the input config
+    config_updates: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,6 +106,7 @@ class ModelTraits:
     tied_heads: tuple[tuple[str, str], ...] = ()  # (head, embedding): the head is not written when tied
     auto_class: str = "AutoModelForCausalLM"  # the transformers class that loads it (verify --logits)
     config_block: str | None = None  # config.json key holding the attention sizes (VL: "text_config")
+    outputs: str = "logits"  # what the model's forward gives (verify --logits compares it): "logits" or "values"
 
     def sizes(self, config: dict[str, Any]) -> dict[str, Any]:
         """Top-level keys, and what only the sizes block (when there is one) holds."""

@@ -9,6 +9,10 @@
 `.base_layer` removed) + lora_adapter/adapter_model.safetensors (PEFT's saved names: the adapter name
 dropped) + adapter_config.json. --lora merge: one tensor per adapted module, W + (B @ A) * scale fused on
 the owning rank in float32, scale = alpha / r (alpha / sqrt(r) with rsLoRA).
+
+LoRA-only saves (verl's checkpoint.save_lora_only keeps the keys holding `lora_`; the HF Trainer's DeepSpeed
+save of a PEFT model keeps the trainable parameters) hold A and B but no W. Their base comes from
+--base-model DIR (FamilyContext.base_weights, lora_base.py); without it only the adapter is written.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from dataclasses import replace
 from typing import Any
 
 from distmerge.errors import InputError
+from distmerge.families import lora_base
 from distmerge.families.base import (
     CAUSAL_LM,
     FamilyContext,
@@ -31,9 +36,9 @@ from distmerge.families.base import (
     claim,
     register,
 )
+from distmerge.families.lora_base import PEFT_PREFIX
 from distmerge.formats.base import Hints
 
-PEFT_PREFIX = "base_model.model."
 LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.(?P<adapter>[^.]+)\.weight$")
 ADAPTER_DIR = "lora_adapter"
 # PEFT variants whose tensors this family does not turn into a model: refused, never silently dropped.
@@ -79,33 +84,56 @@ class LoraFamily:
         meta = dict(ctx.hints.lora_meta or {})
         rank, alpha = _rank(modules, sources, meta), _alpha(ctx, meta)
         rslora = bool(meta.get("use_rslora", False))
-        base = _base(sources, ctx, skip=self)
+        own = {hf_name(n): s for n, s in sources.items() if not LORA.match(n)}
+        found = lora_base.find(modules, sources, own, ctx)
+        if found is None:  # a LoRA-only save and no --base-model folder: the adapter is all there is to write
+            return self._adapter_only(modules, sources, rank, alpha, rslora, meta, ctx)
+        weights, origin = found
+        base = _base(origin, ctx, skip=self)
+        notes = [*base.notes, *lora_base.notes(origin, ctx)]
         if ctx.lora.mode == "merge":
             scale = alpha / math.sqrt(rank) if rslora else alpha / rank
-            out = _fused(base.units, modules, scale)
+            out = _fused(base.units, modules, weights, scale)
             note = f"LoRA fused into the weights of {len(modules)} modules (scale {scale:g})"
-            return replace(base, units=out, notes=[*base.notes, note])
+            return replace(base, units=out, notes=[*notes, note])
         out = base.units + [_adapter(sources[n]) for ab in modules.values() for n in ab.values()]
         config = adapter_config(modules, rank, alpha, rslora, meta, ctx)
         note = f"LoRA adapter (r={rank}, alpha={alpha:g}) for {len(modules)} modules written to {ADAPTER_DIR}/"
         return replace(base, units=out, extra_files={**base.extra_files, f"{ADAPTER_DIR}/adapter_config.json": config},
-                       notes=[*base.notes, note])
+                       notes=[*notes, note])
+
+    def _adapter_only(self, modules, sources, rank: int, alpha: float, rslora: bool, meta: dict[str, Any],
+                      ctx: FamilyContext) -> FamilyResult:
+        if ctx.lora.mode == "merge":
+            raise InputError(f"the checkpoint holds LoRA weights only ({lora_base.SAVES}), no base model: "
+                             "--lora merge needs the base weights; pass --base-model DIR (the base model's "
+                             "Hugging Face folder)")
+        units = [_adapter(sources[n]) for ab in modules.values() for n in ab.values()]
+        config = adapter_config(modules, rank, alpha, rslora, meta, ctx, base=ctx.lora.base_model
+                                or ctx.config.get("_name_or_path") or None)
+        note = (f"LoRA-only save: only the adapter (r={rank}, alpha={alpha:g}, {len(modules)} modules) was written, "
+                f"to {ADAPTER_DIR}/; no base model (pass --base-model DIR for the base weights, or with --lora "
+                "merge a fused model)")
+        return FamilyResult(units=units, extra_files={f"{ADAPTER_DIR}/adapter_config.json": config}, notes=[note])
 
 
-def _base(sources: dict[str, SourceMeta], ctx: FamilyContext, skip: LoraFamily) -> FamilyResult:
-    """The wrapped family's units for the base weights, with sources under their PEFT names again."""
-    peft = {hf_name(n): n for n in sources if not LORA.match(n)}
-    renamed = {name: replace(sources[p], name=name) for name, p in peft.items()}
+def _base(origin: dict[str, SourceMeta], ctx: FamilyContext, skip: LoraFamily) -> FamilyResult:
+    """The wrapped family's units for the base weights (`origin`: Hugging Face name -> the source holding it,
+    in the checkpoint under its PEFT name or in the --base-model folder), sources under their own names again."""
+    source_of = {name: meta.name for name, meta in origin.items()}
+    renamed = {name: replace(meta, name=name) for name, meta in origin.items()}
     inner = claim(list(renamed), ctx.config, ctx.hints, skip=skip)
     result = inner.units(renamed, ctx)
-    units = [replace(u, sources=tuple(peft[s] for s in u.sources)) for u in result.units]
-    return replace(result, units=units, left_out={peft[n]: why for n, why in result.left_out.items()},
-                   must_equal=tuple((peft[a], peft[b]) for a, b in result.must_equal))
+    units = [replace(u, sources=tuple(source_of[s] for s in u.sources)) for u in result.units]
+    return replace(result, units=units, left_out={source_of[n]: why for n, why in result.left_out.items()},
+                   must_equal=tuple((source_of[a], source_of[b]) for a, b in result.must_equal))
 
 
-def _fused(units: list[Unit], modules: dict[str, dict[str, str]], scale: float) -> list[Unit]:
-    """Each adapted module's base unit becomes W + (B @ A) * scale, with the same target."""
-    fused = {f"{m}.base_layer.weight": ab for m, ab in modules.items()}
+def _fused(units: list[Unit], modules: dict[str, dict[str, str]], weights: dict[str, str],
+           scale: float) -> list[Unit]:
+    """Each adapted module's base unit (`weights`: module -> the source of its W) becomes W + (B @ A) * scale,
+    with the same target."""
+    fused = {weights[m]: ab for m, ab in modules.items()}
     out = []
     for unit in units:
         ab = fused.pop(unit.sources[0], None) if len(unit.sources) == 1 else None
@@ -133,13 +161,9 @@ def _modules(sources: dict[str, SourceMeta]) -> dict[str, dict[str, str]]:
             adapters.add(m["adapter"])
     if len(adapters) > 1:
         raise InputError(f"the checkpoint holds several LoRA adapters ({', '.join(sorted(adapters))}): not supported")
-    if not any(f"{module}.base_layer.weight" in sources for module in modules):
-        raise InputError("the checkpoint holds LoRA weights only, no base model (the HF Trainer saves PEFT runs "
-                         "without their frozen weights; its adapter_model.safetensors is the adapter): merging onto "
-                         "a base model is not supported yet")
     for module, ab in modules.items():
-        if set(ab) != {"A", "B"} or f"{module}.base_layer.weight" not in sources:
-            raise InputError(f"{module}: the LoRA A, B or base weight is missing; the checkpoint is incomplete")
+        if set(ab) != {"A", "B"}:
+            raise InputError(f"{module}: the LoRA A or B weight is missing; the checkpoint is incomplete")
     return modules
 
 
@@ -168,9 +192,13 @@ def _adapter(s: SourceMeta) -> Unit:
                                                    group="adapter"),))
 
 
-def adapter_config(modules, rank: int, alpha: float, rslora: bool, meta: dict[str, Any], ctx: FamilyContext) -> dict:
-    """What PEFT's save_pretrained writes for a plain LoRA, with the values this checkpoint implies."""
-    base = ctx.lora.base_model or ctx.config.get("_name_or_path") or ctx.output
+def adapter_config(modules, rank: int, alpha: float, rslora: bool, meta: dict[str, Any], ctx: FamilyContext,
+                   base: str | None = "") -> dict:
+    """What PEFT's save_pretrained writes for a plain LoRA, with the values this checkpoint implies. `base`:
+    base_model_name_or_path when given (None: unknown); else the option, the config's, or the output folder
+    (which then holds the base model)."""
+    if base == "":
+        base = ctx.lora.base_model or ctx.config.get("_name_or_path") or ctx.output
     return {
         "peft_type": "LORA",
         "task_type": meta.get("task_type", "CAUSAL_LM"),

@@ -13,9 +13,9 @@ from functools import cache
 from typing import Any
 
 from distmerge.errors import InputError, LayoutError
-from distmerge.families import base
+from distmerge.families import base, megatron_mla, value_head
 from distmerge.families.base import FamilyContext, FamilyResult, SourceMeta, Target, Unit, output_dtype
-from distmerge.families.megatron_tables import FAMILIES, LAYERS, MODEL_TYPES, Row
+from distmerge.families.megatron_tables import FAMILIES, FLOAT32_TARGETS, LAYERS, MODEL_TYPES, Row
 from distmerge.formats.base import Hints
 
 HEAD = base.CAUSAL_LM.tied_heads[0][0]
@@ -24,6 +24,27 @@ HEAD = base.CAUSAL_LM.tied_heads[0][0]
 
 def units(sources: dict[str, SourceMeta], ctx: FamilyContext) -> FamilyResult:
     refuse_vision_language(sources, ctx.config)
+    megatron_mla.refuse_mtp(sources)
+    head = value_head.megatron_head(sources)  # a critic's one-row output layer: written as a value head
+    if not head:
+        return _units(sources, ctx, lm_head=True)
+    body = _units({n: s for n, s in sources.items() if n not in head}, ctx, lm_head=False)
+    hidden = base.CAUSAL_LM.sizes(ctx.config).get("hidden_size")
+    return value_head.with_megatron_head(body, sources, ctx, hidden if isinstance(hidden, int) else None)
+
+
+def refuse_vision_language(sources: dict[str, SourceMeta], config: dict[str, Any]) -> None:
+    """Megatron's vision-language models keep the tower (`vision_model.*`, `vision_projection.*`) beside
+    `language_model.*`, with the tower's layers numbered apart from the language model's pipeline stages: no
+    table maps them yet, and a text-only merge would silently write half a model."""
+    tower = sorted(n for n in sources if n.startswith(("vision_model.", "vision_projection.")))
+    if tower or isinstance(config.get("vision_config"), dict):
+        what = f"its vision tower ({tower[0]}, ...)" if tower else "config.json's vision_config"
+        raise InputError(f"a Megatron vision-language save ({what}): distmerge has no mapping for Megatron's "
+                         "vision tower and projector yet (Megatron-Bridge's export converts it)")
+
+
+def _units(sources: dict[str, SourceMeta], ctx: FamilyContext, lm_head: bool) -> FamilyResult:
     arch = architecture(ctx.config)
     rows = _compiled(arch)
     tied = base.CAUSAL_LM.ties(ctx.config)
@@ -39,31 +60,22 @@ def units(sources: dict[str, SourceMeta], ctx: FamilyContext) -> FamilyResult:
         if tied and names == (HEAD,):
             notes.append("output_layer.weight not written: config.json ties it to the embedding")
             continue
-        params = _params(row.transform, meta, sizes, ctx.hints)
-        shapes = target_shapes(row.transform, meta, params)
-        dtype = output_dtype(meta.dtype, ctx.cast)
+        transform, params = (megatron_mla.resolve(meta, sizes) if row.transform == megatron_mla.MLA
+                             else (row.transform, _params(row.transform, meta, sizes, ctx.hints)))
+        shapes = target_shapes(transform, meta, params)
+        float32 = ctx.cast and names[0].endswith(FLOAT32_TARGETS.get(arch, ()))
+        dtype = output_dtype(meta.dtype, "F32" if float32 else ctx.cast)
         targets = tuple(Target(name=n, shape=s, dtype=dtype) for n, s in zip(names, shapes, strict=True))
-        out.append(Unit(sources=(meta.name,), targets=targets, transform=row.transform, params=params))
+        out.append(Unit(sources=(meta.name,), targets=targets, transform=transform, params=params))
     if unmapped:
         shown = ", ".join(sorted(unmapped)[:6])
         raise InputError(f"{len(unmapped)} Megatron tensors have no mapping for {arch} ({shown}): "
                          "distmerge would drop them; is config.json for this model?")
-    _check_complete(out, sizes, tied, arch)
+    _check_complete(out, sizes, tied or not lm_head, arch)
     padded = sources.get("embedding.word_embeddings.weight")
     if padded and padded.shape[0] != sizes.get("vocab_size"):
         notes.append(f"vocabulary padding trimmed: {padded.shape[0]} -> {sizes['vocab_size']} rows")
     return FamilyResult(units=out, notes=notes)
-
-
-def refuse_vision_language(sources: dict[str, SourceMeta], config: dict[str, Any]) -> None:
-    """Megatron's vision-language models keep the tower (`vision_model.*`, `vision_projection.*`) beside
-    `language_model.*`, with the tower's layers numbered apart from the language model's pipeline stages: no
-    table maps them yet, and a text-only merge would silently write half a model."""
-    tower = sorted(n for n in sources if n.startswith(("vision_model.", "vision_projection.")))
-    if tower or isinstance(config.get("vision_config"), dict):
-        what = f"its vision tower ({tower[0]}, ...)" if tower else "config.json's vision_config"
-        raise InputError(f"a Megatron vision-language save ({what}): distmerge has no mapping for Megatron's "
-                         "vision tower and projector yet (Megatron-Bridge's export converts it)")
 
 
 def architecture(config: dict[str, Any]) -> str:

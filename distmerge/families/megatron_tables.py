@@ -74,6 +74,36 @@ MIXTRAL_MOE = _experts(M + "block_sparse_moe.gate.weight", M + "block_sparse_moe
 
 DENSE = EMBEDDINGS + ATTENTION + PRE_MLP_NORM + DENSE_MLP
 
+# DeepSeek-V3 (and V2) multi-latent attention, megatron-core transformer/multi_latent_attention.py; names as
+# Megatron-Bridge's DeepSeek bridge maps them. Transform "mla": megatron_mla.py checks the shape against
+# config.json and permutes the rope rows when config.json says rope_interleave: false. TE fuses the q/kv norms
+# into the up projections (layer_norm_weight); the local spec keeps q_layernorm / kv_layernorm. The input norm
+# is a module of its own in both specs.
+A, SA = L + "self_attention.", M + "self_attn."
+MLA_ATTENTION = (
+    Row(L + "input_layernorm.weight", (M + "input_layernorm.weight",)),
+    Row(A + "linear_q_proj.weight", (SA + "q_proj.weight",), "mla"),  # q_lora_rank None: no query LoRA
+    Row(A + "linear_q_down_proj.weight", (SA + "q_a_proj.weight",), "mla"),
+    Row(A + "q_layernorm.weight", (SA + "q_a_layernorm.weight",)),
+    Row(A + "linear_q_up_proj.layer_norm_weight", (SA + "q_a_layernorm.weight",)),
+    Row(A + "linear_q_up_proj.weight", (SA + "q_b_proj.weight",), "mla"),
+    Row(A + "linear_kv_down_proj.weight", (SA + "kv_a_proj_with_mqa.weight",), "mla"),  # [kv latent; rope]
+    Row(A + "kv_layernorm.weight", (SA + "kv_a_layernorm.weight",)),
+    Row(A + "linear_kv_up_proj.layer_norm_weight", (SA + "kv_a_layernorm.weight",)),
+    Row(A + "linear_kv_up_proj.weight", (SA + "kv_b_proj.weight",), "mla"),  # per head [k_nope; v]
+    Row(A + "linear_proj.weight", (SA + "o_proj.weight",), "mla"),
+)
+# The first first_k_dense_replace layers keep a dense MLP (DENSE_MLP's rows); the others route over experts with
+# sigmoid scores plus a float32 bias that only picks the experts (router.expert_bias), beside shared experts.
+DEEPSEEK_MOE = _experts(M + "mlp.gate.weight", M + "mlp.experts.{}.gate_proj.weight",
+                        M + "mlp.experts.{}.up_proj.weight", M + "mlp.experts.{}.down_proj.weight") + (
+    Row(L + "mlp.router.expert_bias", (M + "mlp.gate.e_score_correction_bias",)),
+    Row(L + "mlp.shared_experts.linear_fc1.weight",
+        (M + "mlp.shared_experts.gate_proj.weight", M + "mlp.shared_experts.up_proj.weight"), "split_gate_up"),
+    Row(L + "mlp.shared_experts.linear_fc2.weight", (M + "mlp.shared_experts.down_proj.weight",)),
+)
+DEEPSEEK_V3 = EMBEDDINGS + MLA_ATTENTION + PRE_MLP_NORM + DENSE_MLP + DEEPSEEK_MOE
+
 # Hugging Face architecture -> its table. MoE tables keep the dense MLP rows for layers without experts.
 FAMILIES: dict[str, tuple[Row, ...]] = {
     "LlamaForCausalLM": DENSE,
@@ -83,8 +113,15 @@ FAMILIES: dict[str, tuple[Row, ...]] = {
     "Qwen3MoeForCausalLM": DENSE + QWEN_MOE,
     "Qwen2MoeForCausalLM": DENSE + QWEN_MOE + QWEN2_SHARED_EXPERT,
     "MixtralForCausalLM": EMBEDDINGS + ATTENTION + PRE_MLP_NORM + MIXTRAL_MOE,
+    "DeepseekV3ForCausalLM": DEEPSEEK_V3,
+}
+# Hugging Face names transformers keeps in float32 whatever the model's dtype (DeepseekV3's
+# _keep_in_fp32_modules_strict: the router and its routing bias); a --dtype cast writes them in float32, as
+# save_pretrained of a cast model does.
+FLOAT32_TARGETS: dict[str, tuple[str, ...]] = {
+    "DeepseekV3ForCausalLM": (".mlp.gate.weight", ".mlp.gate.e_score_correction_bias"),
 }
 # config.json's model_type, for configs without `architectures`.
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-               "mixtral": "MixtralForCausalLM"}
+               "mixtral": "MixtralForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}

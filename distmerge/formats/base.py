@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import torch
 
-from distmerge import dtypes
+from distmerge import dtypes, input_tree
 from distmerge.errors import InputError
 
 
@@ -41,6 +41,12 @@ class InputFile:
     def read_weight(self) -> int:
         """What reading this file costs, for spreading files over readers (the whole file unless told)."""
         return self.size if self.reads < 0 else self.reads
+    root: str = ""  # "": in the input folder; else a second input root it lies in (--base-model DIR)
+
+
+# Tensors of a second input root (the --base-model folder) carry this prefix, so their names never meet the
+# checkpoint's: the engine keeps them out of the family's claim and hands them over as FamilyContext.base_weights.
+BASE_MODEL_PREFIX = "base-model:"
 
 
 def input_file(root: Path, index: int, path: str, rank: int = -1) -> InputFile:
@@ -49,11 +55,15 @@ def input_file(root: Path, index: int, path: str, rank: int = -1) -> InputFile:
 
 
 def inside(root: Path, path: str) -> Path:
-    """root/path, refusing names (from a listing or from metadata) and links that lead out of the input."""
-    resolved = (root / path).resolve()
-    if not resolved.is_relative_to(root.resolve()):
-        raise InputError(f"{root}: {path} leads outside the input folder (to {resolved}); distmerge does not follow it")
-    return resolved
+    """root/path, refusing names (from a listing or from metadata) and links that lead out of the input.
+    Judged by the input folder's tree (input_tree.py), walked at discovery: never by a subfolder's own
+    resolution, so a linked save folder cannot move the anchor."""
+    tree = input_tree.tree_at(root)
+    rel, entry = tree.lookup(Path(root) / path)
+    if entry is not None and entry.kind == "refused":
+        raise InputError(f"{root}: {path} leads outside the input folder or is not a plain file ({entry.why}); "
+                         "distmerge does not follow it")
+    return tree.root / rel
 
 
 @dataclass(frozen=True, kw_only=True)

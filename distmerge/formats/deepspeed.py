@@ -25,7 +25,7 @@ from distmerge.errors import InputError, LayoutError
 from distmerge.formats import deepspeed_layout as ds
 from distmerge.formats.base import FormatDefaults, Fragment, Hints, InputFile, OpenedFile, Scan, input_file, register
 from distmerge.formats.deepspeed_zero import Piece, flat_pieces, stage3_pieces
-from distmerge.formats.torch_private import torch_save
+from distmerge.formats.torch_private import archive_name, torch_save
 from distmerge.formats.torch_private.restricted import TensorRef
 
 INERT = (*torch_save.TRAINING_MODULES, "deepspeed")
@@ -65,6 +65,7 @@ class DeepSpeedFormat(FormatDefaults):
     def scan(self, root: Path, options: Mapping[str, Any]) -> Scan:
         save = ds.tag_dir(root, options)
         models, optims = _rank_files(save)
+        ds.check_own_files(save, models + optims)  # before any is read: no link out, no copy of another rank's
         first = _model_states(save / models[0])
         stage3 = ds.MODEL_STATES.match(models[0])[1] is not None
         masters = _use_masters(save, options.get(ds.WEIGHTS.dest), stage3, first, optims)
@@ -91,9 +92,9 @@ class DeepSpeedFormat(FormatDefaults):
         role, rank = state.roles[file.path]
         if not isinstance(saved.value, dict):
             raise InputError(f"{file.path} is not a DeepSpeed checkpoint file (no state dict inside)")
-        if role == "optim":
-            return _open_optim(saved, file, rank, state)
-        return _open_model(saved, file, rank, state)
+        opened = _open_optim(saved, file, rank, state) if role == "optim" else _open_model(saved, file, rank, state)
+        archive_name.check_saved_name(path, state.roles)  # after the checks that name another run or partition
+        return opened
 
 
 def _expected_reads(file: InputFile, state: _State) -> InputFile:
@@ -295,7 +296,8 @@ def _flat_masters(optim: dict, saved, file: InputFile, rank: int, state: _State,
         pieces = flat_pieces(names, numels, paddings, rank, state.world, flat.size[0])
         mapping = mappings.pop(0) if mappings else None
         if not state.round_robin:  # under round_robin_gradients DeepSpeed records the unshuffled order there
-            _check_mappings(pieces, mapping, file)
+            _check_mappings(pieces, mapping, file, lambda r, a=(names, numels, paddings), n=flat.size[0]: {
+                p.name: (p.local, p.count) for p in flat_pieces(*a, r, state.world, n)}, state.world)
         for piece in pieces:
             _add(opened, _piece(piece, shapes[piece.name], flat, saved, file, 0), "ZeRO-1/2 fp32 partition")
 
@@ -336,12 +338,16 @@ def _split_at(piece: Piece, ends: list[int]) -> list[Piece]:
     return out
 
 
-def _check_mappings(pieces: list[Piece], mapping: Any, file: InputFile) -> None:
+def _check_mappings(pieces: list[Piece], mapping: Any, file: InputFile, layout_of, world: int) -> None:
     """DeepSpeed's own record of where each parameter sits in this partition, when the file has one."""
     if not isinstance(mapping, dict):
         return
     saved = {str(n): (getattr(a, "start", None), getattr(a, "numel", None)) for n, a in mapping.items()}
     found = {p.name: (p.local, p.count) for p in pieces}
+    if saved != found and (owner := ds.partition_owner(saved, layout_of, world)) is not None:
+        raise LayoutError(f"{file.path} holds data-parallel rank {owner}'s partition (its param_slice_mappings say "
+                          f"so), not rank {file.rank}'s as its name says: a rank file replaced by another rank's; "
+                          "restore the original files")
     if saved != found:
         wrong = next(n for n in sorted(set(saved) | set(found)) if saved.get(n) != found.get(n))
         raise LayoutError(f"{file.path}: {wrong} is at {found.get(wrong)} (start, numel) by param_shapes but at "

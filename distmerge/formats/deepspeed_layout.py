@@ -16,11 +16,12 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from distmerge.errors import InputError
+from distmerge import input_tree
+from distmerge.errors import InputError, LayoutError
 from distmerge.formats.base import FormatOption
 
 LATEST = "latest"
@@ -69,11 +70,26 @@ def tag_dir(root: Path, options: Mapping[str, Any]) -> Path:
         if not (root / LATEST).is_file():
             found = ", ".join(tags(root)) or "none"
             raise InputError(f"{root} has no `latest` file: pass --tag (tags found: {found})")
-        tag = (root / LATEST).read_text(errors="replace").strip()
+        tag = input_tree.read_text(root / LATEST, input_tree.TRACKER_CAP, "DeepSpeed `latest` tag file").strip()
     if "/" in tag or tag in ("", ".", "..") or not holds_save(root / tag):
         found = ", ".join(tags(root)) or "none"
         raise InputError(f"{root} has no save {tag!r} (tags found: {found}); pass --tag with one of them")
+    input_tree.tree_at(root).folder(root / tag)  # a tag folder that links out is refused before it is read
     return root / tag
+
+
+def check_own_files(save: Path, paths: list[str]) -> None:
+    """Each rank's file is its own, not a copy of or a link to another rank's (which would give that rank's
+    partition twice and lose this one's). A renamed one is refused when opened (archive_name)."""
+    if copy := input_tree.first_copy([save / p for p in paths]):
+        raise LayoutError(f"{save}: {copy[1].name} is the same file as {copy[0].name} (a copy or a link): each "
+                          "data-parallel rank's file must be the one it saved; restore the original files")
+
+
+def partition_owner(recorded: dict, layout_of: Callable[[int], dict], world: int) -> int | None:
+    """The data-parallel rank whose partition a file's own record (param_slice_mappings: name -> (start,
+    numel) in the partition) describes, or None: tells a file renamed to another rank's name."""
+    return next((r for r in range(world) if layout_of(r) == recorded), None)
 
 
 def hf_dir_near(save: Path, root: Path) -> str | None:

@@ -10,16 +10,17 @@
 
 from __future__ import annotations
 
-import json
+import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from distmerge import dtypes
-from distmerge.errors import InputError
+from distmerge import dtypes, input_tree
+from distmerge.errors import InputError, LayoutError
 from distmerge.formats.base import FormatDefaults, Fragment, Hints, InputFile, OpenedFile, Scan, input_file, register
-from distmerge.formats.torch_private import state_dicts
+from distmerge.formats.torch_private import archive_name, state_dicts
+from distmerge.formats.torch_private.mesh_record import MeshChecks
 
 RANK_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 LORA_META = "lora_train_meta.json"  # verl writes r, lora_alpha, task_type beside the rank files of a LoRA run
@@ -54,13 +55,12 @@ class FsdpFormat(FormatDefaults):
             raise InputError(f"{root} mixes checkpoints of world sizes {sorted(sizes)}: keep one set of rank files")
         world = sizes.pop()
         notes = _check_config(root, world)
-        missing = sorted(set(range(world)) - found.keys())
-        extra = sorted(found.keys() - set(range(world)))
-        if missing:
-            raise InputError(f"{root}: rank files missing for ranks {_short(missing)} of world size {world}")
-        if extra:
-            raise InputError(f"{root}: unexpected rank files for ranks {_short(extra)} (world size is {world})")
+        _check_ranks(root, world, set(found))  # before anything is built from the world size in the names
         files = tuple(input_file(root, r, found[r][1].name, rank=r) for r in range(world))
+        if copy := input_tree.first_copy([root / f.path for f in files]):
+            raise LayoutError(f"{root}: {copy[1].name} is the same file as {copy[0].name} (a copy or a link): "
+                              "each rank file must be the one its rank saved; restore the original files")
+        archive_name.check_saved_names([root / f.path for f in files])  # a rank file renamed to another's name
         hf = root / "huggingface"
         hints = Hints(lora_meta=_lora_meta(root) if (root / LORA_META).is_file() else None)
         return Scan(
@@ -78,7 +78,9 @@ class FsdpFormat(FormatDefaults):
         state = state_dicts.load_pickle(path)
         pieces, skipped, layout = [], [], {}
         meshes = state_dicts.MeshCache()
+        checks = MeshChecks(file.rank, scan.world_size)
         for key, value in state.items():
+            checks.check(key, value)  # before the mesh is materialised, and the saver's rank vs the name's
             found = state_dicts.local_pieces(key, value, file.rank, meshes)
             if not found or key.endswith("_extra_state"):
                 skipped.append(key)
@@ -106,13 +108,30 @@ class FsdpFormat(FormatDefaults):
         return opened
 
 
+def _check_ranks(root: Path, world: int, ranks: set[int]) -> None:
+    """The rank numbers present are exactly 0..world-1; the world size of the names is never enumerated
+    (`model_world_size_99999999999_rank_0.pt` is one file, not a hundred billion missing ones)."""
+    extra = sorted(r for r in ranks if r >= world)
+    if extra:
+        raise InputError(f"{root}: unexpected rank files for ranks {_short(extra)} (world size is {world})")
+    if len(ranks) < world:
+        missing, r = [], 0
+        while len(missing) < 8 and r < world:  # at most len(ranks) + 8 steps
+            if r not in ranks:
+                missing.append(r)
+            r += 1
+        more = world - len(ranks) - len(missing)
+        shown = ", ".join(map(str, missing)) + (f" and {more:,} more" if more else "")
+        raise InputError(f"{root}: rank files missing for ranks {shown} of world size {world:,}")
+
+
 def _check_config(root: Path, world: int) -> list[str]:
     config = root / "fsdp_config.json"
-    if not config.exists():
+    if not os.path.lexists(config):
         return [f"fsdp_config.json is missing: world size {world} inferred from the file names"]
     try:
-        saved = json.loads(config.read_text())["world_size"]
-    except (ValueError, KeyError, TypeError):
+        saved = input_tree.read_json(config, input_tree.MARKER_CAP, "fsdp_config.json")["world_size"]
+    except (KeyError, TypeError):
         raise InputError(f"{config} is not valid JSON with a world_size: fix or remove it") from None
     if saved != world:
         raise InputError(f"{config} says world_size {saved} but the rank files are for world size {world}")
@@ -120,10 +139,7 @@ def _check_config(root: Path, world: int) -> list[str]:
 
 
 def _lora_meta(root: Path) -> dict:
-    try:
-        meta = json.loads((root / LORA_META).read_text())
-    except ValueError:
-        raise InputError(f"{root / LORA_META} is not valid JSON: fix it, or remove it and pass --lora-alpha") from None
+    meta = input_tree.read_json(root / LORA_META, input_tree.MARKER_CAP, LORA_META)
     if not isinstance(meta, dict):
         raise InputError(f"{root / LORA_META} is not a JSON object")
     return meta

@@ -13,15 +13,15 @@ the global [gate; up].
 
 from __future__ import annotations
 
-import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import replace
 from itertools import product
 from pathlib import Path
 from typing import Any
 
-from distmerge import dtypes
+from distmerge import dtypes, input_tree
 from distmerge.errors import InputError
 from distmerge.formats import megatron_layout as mg
 from distmerge.formats.base import FormatDefaults, Fragment, Hints, InputFile, OpenedFile, Scan, register
@@ -34,6 +34,9 @@ STACKED = (
     ("decoder.layers.mlp.experts.local_experts.", "decoder.layers.{}.mlp.experts.local_experts.{}."),
     ("decoder.layers.", "decoder.layers.{}."),
 )
+# A decoder of mixed dense and MoE layers (DeepSeek's first_k_dense_replace) is saved per layer, under global
+# numbers, yet each MoE layer's SequentialMLP experts are still stacked on a leading expert axis.
+LAYER_EXPERTS = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)experts\.")
 
 
 @register
@@ -65,17 +68,20 @@ class MegatronDistFormat(FormatDefaults):
 
 def _is_torch_dist(save: Path) -> bool:
     try:
-        meta = json.loads((save / mg.DIST_MARKER).read_text())
-    except (OSError, ValueError):
+        meta = input_tree.read_json(save / mg.DIST_MARKER, input_tree.MARKER_CAP, "torch_dist marker")
+    except (OSError, InputError):  # bounded, regular files only: a huge or special marker is not this layout
         return False
     return isinstance(meta, dict) and meta.get("sharded_backend") == "torch_dist"
 
 
 def unstack(frag: Fragment) -> list[Fragment]:
     """A chunk of a stacked tensor -> one fragment per layer (and expert) it covers, named by them."""
-    if mg.LAYER.match(frag.name):
+    if m := LAYER_EXPERTS.match(frag.name):
+        prefix, template = m[0], m[1] + "local_experts.{}."
+    elif mg.LAYER.match(frag.name):
         return [frag]  # already per layer (non-homogeneous models save decoder.layers.{i}.…)
-    prefix, template = next(((p, t) for p, t in STACKED if frag.name.startswith(p)), (None, None))
+    else:
+        prefix, template = next(((p, t) for p, t in STACKED if frag.name.startswith(p)), (None, None))
     if prefix is None:
         return [frag]
     axes = template.count("{}")

@@ -10,12 +10,13 @@ grid of TP x PP x EP ranks is complete.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import product
+from itertools import islice, product
 from pathlib import Path
 from typing import Any
 
 from distmerge.errors import InputError, LayoutError
 from distmerge.formats import megatron_layout as mg
+from distmerge.formats.base import inside
 from distmerge.formats.torch_private import torch_save
 from distmerge.formats.torch_private.restricted import TensorRef
 
@@ -75,6 +76,7 @@ def _rank_folders(save: Path) -> dict[tuple[int, ...], str]:
         if len(models) > 1:
             raise InputError(f"{folder} holds both {' and '.join(models)}: keep the one of this save")
         found[numbers] = f"{folder.name}/{models[0]}"
+        inside(save, found[numbers])  # a rank file that links out is refused before its pickle is read
     if not found:
         raise InputError(f"{save} has no mp_rank_* folders")
     return found
@@ -139,9 +141,12 @@ def _check_sizes(save: Path, args: Any, tp: int, pp: int, ep: int) -> None:
 
 
 def _check_complete(save: Path, coords: dict, tp: int, pp: int, ep: int) -> None:
+    """The grid the folder names span must be all there. Its size comes from names, so it is compared with
+    the folders present before anything is enumerated: the first missing ones are found within
+    len(have) + 6 steps, however large a crafted name makes the grid."""
     have = set(coords.values())
-    missing = [c for c in product(range(tp), range(pp), range(ep)) if c not in have]
-    if missing:
+    if tp * pp * ep > len(have):
+        missing = list(islice((c for c in product(range(tp), range(pp), range(ep)) if c not in have), 6))
         shown = ", ".join(f"TP {t} PP {p}" + (f" EP {e}" if ep > 1 else "") for t, p, e in missing[:6])
         raise InputError(f"{save}: rank folders missing for {shown} (TP={tp} x PP={pp} x EP={ep}): "
                          "copy them back or merge a complete save")

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from distmerge import input_tree
 from distmerge.errors import InputError
 from distmerge.formats.base import FormatOption
 
@@ -41,7 +42,20 @@ TP_SPLIT_DIMS = (
     (".linear_fc1.bias", 0),
     (".linear_proj.weight", 1),
     (".linear_fc2.weight", 1),
+    # multi-latent attention (transformer/multi_latent_attention.py): the up projections are column-parallel
+    (".linear_q_proj.weight", 0),
+    (".linear_q_up_proj.weight", 0),
+    (".linear_kv_up_proj.weight", 0),
 )
+# MLA's down projections (hidden -> latent): the local spec builds them as ColumnParallelLinear (split on dim 0;
+# the attention gathers their output), the Transformer Engine spec as TELinear(parallel_mode="duplicated"), a
+# full copy on every TP rank. A layer built with TE fuses kv_layernorm into linear_kv_up_proj (TE_MLA_MARK).
+MLA_DOWN = (".linear_q_down_proj.weight", ".linear_kv_down_proj.weight")
+TE_MLA_MARK = ".self_attention.linear_kv_up_proj.layer_norm_weight"
+# verl's critic replaces the output layer with a plain Linear(hidden, 1) (LinearForLastLayer): one row, a full
+# copy on every TP rank. A vocabulary-parallel output layer never has one row per rank (the vocabulary is padded
+# to a multiple of 128 x TP).
+VALUE_HEAD = "output_layer.weight"
 # Grouped-GEMM experts name each expert's weight with a suffix number (TEGroupedMLP: linear_fc1.weight3).
 GROUPED_EXPERT = re.compile(r"^(.*\.mlp\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$")
 SEQUENTIAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
@@ -64,7 +78,9 @@ ITERATION = FormatOption(
 def save_dir(root: Path, options: Mapping[str, Any]) -> Path:
     """The folder of the save to merge: --iteration's, else the latest."""
     iteration = options.get(ITERATION.dest)
-    return iteration_dir(root, iteration) if iteration is not None else latest_dir(root)
+    save = iteration_dir(root, iteration) if iteration is not None else latest_dir(root)
+    input_tree.tree_at(root).folder(save)  # a linked iter_N/ that leads out is refused before anything is read
+    return save
 
 
 def explain(root: Path) -> str | None:
@@ -74,10 +90,15 @@ def explain(root: Path) -> str | None:
     return None
 
 
-def tp_split_dim(name: str) -> int | None:
-    """Split dimension of a parameter (grouped expert suffix numbers ignored), None when replicated."""
+def tp_split_dim(name: str, local_shape: tuple[int, ...] = (), te_mla: bool = False) -> int | None:
+    """Split dimension of a parameter (grouped expert suffix numbers ignored), None when replicated.
+    `te_mla`: the file's MLA layers were built with Transformer Engine (their down projections are copies)."""
     m = GROUPED_EXPERT.match(name)
     base = m[1] if m else name
+    if base.endswith(MLA_DOWN):
+        return None if te_mla else 0
+    if base == VALUE_HEAD and local_shape[:1] == (1,):
+        return None
     return next((dim for suffix, dim in TP_SPLIT_DIMS if base.endswith(suffix)), None)
 
 
@@ -140,7 +161,7 @@ def latest_dir(root: Path) -> Path:
         found = saved_iterations(base)
         hint = f"pass --iteration N (found {', '.join(found)})" if found else "pass the folder of one save"
         raise InputError(f"{base} has no {TRACKER}: {hint}")
-    text = tracker.read_text().strip()
+    text = input_tree.read_text(tracker, input_tree.TRACKER_CAP, "Megatron iteration tracker").strip()
     if text != "release" and not text.isdigit():
         raise InputError(f"{tracker} holds {text[:40]!r}, not an iteration number or 'release'")
     return iteration_dir(base, text)

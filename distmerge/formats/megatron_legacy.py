@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from distmerge import dtypes
+from distmerge import dtypes, input_tree
 from distmerge.errors import LayoutError
 from distmerge.formats import megatron_layout as mg
 from distmerge.formats.base import FormatDefaults, Fragment, Hints, InputFile, OpenedFile, Scan, input_file, register
@@ -55,6 +55,9 @@ class MegatronLegacyFormat(FormatDefaults):
         save = mg.save_dir(root, options)
         grid = resolve_grid(save)
         files = tuple(input_file(save, i, path, rank=i) for i, path in enumerate(grid.paths))
+        if copy := input_tree.first_copy([save / p for p in grid.paths]):  # each rank's own file, not another's
+            raise LayoutError(f"{save}: {copy[1].relative_to(save)} is the same file as {copy[0].relative_to(save)} "
+                              "(a copy or a link): each rank folder must hold its own rank's file; restore them")
         offsets, counts = _layer_offsets(save, grid)
         state = _State(grid=grid, layer_offsets=offsets, layer_counts=counts,
                        iteration=int(m[1]) if (m := mg.ITERATION_DIR.match(save.name)) else None)
@@ -74,14 +77,16 @@ class MegatronLegacyFormat(FormatDefaults):
             _check_layer_count(tensors, state.layer_counts[(pp, chunk)], file.path, pp)
             offset = state.layer_offsets[(pp, chunk)]
             experts = _local_expert_count(tensors)
+            te_mla = any(k.endswith(mg.TE_MLA_MARK) for k in tensors)
             for key, value in tensors.items():
                 if key.endswith("_extra_state") or not isinstance(value, TensorRef):
                     opened.skipped.append(key)
                     continue
                 name = mg.renumber(key, offset, ep * experts)
-                frag = _fragment(name, key, value, saved, file, tp, scan.hints)
+                frag = _fragment(name, key, value, saved, file, tp, scan.hints, te_mla)
                 opened.fragments.append(frag)
-                kind = "replicated" if frag.global_shape == frag.lengths else f"TP split on dim {mg.tp_split_dim(name)}"
+                split = mg.tp_split_dim(name, tuple(value.size), te_mla)
+                kind = "replicated" if frag.global_shape == frag.lengths else f"TP split on dim {split}"
                 opened.layout[kind] = opened.layout.get(kind, 0) + 1
         return opened
 
@@ -109,12 +114,12 @@ def _check_same_save(value: Any, state: _State, path: str) -> None:
 
 
 def _fragment(name: str, key: str, ref: TensorRef, saved: torch_save.SavedObject, file: InputFile, tp: int,
-              hints: Hints) -> Fragment:
+              hints: Hints, te_mla: bool = False) -> Fragment:
     if not ref.contiguous:
         raise LayoutError(f"{file.path}: {key} is saved non-contiguous, which distmerge cannot read in place")
     code = dtypes.code_of(ref.storage.dtype)
     shape, offsets = list(ref.size), [0] * len(ref.size)
-    dim = mg.tp_split_dim(name)
+    dim = mg.tp_split_dim(name, tuple(ref.size), te_mla)
     size = hints.expert_fc1_shards if mg.is_expert(name) else hints.fc1_shards
     if dim is not None and size > 1:
         shape[dim] *= size

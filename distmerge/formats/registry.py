@@ -11,7 +11,8 @@ from typing import Any
 
 from distmerge import formats  # noqa: F401  (imports every format module, which registers itself)
 from distmerge.errors import InputError
-from distmerge.formats.base import REGISTERED, FormatOption, InputFormat
+from distmerge.formats import base_model
+from distmerge.formats.base import REGISTERED, FormatOption, InputFile, InputFormat, OpenedFile, Scan
 
 
 def all_formats() -> list[InputFormat]:
@@ -92,3 +93,14 @@ def check_options(fmt: InputFormat, given: Mapping[str, Any]) -> None:
     for opt, names in options():
         if opt.dest in given and opt.dest not in takes:
             raise InputError(f"{opt.flag} applies to {', '.join(names)} input; {fmt.name} has no such choice")
+
+
+# -- a second input root: the --base-model folder, read by the engine beside the checkpoint's own files -------------
+def with_base_model(scan: Scan, folder: Path) -> Scan:
+    """The scan plus the weight files of a Hugging Face base-model folder (formats/base_model.py)."""
+    return base_model.attach(scan, folder)
+
+
+def open_file(fmt: InputFormat, scan: Scan, file: InputFile) -> OpenedFile:
+    """A file of the checkpoint through its format; a file of the second input root through its reader."""
+    return base_model.open_file(file) if file.root else fmt.open(scan, file)

@@ -14,6 +14,13 @@ from distmerge import dtypes
 from distmerge.errors import CorruptInputError
 
 MAX_HEADER = 100 * 2**20  # the safetensors library's own limit
+# A header entry costs ~100-200 bytes of JSON per tensor; a 671B model in one file (~92k tensors) needs ~15 MB.
+# Headers past HEADER_FLOOR may take at most a quarter of the file: JSON parses to ~10x its size in objects.
+HEADER_FLOOR = 2**20
+
+
+def header_limit(file_size: int) -> int:
+    return min(MAX_HEADER, HEADER_FLOOR + max(file_size, 0) // 4)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,12 +45,15 @@ def read_header(path: Path) -> Header:
         if len(head) < 8:
             raise CorruptInputError(f"{path} is too short to be a safetensors file")
         (length,) = struct.unpack("<Q", head)
-        if length > min(MAX_HEADER, size - 8):
+        if length > size - 8:
             raise CorruptInputError(f"{path}: header length {length} does not fit the file: truncated or corrupt")
+        if length > header_limit(size):
+            raise CorruptInputError(f"{path}: header of {length} bytes, over the limit of {header_limit(size)} "
+                                    f"(1 MiB + a quarter of the file, at most {MAX_HEADER})")
         raw = f.read(length)
     try:
         parsed = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         raise CorruptInputError(f"{path}: the safetensors header is not valid JSON") from None
     if not isinstance(parsed, dict):
         raise CorruptInputError(f"{path}: the safetensors header is not a JSON object")

@@ -1,5 +1,8 @@
 """`distmerge verify --logits`: run the merged model and the reference weights on the same token ids.
 
+What is compared is the forward's `.logits`: a language model's logits, or a value model's values (the
+token-classification outputs of a critic, one per token; the family's traits say which).
+
 Rank 0 only, and the only place verify imports transformers (that import alone costs seconds). Both
 models live in this one process: this check is opt-in and meant for models that fit in memory.
 
@@ -42,10 +45,13 @@ def compare_logits(listing: Listing, opts: VerifyOptions, device: torch.device) 
     figs = figures(got, want, *crit.band())
     passed, _, reason = judge(dtype="", ref_dtype="", exact=torch.equal(got, want), figs=figs, crit=crit)
     note = f"the reference's weights in the merged model's architecture, both in {dtypes.hf_dtype_name(dtype)}"
+    values = listing.traits.outputs == "values"  # a value head: one number per token, no distribution to compare
+    if values:
+        note = f"values ({auto_class.__name__}, one per token, no KL); {note}"
     if unexpected:
         note += f"; not used by the model: {', '.join(unexpected[:3])}"
     return LogitsCheck(passed=passed, reason=reason, input_shape=tuple(ids.shape), dtype=dtypes.hf_dtype_name(dtype),
-                       figures=figs, kl=_kl(got, want), note=note)
+                       figures=figs, kl=float("nan") if values else _kl(got, want), note=note)
 
 
 def _model_dtype(listing: Listing) -> str:

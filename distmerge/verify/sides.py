@@ -1,7 +1,8 @@
 """The two sides of a verify run: a merged model and a reference, listed from headers, read one tensor at a time.
 
 Neither side is ever loaded whole: safetensors files are opened with `safe_open`, pytorch_model*.bin with
-`torch.load(mmap=True, weights_only=True)`.
+`torch.load(mmap=True, weights_only=True)` after its zip records and pickle passed the same checks as a
+checkpoint's (budgets, tensors-only allow-list: state_dicts.check_before_load).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from distmerge import dtypes
 from distmerge.errors import CorruptInputError, InputError
 from distmerge.formats.safetensors_header import read_header
+from distmerge.formats.torch_private.state_dicts import PLAIN_STATE_DICT_NAMES, check_before_load
 from distmerge.output_files import INDEX_NAME
 
 TORCH_SUFFIXES = (".bin", ".pt", ".pth")
@@ -124,6 +126,7 @@ def _list_torch(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
 
 def load_torch(path: Path) -> dict[str, torch.Tensor]:
     """A flat state dict, memory-mapped: a tensor's bytes are read only when it is used."""
+    check_before_load(path, PLAIN_STATE_DICT_NAMES)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:  # unsafe pickle, legacy (non-zip) format, truncated file

@@ -8,11 +8,13 @@
                    numel * itemsize)
 
 Both pickles are read by a restricted unpickler: every global maps to an inert record or a plain value.
+`.metadata` may be at most METADATA_FLOOR plus the bytes of the folder's `.distcp` files (metadata_budget):
+a legitimate save's metadata is a small fraction of its data, so only a hostile file reaches it. Chunk blobs
+are zip archives checked like any torch.save file (zip_records), and a chunk's view must lie inside its record.
 """
 
 from __future__ import annotations
 
-import io
 import math
 import os
 import pickle
@@ -24,7 +26,9 @@ from typing import Any
 
 import torch
 
+from distmerge import input_tree
 from distmerge.errors import CorruptInputError
+from distmerge.formats.torch_private import pickle_scan, zip_records
 from distmerge.formats.torch_private.restricted import TENSOR_GLOBALS, Record, TensorRef, as_text, loads
 
 _METADATA_GLOBALS: dict[tuple[str, str], Any] = {
@@ -68,50 +72,63 @@ class DcpMetadata:
     non_tensors: tuple[str, ...]  # bytes entries (RNG, dataloader, train state)
 
 
+# .metadata's byte budget: this much, plus the bytes of the .distcp files beside it. A chunk costs ~250 bytes of
+# metadata (~500 with megatron's save plans) and at least ~1 KB in its .distcp (a torch.save blob), or its
+# elements (raw); a 671B model's torch_dist save (~2M chunks, ~1 GB of metadata beside >1.3 TB) fits easily.
+METADATA_FLOOR = 256 * pickle_scan.MiB
+BLOB_PICKLE = pickle_scan.Budget(max_bytes=pickle_scan.MiB)  # a chunk blob's data.pkl describes one tensor
+
+
+def metadata_budget(path: Path) -> pickle_scan.Budget:
+    data = 0
+    with os.scandir(path.parent) as entries:
+        for entry in entries:
+            if entry.name.endswith(".distcp") and entry.is_file(follow_symlinks=False):
+                data += entry.stat(follow_symlinks=False).st_size
+    return pickle_scan.Budget(max_bytes=METADATA_FLOOR + data)
+
+
 def read_metadata(path: Path) -> DcpMetadata:
+    budget = metadata_budget(path)
+    fd, _ = input_tree.open_input(path)
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(fd).st_size
+        if size > budget.max_bytes:
+            raise CorruptInputError(f"{path} is {size} bytes, over the limit of {budget.max_bytes} (max_bytes: "
+                                    f"{METADATA_FLOOR} + the .distcp files' bytes) for a DCP metadata file")
+        raw = f.read(budget.max_bytes + 1)
     try:
-        md = loads(path.read_bytes(), _METADATA_GLOBALS)
-        tensors = {fqn: m for fqn, m in md.state_dict_metadata.items() if hasattr(m, "chunks")}
-        where = {(i.fqn, tuple(getattr(i, "offset", None) or ())): s for i, s in md.storage_data.items()}
-        chunks = []
-        for fqn, meta in tensors.items():
-            dtype = meta.properties._state[0] if hasattr(meta.properties, "_state") else meta.properties.dtype
-            for c in meta.chunks:
-                info = where[(fqn, tuple(c.offsets))]
-                chunks.append(Chunk(fqn=fqn, dtype=dtype, global_shape=tuple(meta.size), offsets=tuple(c.offsets),
-                                    lengths=tuple(c.sizes), file=info.relative_path, offset=info.offset,
-                                    length=info.length))
+        md = loads(raw, _METADATA_GLOBALS, where=str(path), storages={}, budget=budget)
+        tensors = {_text(fqn): m for fqn, m in md.state_dict_metadata.items() if hasattr(m, "chunks")}
+        where = {(_text(i.fqn), _ints(getattr(i, "offset", None) or ())): s for i, s in md.storage_data.items()}
+        chunks = [_chunk(fqn, meta, c, where) for fqn, meta in tensors.items() for c in meta.chunks]
     except (pickle.UnpicklingError, AttributeError, KeyError, TypeError, EOFError, ValueError) as err:
         raise CorruptInputError(f"{path} is not a DCP metadata file distmerge can read safely ({err})") from None
-    non_tensors = tuple(sorted(set(md.state_dict_metadata) - set(tensors)))
+    non_tensors = tuple(sorted(set(map(_text, md.state_dict_metadata)) - set(tensors)))
     return DcpMetadata(chunks=tuple(chunks), non_tensors=non_tensors)
 
 
-class _Window(io.RawIOBase):
-    """A read-only view of bytes [start, start+length) of an open file, for zipfile."""
+def _chunk(fqn: str, meta: Any, c: Any, where: dict) -> Chunk:
+    dtype = meta.properties._state[0] if hasattr(meta.properties, "_state") else meta.properties.dtype
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"the dtype of {fqn} is not a torch dtype")
+    info = where[(fqn, _ints(c.offsets))]
+    return Chunk(fqn=fqn, dtype=dtype, global_shape=_ints(meta.size), offsets=_ints(c.offsets),
+                 lengths=_ints(c.sizes), file=_text(info.relative_path), offset=_ints((info.offset,))[0],
+                 length=_ints((info.length,))[0])
 
-    def __init__(self, fd: int, start: int, length: int) -> None:
-        self.fd, self.start, self.length, self.pos = fd, start, length, 0
 
-    def readable(self) -> bool:
-        return True
+def _text(value: Any) -> str:
+    """Names become dict keys and messages: only real strings (a shared tuple hashes exponentially)."""
+    if not isinstance(value, str):
+        raise TypeError(f"a name that is a {type(value).__name__}, not a string")
+    return value
 
-    def seekable(self) -> bool:
-        return True
 
-    def seek(self, pos: int, whence: int = 0) -> int:
-        self.pos = {0: pos, 1: self.pos + pos, 2: self.length + pos}[whence]
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def readinto(self, buf) -> int:
-        n = max(0, min(len(buf), self.length - self.pos))
-        data = os.pread(self.fd, n, self.start + self.pos)
-        buf[: len(data)] = data
-        self.pos += len(data)
-        return len(data)
+def _ints(values: Any) -> tuple[int, ...]:
+    if not isinstance(values, (tuple, list)) or not all(type(v) is int for v in values):
+        raise TypeError("sizes and offsets that are not integers")
+    return tuple(values)
 
 
 LOCAL_HEADER = b"PK\x03\x04"
@@ -138,13 +155,25 @@ def chunk_data_offset(fd: int, chunk: Chunk, itemsize: int) -> int:
         if name.endswith("data.pkl") and data + size <= len(head):
             ref = _tensor_ref(head[data : data + size], chunk)
         elif ref is not None and name.endswith(f"/data/{ref.storage.key}"):
+            _check_inside(ref, chunk, itemsize, size, data + size <= chunk.length)
             return chunk.offset + data + ref.storage_offset * itemsize
         at = data + size
     return _offset_via_directory(fd, chunk, itemsize)
 
 
+_ACCEPTED: dict[bytes, TensorRef] = {}  # blob pickles already checked: a tensor's chunks of one shape pickle alike
+_ACCEPTED_MAX, _ACCEPTED_BYTES = 4096, 4096
+
+
 def _tensor_ref(pickled: bytes, chunk: Chunk) -> TensorRef:
-    ref = loads(pickled, _BLOB_GLOBALS)
+    ref = _ACCEPTED.get(pickled)
+    if ref is None:
+        try:
+            ref = loads(pickled, _BLOB_GLOBALS, where=f"{chunk.file} (chunk of {chunk.fqn})", budget=BLOB_PICKLE)
+        except (pickle.UnpicklingError, TypeError, ValueError, AttributeError, EOFError, IndexError) as err:
+            raise CorruptInputError(f"{chunk.file}: the chunk of {chunk.fqn} cannot be read safely ({err})") from None
+        if isinstance(ref, TensorRef) and len(pickled) <= _ACCEPTED_BYTES and len(_ACCEPTED) < _ACCEPTED_MAX:
+            _ACCEPTED[pickled] = ref
     if not isinstance(ref, TensorRef) or ref.size != chunk.lengths:
         raise CorruptInputError(f"{chunk.file}: the chunk of {chunk.fqn} does not hold a tensor of its shape")
     if not ref.contiguous:
@@ -152,15 +181,23 @@ def _tensor_ref(pickled: bytes, chunk: Chunk) -> TensorRef:
     return ref
 
 
+def _check_inside(ref: TensorRef, chunk: Chunk, itemsize: int, record_size: int, record_inside: bool) -> None:
+    """The chunk's elements lie inside their storage record, and the record inside the chunk's blob."""
+    if not ref.check_shape() or ref.bytes_needed(itemsize) > record_size or not record_inside:
+        raise CorruptInputError(f"{chunk.file}: the chunk of {chunk.fqn} reaches past its storage record "
+                                "(limit: views stay inside their record, records inside the blob)")
+
+
 def _offset_via_directory(fd: int, chunk: Chunk, itemsize: int) -> int:
-    window = _Window(fd, chunk.offset, chunk.length)
-    with zipfile.ZipFile(window) as blob:
-        names = blob.namelist()
-        pkl = next(n for n in names if n.endswith("data.pkl"))
-        ref = _tensor_ref(blob.read(pkl), chunk)
-        info = blob.getinfo(f"{pkl.rsplit('/', 1)[0]}/data/{ref.storage.key}")
-    if info.compress_type != zipfile.ZIP_STORED:
-        raise CorruptInputError(f"{chunk.file}: the chunk of {chunk.fqn} is compressed")
-    header = os.pread(fd, 30, chunk.offset + info.header_offset)
-    name_len, extra_len = struct.unpack("<HH", header[26:30])
-    return chunk.offset + info.header_offset + 30 + name_len + extra_len + ref.storage_offset * itemsize
+    where = f"{chunk.file} (chunk of {chunk.fqn})"
+    found = zip_records.records(fd, where, chunk.offset, chunk.length)
+    pkl, prefix = zip_records.pickle_record(found, where)
+    if pkl.size > BLOB_PICKLE.max_bytes:
+        raise CorruptInputError(f"{where}: its data.pkl is {pkl.size} bytes, over the limit of "
+                                f"{BLOB_PICKLE.max_bytes} (max_bytes)")
+    ref = _tensor_ref(zip_records.read(fd, pkl, chunk.offset), chunk)
+    record = found.get(prefix + ref.storage.key)
+    if record is None:
+        raise CorruptInputError(f"{where}: no storage record {ref.storage.key}")
+    _check_inside(ref, chunk, itemsize, record.size, True)
+    return chunk.offset + record.start + ref.storage_offset * itemsize

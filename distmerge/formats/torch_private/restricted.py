@@ -2,7 +2,8 @@
 allow-list of inert stand-ins (or plain, side-effect-free constructors); anything else is refused.
 
 Tensors inside a torch.save pickle become `TensorRef`s: where their bytes are (storage record key,
-element offset), their shape and strides. No storage is read and no tensor is built.
+element offset), their shape and strides. No storage is read and no tensor is built. `loads` first checks the
+opcode stream against a budget (pickle_scan.py), so the unpickler only ever sees a bounded, allowed pickle.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from distmerge.formats.torch_private import pickle_scan
 
 
 class Record:
@@ -38,7 +41,15 @@ class OrderedDictStandIn(dict):
 
 
 def as_text(*args: Any) -> str:
+    """torch.device / pathlib paths as text. Only scalars: str() of shared tuples grows exponentially."""
+    if not all(isinstance(a, (str, int)) and not isinstance(a, bool) for a in args):
+        raise pickle.UnpicklingError("a device or path built from something other than strings and ints")
     return "/".join(map(str, args))
+
+
+# torch's dtypes by the name a pickle gives them (GLOBAL 'torch float32'), read from torch's namespace
+# without getattr: torch's module __getattr__ imports deprecated attributes (torch._inductor and more).
+DTYPES: dict[str, torch.dtype] = {name: v for name, v in vars(torch).items() if isinstance(v, torch.dtype)}
 
 
 # torch.save names a storage by its legacy typed class (GLOBAL 'torch FloatStorage').
@@ -70,6 +81,19 @@ class TensorRef:
     @property
     def contiguous(self) -> bool:
         return self.stride == contiguous_strides(self.size)
+
+    def bytes_needed(self, itemsize: int) -> int:
+        """Bytes of its storage record the view reaches (offset to the farthest element, inclusive)."""
+        if any(n == 0 for n in self.size):
+            return self.storage_offset * itemsize
+        extent = 1 + sum((n - 1) * s for n, s in zip(self.size, self.stride, strict=True))
+        return (self.storage_offset + extent) * itemsize
+
+    def check_shape(self) -> bool:
+        """Sizes, strides and offset are non-negative ints of the same rank (a hostile pickle can say -1)."""
+        numbers = (self.storage_offset, *self.size, *self.stride)
+        return (len(self.size) == len(self.stride) and all(isinstance(n, int) for n in numbers)
+                and all(n >= 0 for n in numbers))
 
 
 def rebuild_tensor(storage, storage_offset, size, stride, *_ignored) -> TensorRef:
@@ -124,21 +148,43 @@ class Restricted(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in self.allowed:
             return self.allowed[(module, name)]
-        value = getattr(torch, name, None) if module == "torch" else None
-        if isinstance(value, torch.dtype):
-            return value
+        if module == "torch" and name in DTYPES:
+            return DTYPES[name]
         if module == "torch" and name in STORAGE_DTYPES:
             return StorageType(STORAGE_DTYPES[name])  # a legacy typed-storage class: only its dtype matters
-        if any(module == m or module.startswith(m + ".") for m in self.inert_modules):
+        if is_inert(module, self.inert_modules):
             return Record
         raise pickle.UnpicklingError(f"global {module}.{name} is not allowed")
 
     def persistent_load(self, pid: Any) -> StorageRef:
         if not (isinstance(pid, tuple) and len(pid) >= 3 and pid[0] == "storage"):
             raise pickle.UnpicklingError("unexpected persistent id")
-        dtype = pid[1] if isinstance(pid[1], torch.dtype) else pid[1].dtype
-        return StorageRef(str(pid[2]), dtype)
+        dtype = pid[1] if isinstance(pid[1], torch.dtype) else getattr(pid[1], "dtype", None)
+        if not isinstance(pid[2], str) or not isinstance(dtype, torch.dtype):
+            raise pickle.UnpicklingError("a storage persistent id without a record key and a dtype")
+        return StorageRef(pid[2], dtype)
 
 
-def loads(data: bytes, allowed: dict[tuple[str, str], Any], inert_modules: tuple[str, ...] = ()) -> Any:
+def is_inert(module: str, inert_modules: tuple[str, ...]) -> bool:
+    return any(module == m or module.startswith(m + ".") for m in inert_modules)
+
+
+def itemsize_of(module: str, name: str) -> int | None:
+    """Element size of the storage class or dtype a persistent id names; None for anything else."""
+    dtype = STORAGE_DTYPES.get(name, DTYPES.get(name)) if module == "torch" else None
+    return dtype.itemsize if dtype is not None else None
+
+
+def loads(data: bytes, allowed: dict[tuple[str, str], Any], inert_modules: tuple[str, ...] = (), *,
+          where: str = "pickle", storages: dict[str, int] | None = None,
+          budget: pickle_scan.Budget = pickle_scan.DEFAULT) -> Any:
+    """Checks the opcode stream against `budget` (pickle_scan), then unpickles with the allow-list.
+    `storages` (record key -> bytes), when known, bounds what each storage's persistent id may declare."""
+    names = set(allowed)
+
+    def permitted(module: str, name: str) -> bool:
+        return ((module, name) in names or (module == "torch" and (name in DTYPES or name in STORAGE_DTYPES))
+                or is_inert(module, inert_modules))
+
+    pickle_scan.check(data, where, permitted, budget=budget, storages=storages, itemsize=itemsize_of)
     return Restricted(data, allowed, inert_modules).load()

@@ -2,23 +2,29 @@
 pickled form of FSDP1's ShardedTensor. A torch upgrade that changes any of them is a change here only.
 
 Everything is loaded with `torch.load(weights_only=True, mmap=True)`: nothing in a checkpoint can run
-code. ShardedTensor cannot be unpickled without the process group it was saved with, so its pickle
-globals are mapped to inert stand-ins (below) that only record the local shards and their offsets.
+code. torch's loader has no budgets, so each file is checked first (`check_before_load`): its zip records
+(zip_records) and its pickle against a budget and an allow-list of the globals an FSDP save names
+(pickle_scan): names only, nothing imported. ShardedTensor cannot be unpickled without the process group it
+was saved with, so its pickle globals are mapped to inert stand-ins (below) that only record the local
+shards and their offsets.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import pickle
 import re
-import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from distmerge import input_tree
 from distmerge.errors import CorruptInputError, LayoutError
+from distmerge.formats.torch_private import pickle_scan, zip_records
+from distmerge.formats.torch_private.restricted import DTYPES, STORAGE_DTYPES, itemsize_of
 from distmerge.formats.torch_private.restricted import Record as _Record
 
 
@@ -66,6 +72,52 @@ _SHARDED_TENSOR_GLOBALS = [
 ]
 
 
+# What torch.save of a state dict names: tensors, parameters, DTensors with their specs and meshes (several
+# torch versions' module paths), and FSDP1's ShardedTensor (above). torch.load's own allow-list is wider
+# (bytearray, ...); these files never need more than this.
+_STATE_DICT_NAMES = {
+    ("collections", "OrderedDict"), ("torch", "Size"), ("torch", "device"), ("torch", "Tensor"),
+    ("torch.serialization", "_get_layout"), ("torch._utils", "_rebuild_tensor_v2"),
+    ("torch._utils", "_rebuild_parameter"), ("torch._utils", "_rebuild_wrapper_subclass"),
+    ("torch._tensor", "_rebuild_from_type_v2"),
+    *((m, "DTensor") for m in ("torch.distributed.tensor", "torch.distributed.tensor._api",
+                               "torch.distributed._tensor.api", "torch.distributed._tensor")),
+    *((m, n) for m in ("torch.distributed.tensor._dtensor_spec", "torch.distributed._tensor.placement_types")
+      for n in ("DTensorSpec", "TensorMeta", "ShardOrderEntry")),
+    *((m, n) for m in ("torch.distributed.tensor.placement_types", "torch.distributed._tensor.placement_types")
+      for n in ("Shard", "Replicate", "_StridedShard", "Partial")),
+    ("torch.distributed.device_mesh", "DeviceMesh"), ("torch.distributed._mesh_layout", "_MeshLayout"),
+    ("torch.distributed._mesh_layout", "_FlatLayout"),
+    *(tuple(name.rsplit(".", 1)) for _, name in _SHARDED_TENSOR_GLOBALS),
+}
+# Plain torch.save(state_dict) files (Hugging Face's pytorch_model*.bin): tensors only.
+PLAIN_STATE_DICT_NAMES = {
+    ("collections", "OrderedDict"), ("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_parameter"),
+    ("torch._tensor", "_rebuild_from_type_v2"), ("torch", "Tensor"), ("torch", "Size"), ("torch", "device"),
+}
+
+
+def check_before_load(path: Path, names: set[tuple[str, str]]) -> None:
+    """The zip records and the pickle of a torch.save file, checked before torch.load sees it: stored
+    disjoint records, a pickle within pickle_scan's budget naming only `names`, torch dtypes and storage
+    classes, and storages that fit their records."""
+
+    def permitted(module: str, name: str) -> bool:
+        return (module, name) in names or (module == "torch" and (name in DTYPES or name in STORAGE_DTYPES))
+
+    fd, _ = input_tree.open_input(path)
+    try:
+        found = zip_records.records(fd, str(path))
+        pkl, prefix = zip_records.pickle_record(found, str(path))
+        if pkl.size > pickle_scan.DEFAULT.max_bytes:
+            raise CorruptInputError(f"{path}: its pickle is {pkl.size} bytes, over the limit of "
+                                    f"{pickle_scan.DEFAULT.max_bytes} (max_bytes)")
+        storages = {n[len(prefix) :]: r.size for n, r in found.items() if n.startswith(prefix)}
+        pickle_scan.check(zip_records.read(fd, pkl), str(path), permitted, storages=storages, itemsize=itemsize_of)
+    finally:
+        os.close(fd)
+
+
 def register_dtensor() -> None:
     """Importing torch.distributed.tensor registers DTensor with the weights_only loader. It costs ~0.8 s,
     so it happens on the first rank file read, not when distmerge starts (DCP merges never need it)."""
@@ -81,8 +133,7 @@ def load_pickle(path: Path) -> dict[str, Any]:
     if path.stat().st_size == 0:
         raise CorruptInputError(f"{path} is empty (0 bytes): the save was interrupted; use another checkpoint")
     register_dtensor()
-    if not zipfile.is_zipfile(path):
-        raise CorruptInputError(f"{path} is not a torch.save file (no zip directory): truncated or corrupt")
+    check_before_load(path, _STATE_DICT_NAMES)
     try:
         with torch.serialization.safe_globals(_SHARDED_TENSOR_GLOBALS):
             obj = torch.load(path, map_location="cpu", mmap=True, weights_only=True)

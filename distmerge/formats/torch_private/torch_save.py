@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import os
 import pickle
-import struct
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from distmerge import input_tree
 from distmerge.errors import CorruptInputError
-from distmerge.formats.torch_private.restricted import TENSOR_GLOBALS, loads
+from distmerge.formats.torch_private import zip_records
+from distmerge.formats.torch_private.restricted import TENSOR_GLOBALS, OrderedDictStandIn, Record, TensorRef, loads
 
 # Training metadata a trainer pickles beside its tensors; read as inert records, never as live objects.
 TRAINING_MODULES = ("argparse", "numpy", "megatron", "transformer_engine", "enum", "_io", "io", "types", "apex")
@@ -36,7 +36,6 @@ def _latin1_bytes(text: str, encoding: str = "latin1") -> bytes:
 
 SAFE_GLOBALS = {("builtins", "set"): set, ("builtins", "frozenset"): frozenset, ("builtins", "slice"): slice,
                 ("_codecs", "encode"): _latin1_bytes}
-ZIP_LOCAL_HEADER = 30
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,40 +45,54 @@ class SavedObject:
 
 
 def read(path: Path, inert_modules: tuple[str, ...] = TRAINING_MODULES) -> SavedObject:
-    """`inert_modules`: the trainer's own modules whose pickled objects become inert records."""
+    """`inert_modules`: the trainer's own modules whose pickled objects become inert records. The zip is
+    checked first (zip_records), the pickle is checked against its budget (pickle_scan), and every tensor
+    must lie inside its storage record."""
+    fd, _ = input_tree.open_input(path)  # a regular file inside the input, never a FIFO or a link out
     try:
-        with zipfile.ZipFile(path) as archive:
-            names = archive.namelist()
-            pkl = next((n for n in names if n.endswith("/data.pkl") or n == "data.pkl"), None)
-            if pkl is None:
-                raise CorruptInputError(f"{path} is not a torch.save file (no data.pkl inside)")
-            value = loads(archive.read(pkl), {**TENSOR_GLOBALS, **SAFE_GLOBALS}, inert_modules)
-            prefix = pkl[: -len("data.pkl")] + "data/"
-            records = [i for i in archive.infolist() if i.filename.startswith(prefix)]
-            offsets = _record_offsets(path, records)
-            return SavedObject(value=value, storage_offsets={i.filename[len(prefix) :]: offsets[i.filename]
-                                                              for i in records})
-    except zipfile.BadZipFile:
-        raise CorruptInputError(f"{path} is not a torch.save file (not a zip archive: truncated, not a checkpoint, "
-                                "or saved in torch's pre-1.6 format, which distmerge does not read)") from None
+        found = zip_records.records(fd, str(path))
+        pkl, prefix = zip_records.pickle_record(found, str(path))
+        storages = {n[len(prefix) :]: r.size for n, r in found.items() if n.startswith(prefix)}
+        value = loads(zip_records.read(fd, pkl), {**TENSOR_GLOBALS, **SAFE_GLOBALS}, inert_modules,
+                      where=str(path), storages=storages)
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError) as err:
         raise CorruptInputError(f"{path} cannot be read safely ({err}); distmerge loads no code from "
                                 "checkpoints") from None
-
-
-def _record_offsets(path: Path, records: list[zipfile.ZipInfo]) -> dict[str, int]:
-    """The first data byte of each stored record: its local header's position plus the header's length."""
-    out = {}
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        for info in records:
-            if info.compress_type != zipfile.ZIP_STORED:
-                raise CorruptInputError(f"{path}: record {info.filename} is compressed; torch.save never does that")
-            header = os.pread(fd, ZIP_LOCAL_HEADER, info.header_offset)
-            if len(header) < ZIP_LOCAL_HEADER or header[:4] != b"PK\x03\x04":
-                raise CorruptInputError(f"{path}: record {info.filename} has no local header: the file is damaged")
-            name_len, extra_len = struct.unpack("<HH", header[26:30])
-            out[info.filename] = info.header_offset + ZIP_LOCAL_HEADER + name_len + extra_len
     finally:
         os.close(fd)
-    return out
+    _check_views(path, value, storages)
+    return SavedObject(value=value, storage_offsets={n[len(prefix) :]: r.start for n, r in found.items()
+                                                      if n.startswith(prefix)})
+
+
+def _check_views(path: Path, value: Any, storages: dict[str, int]) -> None:
+    """Every TensorRef has a sane shape and stays inside its record. Each object is visited once (the
+    pickle may share sub-values: a walk of the tree could be exponential, a walk of the objects is not)."""
+    seen: set[int] = set()
+    todo = [value]
+    while todo:
+        item = todo.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, TensorRef):
+            _check_view(path, item, storages)
+        elif isinstance(item, dict):
+            todo.extend(item.values())
+            if isinstance(item, OrderedDictStandIn):
+                todo.append(getattr(item, "attributes", None))
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            todo.extend(item)
+        elif isinstance(item, Record):
+            todo.extend(vars(item).values())
+
+
+def _check_view(path: Path, ref: TensorRef, storages: dict[str, int]) -> None:
+    key = ref.storage.key
+    if not ref.check_shape():
+        raise CorruptInputError(f"{path}: a tensor of record {key} has a negative or malformed shape {ref.size}, "
+                                f"stride {ref.stride} or offset {ref.storage_offset}")
+    need, have = ref.bytes_needed(ref.storage.dtype.itemsize), storages.get(key, -1)
+    if need > have:
+        raise CorruptInputError(f"{path}: a tensor view reaches byte {need} of storage record {key}, which holds "
+                                f"{max(have, 0)} bytes (limit: views stay inside their record)")

@@ -1,0 +1,51 @@
+"""The name a torch.save file was saved under, read from its first zip record.
+
+torch.save writes every record of its zip under one folder named after the file's stem
+(`model_world_size_4_rank_1/data.pkl`, `zero_pp_rank_3_mp_rank_00_optim_states/data/0`); a copy or a rename
+keeps it. So a rank file renamed to another rank's name says which file it was. Only the first local
+header is read (30 bytes and the name), whatever the file holds.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Iterable
+from pathlib import Path
+
+from distmerge import input_tree
+from distmerge.errors import LayoutError
+
+LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # zip local file header: signature ... name length, extra length
+LOCAL_SIGNATURE = 0x04034B50
+
+
+def saved_stem(path: Path) -> str | None:
+    """The folder torch.save put the records under, or None (not a zip, or saved to a file object)."""
+    fd, _ = input_tree.open_input(path)
+    try:
+        head = os.pread(fd, LOCAL_HEADER.size, 0)
+        if len(head) < LOCAL_HEADER.size:
+            return None
+        fields = LOCAL_HEADER.unpack(head)
+        if fields[0] != LOCAL_SIGNATURE:
+            return None
+        name = os.pread(fd, fields[9], LOCAL_HEADER.size).decode("utf-8", errors="replace")
+    finally:
+        os.close(fd)
+    return name.split("/", 1)[0] if "/" in name else None
+
+
+def check_saved_name(path: Path, names: Iterable[str]) -> None:
+    """Refuse a rank file whose records were saved under the name of another file of its set (`names`). A
+    name that matches no file of the set (a save written under a temporary name, then renamed) is accepted."""
+    stems = {Path(n).stem: Path(n).name for n in names}
+    saved = saved_stem(path)
+    if saved is not None and saved != path.stem and saved in stems:
+        raise LayoutError(f"{path.name} was saved as {stems[saved]} (the name inside its archive): a rank file "
+                          "renamed to another rank's name; restore the original files")
+
+
+def check_saved_names(paths: list[Path]) -> None:
+    for path in paths:
+        check_saved_name(path, [p.name for p in paths])

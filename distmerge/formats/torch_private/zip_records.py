@@ -1,0 +1,148 @@
+"""torch.save's zip archives checked before any record is read.
+
+torch.save writes every record stored (never compressed), each once, one after the other, then the central
+directory. A hostile archive can instead deflate a record (a small file that inflates without end), let
+two records share bytes (the bytes of `data.pkl` read as a tensor), point past its own end, or list
+millions of records. Here the archive is accepted only when:
+
+- the end record declares at most MAX_RECORDS records and a central directory of at most MAX_DIRECTORY bytes;
+- every record is stored uncompressed and unencrypted, named once, with a local header that agrees;
+- records do not overlap and all lie before the central directory, inside the archive.
+
+The archive may sit inside a larger file (a DCP chunk blob in a `.distcp`): `start`, `length` say where.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import struct
+import zipfile
+from dataclasses import dataclass
+
+from distmerge.errors import CorruptInputError
+
+# A 671B model's FSDP rank file holds ~92k tensors, so ~92k storage records (+5 small ones): 5x headroom.
+MAX_RECORDS = 2**19
+MAX_DIRECTORY = 160 * MAX_RECORDS  # torch.save's central entries are ~100 bytes (name + zip64 extra)
+LOCAL_HEADER = b"PK\x03\x04"
+END = b"PK\x05\x06"
+ZIP64_LOCATOR = b"PK\x06\x07"
+ZIP64_END = b"PK\x06\x06"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZipRecord:
+    name: str
+    start: int  # first data byte, from the archive's start
+    size: int
+
+
+class Window(io.RawIOBase):
+    """A read-only view of bytes [start, start+length) of an open file, for zipfile."""
+
+    def __init__(self, fd: int, start: int, length: int) -> None:
+        self.fd, self.start, self.length, self.pos = fd, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = {0: pos, 1: self.pos + pos, 2: self.length + pos}[whence]
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, buf) -> int:
+        n = max(0, min(len(buf), self.length - self.pos))
+        data = os.pread(self.fd, n, self.start + self.pos)
+        buf[: len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+def records(fd: int, where: str, start: int = 0, length: int | None = None) -> dict[str, ZipRecord]:
+    """Every record of the archive by name, checked as the module docstring says."""
+    length = os.fstat(fd).st_size - start if length is None else length
+    directory_at = _check_end_record(fd, where, start, length)
+    try:
+        with zipfile.ZipFile(Window(fd, start, length)) as archive:
+            infos = archive.infolist()
+    except (zipfile.BadZipFile, ValueError, EOFError, OSError) as err:
+        raise CorruptInputError(f"{where} is not a torch.save file ({str(err)[:100]}): truncated or corrupt") from None
+    found: dict[str, ZipRecord] = {}
+    spans = []
+    for info in infos:
+        if info.flag_bits & 0x1 or info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
+            raise CorruptInputError(f"{where}: record {info.filename} is compressed or encrypted; torch.save stores "
+                                    "every record as is (limit: stored records only)")
+        if info.filename in found:
+            raise CorruptInputError(f"{where}: record {info.filename} is listed twice in the zip directory")
+        data = _data_start(fd, where, start, info)
+        found[info.filename] = ZipRecord(name=info.filename, start=data, size=info.file_size)
+        spans.append((info.header_offset, data + info.file_size, info.filename))
+    spans.sort()
+    for (_, end, name), (begin, _, following) in zip(spans, spans[1:], strict=False):
+        if end > begin:
+            raise CorruptInputError(f"{where}: zip records {name} and {following} overlap (limit: records are "
+                                    "disjoint)")
+    if spans and spans[-1][1] > directory_at:
+        raise CorruptInputError(f"{where}: record {spans[-1][2]} runs past the zip directory: truncated or corrupt")
+    return found
+
+
+def _check_end_record(fd: int, where: str, start: int, length: int) -> int:
+    """The record count and directory size the end record declares, bounded; returns the directory's offset."""
+    tail_len = min(length, 22 + 65535)
+    tail = os.pread(fd, tail_len, start + length - tail_len)
+    at = tail.rfind(END)
+    if at < 0 or at + 22 > len(tail):
+        raise CorruptInputError(f"{where} is not a torch.save file (no zip directory): truncated or corrupt")
+    count, size, offset = struct.unpack_from("<HII", tail, at + 10)
+    if count == 0xFFFF or size == 0xFFFFFFFF or offset == 0xFFFFFFFF:
+        count, size, offset = _zip64_end(fd, where, start, length, tail, at)
+    if count > MAX_RECORDS or size > MAX_DIRECTORY:
+        raise CorruptInputError(f"{where}: its zip directory lists {count} records in {size} bytes, over the limits "
+                                f"of {MAX_RECORDS} records (max_records) and {MAX_DIRECTORY} bytes")
+    return offset
+
+
+def _zip64_end(fd: int, where: str, start: int, length: int, tail: bytes, at: int) -> tuple[int, int, int]:
+    locator = tail[at - 20 : at] if at >= 20 else b""
+    if locator[:4] != ZIP64_LOCATOR:
+        raise CorruptInputError(f"{where}: its zip end record is damaged (no zip64 locator)")
+    (end_at,) = struct.unpack_from("<Q", locator, 8)
+    record = os.pread(fd, 56, start + end_at) if end_at + 56 <= length else b""
+    if record[:4] != ZIP64_END:
+        raise CorruptInputError(f"{where}: its zip64 end record is damaged")
+    count, size, offset = struct.unpack_from("<QQQ", record, 32)
+    return count, size, offset
+
+
+def _data_start(fd: int, where: str, start: int, info: zipfile.ZipInfo) -> int:
+    header = os.pread(fd, 30 + len(info.orig_filename.encode()), start + info.header_offset)
+    if len(header) < 30 or header[:4] != LOCAL_HEADER:
+        raise CorruptInputError(f"{where}: record {info.filename} has no local header: the file is damaged")
+    name_len, extra_len = struct.unpack_from("<HH", header, 26)
+    if header[30 : 30 + name_len] != info.orig_filename.encode():
+        raise CorruptInputError(f"{where}: record {info.filename}'s local header names another record")
+    return info.header_offset + 30 + name_len + extra_len
+
+
+def read(fd: int, record: ZipRecord, start: int = 0) -> bytes:
+    data = os.pread(fd, record.size, start + record.start)
+    if len(data) != record.size:
+        raise CorruptInputError(f"record {record.name} is cut short: the file is truncated")
+    return data
+
+
+def pickle_record(found: dict[str, ZipRecord], where: str) -> tuple[ZipRecord, str]:
+    """The archive's data.pkl and the prefix of its storage records (`<name>/data/`)."""
+    pkl = next((n for n in found if n.endswith("/data.pkl") or n == "data.pkl"), None)
+    if pkl is None:
+        raise CorruptInputError(f"{where} is not a torch.save file (no data.pkl inside)")
+    return found[pkl], pkl[: -len("data.pkl")] + "data/"

@@ -1,0 +1,308 @@
+"""The input folder, resolved once: which paths under it may be opened, and the one way small files are read.
+
+Checkpoints come from shared storage, other teams and the internet (docs/reliability.md, "Threat model").
+So the folder is walked once, at discovery, with `lstat` only: every entry is recorded as a regular file,
+a folder, a link that stays inside (recorded as the entry it leads to), or refused (a link that leads
+out of the input, a FIFO, a device, a socket). Later lookups go through that record, never through the
+file system's own resolution, so a linked `iter_N/` or `huggingface/` cannot move the anchor the
+inside-check resolves against. Opening re-checks with O_NOFOLLOW and fstat that the file is still the one
+recorded (same device and inode, still regular), so a file swapped for a FIFO or a link in between is
+refused, not followed. Small files (configs, trackers, markers) are read through `read_small`, which
+never reads past its cap.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from distmerge.errors import InputError
+
+MAX_ENTRIES = 1_000_000  # entries walked under one input folder; a checkpoint folder has far fewer
+# Size caps for the small files distmerge reads whole (a real one is far below each).
+TRACKER_CAP = 4 * 1024  # Megatron's latest_checkpointed_iteration.txt, DeepSpeed's `latest`
+MARKER_CAP = 1024 * 1024  # fsdp_config.json, lora_train_meta.json, torch_dist's metadata.json
+CONFIG_CAP = 16 * 1024 * 1024  # config.json and the other JSON files of the config folder
+COPY_CAP = 1024 * 1024 * 1024  # one file copied into the output (tokenizer model, custom code)
+JSON_DEPTH = 100  # nesting a config may have; deeper JSON is refused before Python's recursion limit
+
+
+@dataclass(frozen=True)
+class Entry:
+    kind: str  # "file", "dir", "refused"
+    dev: int = 0
+    ino: int = 0
+    size: int = 0
+    why: str = ""  # for "refused": what it is ("a link to /x", "a FIFO")
+
+
+class InputTree:
+    """Every entry under `root`, by path relative to it (links inside recorded as their targets)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(os.path.realpath(root))
+        self.given = Path(os.path.abspath(root))  # the name it was passed by, when the folder itself is a link
+        self.entries: dict[str, Entry] = {"": _entry_of(os.lstat(self.root))}
+        self._links: dict[str, str] = {}  # link's relative path -> its target's
+        self._walk()
+
+    def _walk(self) -> None:
+        stack = [""]
+        while stack:
+            rel = stack.pop()
+            try:
+                listing = list(os.scandir(self.root / rel))
+            except OSError as err:
+                raise InputError(f"{self.root / rel} cannot be listed ({err.strerror})") from None
+            for item in listing:
+                if len(self.entries) >= MAX_ENTRIES:
+                    raise InputError(f"{self.root} holds more than {MAX_ENTRIES:,} files and folders: pass the "
+                                     "checkpoint's own folder")
+                path = f"{rel}/{item.name}" if rel else item.name
+                st = item.stat(follow_symlinks=False)
+                if stat.S_ISLNK(st.st_mode):
+                    self._link(path, item.path)
+                    continue
+                self.entries[path] = _entry_of(st)
+                if stat.S_ISDIR(st.st_mode):
+                    stack.append(path)
+
+    def _link(self, path: str, full: str) -> None:
+        target = os.path.realpath(full)
+        rel = os.path.relpath(target, self.root)
+        if rel == "." or not _leaves(rel):
+            self._links[path] = "" if rel == "." else rel
+            return
+        self.entries[path] = Entry(kind="refused", why=f"a link to {target}, outside the input")
+
+    def lookup(self, path: Path | str) -> tuple[str, Entry | None]:
+        """The record of root/path, following only links that stay inside. Returns (relative path, entry)."""
+        full = os.path.abspath(self.root / path)
+        rel = os.path.relpath(full, self.given if Path(full).is_relative_to(self.given) else self.root)
+        if rel == ".":
+            return "", self.entries[""]
+        if _leaves(rel):
+            return rel, Entry(kind="refused", why="outside the input")
+        cur = ""
+        for part in rel.split(os.sep):
+            cur = f"{cur}/{part}" if cur else part
+            for _ in range(64):  # a link to a link inside: a few hops at most
+                if cur not in self._links:
+                    break
+                cur = self._links[cur]
+            entry = self.entries.get(cur)
+            if entry is None or entry.kind == "refused":
+                return cur, entry
+        return cur, self.entries.get(cur)
+
+    def _checked(self, path: Path | str, kind: str) -> tuple[Path, Entry]:
+        rel, entry = self.lookup(path)
+        shown = self.root / path
+        if entry is not None and entry.kind == "refused":
+            raise InputError(f"{shown} leads outside the input folder or is not a plain file or folder "
+                             f"({entry.why or rel}); distmerge does not open it")
+        if entry is None or entry.kind != kind:
+            what = "file" if kind == "file" else "folder"
+            raise InputError(f"{shown} is not a regular {what} of the input (missing, or changed since distmerge "
+                             "listed the folder)")
+        return self.root / rel, entry
+
+    def file(self, path: Path | str) -> Path:
+        """The real path of a regular file inside the input, or InputError."""
+        return self._checked(path, "file")[0]
+
+    def folder(self, path: Path | str) -> Path:
+        return self._checked(path, "dir")[0]
+
+    def files_in(self, folder: Path | str) -> list[str]:
+        """Names of the regular files (not links) directly in a folder of the input."""
+        base = os.path.relpath(self.folder(folder), self.root)
+        prefix = "" if base == "." else base + "/"
+        return sorted(p[len(prefix):] for p, e in self.entries.items() if e.kind == "file" and p.startswith(prefix)
+                      and "/" not in p[len(prefix):])
+
+
+def _leaves(rel: str) -> bool:
+    """A relative path (from os.path.relpath) that climbs out of its base (`..foo` is a name inside)."""
+    return rel == ".." or rel.startswith("../") or os.path.isabs(rel)
+
+
+def _entry_of(st: os.stat_result) -> Entry:
+    if stat.S_ISREG(st.st_mode):
+        return Entry(kind="file", dev=st.st_dev, ino=st.st_ino, size=st.st_size)
+    if stat.S_ISDIR(st.st_mode):
+        return Entry(kind="dir", dev=st.st_dev, ino=st.st_ino)
+    return Entry(kind="refused", why=_special(st.st_mode))
+
+
+def _special(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+# -- the trees of this process: resolved once, at discovery ------------------------------------------------
+_TREES: dict[Path, InputTree] = {}
+
+
+def load(root: Path) -> InputTree:
+    """Walk the input folder (at discovery: each run sees the folder as it is now). It replaces any earlier
+    walk, so a later command in the same process never judges a path by a stale record."""
+    tree = InputTree(root)
+    _TREES.clear()
+    _TREES[tree.root] = _TREES[tree.given] = tree
+    return tree
+
+
+def tree_for(path: Path | str) -> InputTree | None:
+    """The walked input folder that holds `path` (lexically: links are judged by the tree), if any."""
+    full = Path(os.path.abspath(path))
+    found = [t for r, t in _TREES.items() if full == r or r in full.parents]
+    return max(found, key=lambda t: len(t.root.parts)) if found else None
+
+
+def tree_at(root: Path) -> InputTree:
+    """The tree `root` belongs to; walked now (and not kept) when no discovery walked it (a format used on
+    its own, as the contract tests do)."""
+    return tree_for(root) or InputTree(root)
+
+
+# -- reading: bounded, regular files only ----------------------------------------------------------------
+def open_checked(path: Path, expect: Entry | None = None) -> int:
+    """An fd for a regular file, opened without following a last-component link and without blocking on a
+    FIFO; when `expect` is given, the file must still be that one (device and inode)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as err:
+        raise InputError(f"{path} cannot be opened ({err.strerror}); distmerge opens only regular files, "
+                         "not links") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or (expect is not None and (st.st_dev, st.st_ino) != (expect.dev, expect.ino)):
+        os.close(fd)
+        raise InputError(f"{path} is not the regular file distmerge listed (it changed while being read); "
+                         "merge a checkpoint nothing else is writing")
+    return fd
+
+
+def open_input(path: Path) -> tuple[int, Path]:
+    """An fd for a file: through the input's tree when it lies in one, else (--hf-config, the user's own
+    folder) any regular file its path leads to."""
+    tree = tree_for(path)
+    if tree is None:
+        real = Path(os.path.realpath(path))
+        if not real.is_file():
+            raise InputError(f"{path} is not a regular file")
+        return open_checked(real), real
+    real, entry = tree._checked(path, "file")
+    return open_checked(real, entry), real
+
+
+def read_small(path: Path, cap: int, what: str) -> bytes:
+    """The whole of a small file, refused (one line) when it is bigger than `cap`."""
+    fd, _ = open_input(path)
+    try:
+        size = os.fstat(fd).st_size
+        chunks, got = [], 0
+        while size <= cap and got <= cap:
+            data = os.read(fd, min(1 << 20, cap + 1 - got))
+            if not data:
+                break
+            chunks.append(data)
+            got += len(data)
+    finally:
+        os.close(fd)
+    if size > cap or got > cap:
+        raise InputError(f"{path} is larger than a {what} can be ({max(size, got):,} bytes, limit {cap:,}): "
+                         "not the file distmerge expects; fix or remove it")
+    return b"".join(chunks)
+
+
+def read_text(path: Path, cap: int, what: str) -> str:
+    try:
+        return read_small(path, cap, what).decode("utf-8")
+    except UnicodeDecodeError:
+        raise InputError(f"{path} is not UTF-8 text: not a {what}; fix or remove it") from None
+
+
+def read_json(path: Path, cap: int, what: str):
+    """JSON of bounded size and nesting (a deeply nested file would exhaust Python's recursion)."""
+    text = read_text(path, cap, what)
+    depth = deepest = 0
+    for ch in text:  # brackets inside strings count too: the bound only has to be safe, not exact
+        if ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    if deepest > JSON_DEPTH:
+        raise InputError(f"{path} nests {deepest} levels deep (a {what} needs far fewer, limit {JSON_DEPTH}): "
+                         "fix or remove it")
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as err:
+        raise InputError(f"{path} is not valid JSON ({str(err)[:120]}): fix or remove it") from None
+
+
+def copy_file(src: Path, dst: Path, cap: int = COPY_CAP) -> None:
+    """Copy one file from the config folder into the output: a regular file of bounded size, read from
+    the fd that was checked (never reopened by name)."""
+    fd, _ = open_input(src)
+    try:
+        if os.fstat(fd).st_size > cap:
+            raise InputError(f"{src} is larger than distmerge copies ({cap:,} bytes): copy it yourself")
+        with open(fd, "rb", closefd=False) as f_in, open(dst, "wb") as f_out:
+            copied = 0
+            while data := f_in.read(1 << 20):
+                copied += len(data)
+                if copied > cap:
+                    raise InputError(f"{src} grew past {cap:,} bytes while being copied")
+                f_out.write(data)
+    finally:
+        os.close(fd)
+
+
+HASHED = 64 * 1024  # bytes hashed at each end of a file to tell copies apart
+
+
+def first_copy(paths: list[Path]) -> tuple[Path, Path] | None:
+    """Two files of a save that are one file (a link to the other) or copies of each other: the same size
+    and the same first and last 64 KiB (a torch.save zip starts with its pickle and ends with its
+    directory, which holds every record's CRC), or None. Files of one save always differ there."""
+    seen: dict[tuple, Path] = {}
+    by_size: dict[int, list[Path]] = {}
+    for path in paths:
+        fd, _ = open_input(path)
+        try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) in seen:
+                return seen[(st.st_dev, st.st_ino)], path
+            seen[(st.st_dev, st.st_ino)] = path
+            by_size.setdefault(st.st_size, []).append(path)
+        finally:
+            os.close(fd)
+    for group in (g for g in by_size.values() if len(g) > 1):
+        digests: dict[str, Path] = {}
+        for path in group:
+            digest = _ends_digest(path)
+            if digest in digests:
+                return digests[digest], path
+            digests[digest] = path
+    return None
+
+
+def _ends_digest(path: Path) -> str:
+    import hashlib
+
+    fd, _ = open_input(path)
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, HASHED, 0)
+        tail = os.pread(fd, HASHED, max(0, size - HASHED))
+    finally:
+        os.close(fd)
+    return hashlib.sha256(head + tail).hexdigest()

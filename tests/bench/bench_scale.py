@@ -1,0 +1,396 @@
+"""Frontier-scale planning, simulated (issue #14): the real inventory exchange and planner on the inventories a
+405B dense FSDP2 checkpoint and a 671B MoE Megatron checkpoint would report, for N merge processes.
+
+    python tests/bench/bench_scale.py [--model 405b 671b] [--world 64 256 1024] [--procs 8 64 256]
+                                      [--max-shard-size 5GB] [--budget 128MiB] [--no-memory]
+
+No bytes exist: the inventories are generated as the formats' `open` returns them (one list of
+distmerge.formats.base.Fragment per input file, with the files' InputFile records), from the models' real
+configs. Everything after that is the merge's own code, called as engine.merge calls it:
+
+    plan.assign_readers          which rank opens which input file (files opened per rank)
+    inventory.pack / unpack      what each rank sends in the all-gather of inventories (its pickled size is
+                                 the "inventory received" column: every rank receives every rank's part)
+    prepare.prepare_merge        coverage, the family's units, output files, owners, rounds
+
+The plan is the same on every rank (that is the design), so it is made once per N; what differs per rank
+(files opened, bytes read, bytes written, bytes exchanged) is computed for every simulated rank from it.
+Columns: `plan s` = unpacking the gathered inventories + prepare_merge, on one core (what every rank spends
+after discovery); `plan state` = tracemalloc's peak over the same (the Python objects a rank holds for the
+plan: received inventories, sources, units, files, rounds); `open` = files a rank opens; `read`/`written` =
+bytes per rank, max and mean; `rounds` and the largest round's source bytes (all owners) and the most one
+owner assembles in a round.
+
+Megatron: distmerge's Megatron family has no DeepSeek-V3 (MLA, MTP) table yet, so this script registers a
+family of its own for it (a name table, below, through megatron.target_shapes): the planner sees the tensor
+count, shapes, replicas and split layout of the legacy `mp_rank_TT_PPP_EEE` save (TP=8 x PP=16 x EP=64,
+expert TP = TP, 8192 files; non-expert tensors are in every EP rank's file, as Megatron saves them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import pickle
+import re
+import statistics
+import sys
+import time
+import tracemalloc
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from distmerge import dtypes, inventory  # noqa: E402
+from distmerge import plan as planning  # noqa: E402
+from distmerge.discover import Discovery  # noqa: E402
+from distmerge.families import base, megatron  # noqa: E402
+from distmerge.formats.base import Fragment, Hints, InputFile, Scan  # noqa: E402
+from distmerge.prepare import OutputSettings, prepare_merge  # noqa: E402
+
+BF16, FP32 = "BF16", "F32"
+HEADER = 4096  # bytes before the first tensor of a rank file (pickle and zip records): only shifts offsets
+
+# Llama-3.1-405B (config.json of meta-llama/Llama-3.1-405B)
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 126, "hidden_size": 16384,
+         "num_attention_heads": 128, "num_key_value_heads": 8, "intermediate_size": 53248, "vocab_size": 128256,
+         "tie_word_embeddings": False}
+# DeepSeek-V3 (config.json of deepseek-ai/DeepSeek-V3); its MTP module is layer 61 in Hugging Face's naming
+DEEPSEEK = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "num_hidden_layers": 61,
+            "hidden_size": 7168, "num_attention_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
+            "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "intermediate_size": 18432,
+            "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1, "first_k_dense_replace": 3,
+            "num_nextn_predict_layers": 1, "vocab_size": 129280, "tie_word_embeddings": False}
+
+
+# -- Llama-3.1-405B saved by FSDP2: every tensor Shard(0) over W ranks, one rank file each ------------------
+def llama_tensors(c: dict) -> list[tuple[str, tuple[int, ...]]]:
+    h, kv = c["hidden_size"], c["num_key_value_heads"] * c["hidden_size"] // c["num_attention_heads"]
+    out = [("model.embed_tokens.weight", (c["vocab_size"], h))]
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        out += [(p + "input_layernorm.weight", (h,)), (p + "self_attn.q_proj.weight", (h, h)),
+                (p + "self_attn.k_proj.weight", (kv, h)), (p + "self_attn.v_proj.weight", (kv, h)),
+                (p + "self_attn.o_proj.weight", (h, h)), (p + "post_attention_layernorm.weight", (h,)),
+                (p + "mlp.gate_proj.weight", (c["intermediate_size"], h)),
+                (p + "mlp.up_proj.weight", (c["intermediate_size"], h)),
+                (p + "mlp.down_proj.weight", (h, c["intermediate_size"]))]
+    return out + [("model.norm.weight", (h,)), ("lm_head.weight", (c["vocab_size"], h))]
+
+
+def fsdp_inventories(world: int, config: dict = LLAMA, dtype: str = BF16) -> tuple[tuple[InputFile, ...], list]:
+    """What FsdpFormat.open returns for each rank file: DTensor Shard(0), torch.chunk's split (ceil(n/W) rows
+    per rank, the last ones shorter or empty)."""
+    tensors = llama_tensors(config)
+    size = dtypes.itemsize(dtype)
+    per_file: list[list[Fragment]] = [[] for _ in range(world)]
+    at = [HEADER] * world
+    for name, shape in tensors:
+        rows, row_bytes = shape[0], math.prod(shape[1:]) * size
+        chunk = -(-rows // world)
+        for r in range(world):
+            start = min(r * chunk, rows)
+            n = max(0, min(rows - start, chunk))
+            offsets = (start,) + (0,) * (len(shape) - 1)
+            per_file[r].append(Fragment(name=name, dtype=dtype, global_shape=shape, offsets=offsets,
+                                        lengths=(n, *shape[1:]), file_index=r, byte_offset=at[r], key=name))
+            at[r] += n * row_bytes
+    files = tuple(InputFile(index=r, path=f"model_world_size_{world}_rank_{r}.pt", size=at[r], rank=r)
+                  for r in range(world))
+    return files, per_file
+
+
+# -- DeepSeek-V3 saved by Megatron (legacy mp_rank_TT_PPP_EEE), TP x PP x EP ---------------------------------
+REP, COL, ROW = None, 0, 1  # replicated on TP ranks, split on dim 0 (column-parallel), on dim 1 (row-parallel)
+
+
+def deepseek_layer(c: dict, prefix: str, moe: bool, ep: int, ep_size: int) -> list[tuple[str, tuple, int | None, str]]:
+    """(name, global shape, TP split dim, dtype) of one decoder layer's tensors in one EP rank's file."""
+    h, heads, qk = c["hidden_size"], c["num_attention_heads"], c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+    a = prefix + "self_attention."
+    out = [(prefix + "input_layernorm.weight", (h,), REP, BF16),
+           (a + "linear_q_down_proj.weight", (c["q_lora_rank"], h), REP, BF16),
+           (a + "linear_q_up_proj.layer_norm_weight", (c["q_lora_rank"],), REP, BF16),
+           (a + "linear_q_up_proj.weight", (heads * qk, c["q_lora_rank"]), COL, BF16),
+           (a + "linear_kv_down_proj.weight", (c["kv_lora_rank"] + c["qk_rope_head_dim"], h), REP, BF16),
+           (a + "linear_kv_up_proj.layer_norm_weight", (c["kv_lora_rank"],), REP, BF16),
+           (a + "linear_kv_up_proj.weight", (heads * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"]),
+            COL, BF16),
+           (a + "linear_proj.weight", (h, heads * c["v_head_dim"]), ROW, BF16),
+           (prefix + "pre_mlp_layernorm.weight", (h,), REP, BF16)]
+    if not moe:
+        return out + [(prefix + "mlp.linear_fc1.weight", (2 * c["intermediate_size"], h), COL, BF16),
+                      (prefix + "mlp.linear_fc2.weight", (h, c["intermediate_size"]), ROW, BF16)]
+    m, f = prefix + "mlp.", c["moe_intermediate_size"]
+    out += [(m + "router.weight", (c["n_routed_experts"], h), REP, BF16),
+            (m + "router.expert_bias", (c["n_routed_experts"],), REP, FP32),
+            (m + "shared_experts.linear_fc1.weight", (2 * f, h), COL, BF16),
+            (m + "shared_experts.linear_fc2.weight", (h, f), ROW, BF16)]
+    local = c["n_routed_experts"] // ep_size
+    for e in range(ep * local, (ep + 1) * local):  # grouped GEMM names, global expert numbers (as open renumbers)
+        out += [(m + f"experts.linear_fc1.weight{e}", (2 * f, h), COL, BF16),
+                (m + f"experts.linear_fc2.weight{e}", (h, f), ROW, BF16)]
+    return out
+
+
+def stage_layers(layers: int, pp: int) -> list[range]:
+    """Megatron's uneven split: the first stages take one layer more."""
+    base_n, extra = divmod(layers, pp)
+    bounds, at = [], 0
+    for s in range(pp):
+        n = base_n + (s < extra)
+        bounds.append(range(at, at + n))
+        at += n
+    return bounds
+
+
+def deepseek_file(c: dict, layers: range, first: bool, last: bool, ep: int, ep_size: int) -> list[tuple]:
+    h, vocab = c["hidden_size"], c["vocab_size"]
+    out = [("embedding.word_embeddings.weight", (vocab, h), COL, BF16)] if first else []
+    for i in layers:
+        out += deepseek_layer(c, f"decoder.layers.{i}.", i >= c["first_k_dense_replace"], ep, ep_size)
+    if last:
+        out += [("decoder.final_layernorm.weight", (h,), REP, BF16), ("output_layer.weight", (vocab, h), COL, BF16)]
+        mtp = "mtp.layers.0."
+        out += [(mtp + "enorm.weight", (h,), REP, BF16), (mtp + "hnorm.weight", (h,), REP, BF16),
+                (mtp + "eh_proj.weight", (h, 2 * h), COL, BF16), (mtp + "final_layernorm.weight", (h,), REP, BF16)]
+        out += deepseek_layer(c, mtp + "transformer_layer.", True, ep, ep_size)
+    return out
+
+
+def with_reads(files: tuple[InputFile, ...], per_file: list[list[Fragment]]) -> tuple[InputFile, ...]:
+    """--megatron-reads: files as a scan would list them if it set InputFile.reads to the bytes not replicated in a
+    lower file (what the plan reads from each). megatron_legacy.py does not do this yet: this shows the effect."""
+    seen: set[tuple] = set()
+    out = []
+    for file, frags in zip(files, per_file, strict=True):
+        fresh = [f for f in frags if (f.name, f.region) not in seen]
+        seen.update((f.name, f.region) for f in fresh)
+        out.append(replace(file, reads=sum(f.nbytes for f in fresh)))
+    return tuple(out)
+
+
+def megatron_inventories(tp: int, pp: int, ep: int) -> tuple[tuple[InputFile, ...], list[list[Fragment]]]:
+    """What MegatronLegacyFormat.open returns per file, in its file order (stage, EP rank, TP rank)."""
+    files, per_file = [], []
+    for s, layers in enumerate(stage_layers(DEEPSEEK["num_hidden_layers"], pp)):
+        for e in range(ep):
+            tensors = deepseek_file(DEEPSEEK, layers, s == 0, s == pp - 1, e, ep)
+            for t in range(tp):
+                index, at, frags = len(files), HEADER, []
+                for name, shape, dim, dtype in tensors:
+                    lengths, offsets = list(shape), [0] * len(shape)
+                    if dim is not None:
+                        lengths[dim] //= tp
+                        offsets[dim] = t * lengths[dim]
+                    frags.append(Fragment(name=name, dtype=dtype, global_shape=shape, offsets=tuple(offsets),
+                                          lengths=tuple(lengths), file_index=index, byte_offset=at, key=name))
+                    at += frags[-1].nbytes
+                per_file.append(frags)
+                files.append(InputFile(index=index, path=f"mp_rank_{t:02d}_{s:03d}_{e:03d}/model_optim_rng.pt",
+                                       size=at, rank=index))
+    return tuple(files), per_file
+
+
+# The bench's DeepSeek-V3 family: Megatron-core names (Megatron-Bridge's DeepSeek mapping) -> Hugging Face names.
+LAYER_PREFIXES = ((re.compile(r"decoder\.layers\.(\d+)\."), 0),
+                  (re.compile(r"mtp\.layers\.(\d+)\.transformer_layer\."), 61),  # the MTP module is HF's layer 61
+                  (re.compile(r"mtp\.layers\.(\d+)\."), 61))
+GLOBAL = {"embedding.word_embeddings.weight": (("model.embed_tokens.weight",), "trim_rows"),
+          "output_layer.weight": (("lm_head.weight",), "trim_rows"),
+          "decoder.final_layernorm.weight": (("model.norm.weight",), "identity")}
+IN_LAYER = {"input_layernorm.weight": ("input_layernorm.weight",),
+            "self_attention.linear_q_down_proj.weight": ("self_attn.q_a_proj.weight",),
+            "self_attention.linear_q_up_proj.layer_norm_weight": ("self_attn.q_a_layernorm.weight",),
+            "self_attention.linear_q_up_proj.weight": ("self_attn.q_b_proj.weight",),
+            "self_attention.linear_kv_down_proj.weight": ("self_attn.kv_a_proj_with_mqa.weight",),
+            "self_attention.linear_kv_up_proj.layer_norm_weight": ("self_attn.kv_a_layernorm.weight",),
+            "self_attention.linear_kv_up_proj.weight": ("self_attn.kv_b_proj.weight",),
+            "self_attention.linear_proj.weight": ("self_attn.o_proj.weight",),
+            "pre_mlp_layernorm.weight": ("post_attention_layernorm.weight",),
+            "mlp.linear_fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+            "mlp.linear_fc2.weight": ("mlp.down_proj.weight",),
+            "mlp.router.weight": ("mlp.gate.weight",), "mlp.router.expert_bias": ("mlp.gate.e_score_correction_bias",),
+            "mlp.shared_experts.linear_fc1.weight": ("mlp.shared_experts.gate_proj.weight",
+                                                     "mlp.shared_experts.up_proj.weight"),
+            "mlp.shared_experts.linear_fc2.weight": ("mlp.shared_experts.down_proj.weight",),
+            "enorm.weight": ("enorm.weight",), "hnorm.weight": ("hnorm.weight",), "eh_proj.weight": ("eh_proj.weight",),
+            "final_layernorm.weight": ("shared_head.norm.weight",)}
+EXPERT = re.compile(r"mlp\.experts\.linear_fc([12])\.weight(\d+)")
+
+
+def deepseek_targets(name: str) -> tuple[tuple[str, ...], str]:
+    if name in GLOBAL:
+        return GLOBAL[name]
+    for pattern, offset in LAYER_PREFIXES:
+        if m := pattern.match(name):
+            hf, rest = f"model.layers.{int(m[1]) + offset}.", name[m.end():]
+            if e := EXPERT.fullmatch(rest):
+                x = f"{hf}mlp.experts.{e[2]}."
+                return ((x + "gate_proj.weight", x + "up_proj.weight"), "split_gate_up") if e[1] == "1" else \
+                    ((x + "down_proj.weight",), "identity")
+            targets = tuple(hf + t for t in IN_LAYER[rest])
+            return targets, "split_gate_up" if len(targets) == 2 else "identity"
+    raise KeyError(name)
+
+
+def deepseek_units(sources: dict[str, base.SourceMeta], ctx: base.FamilyContext) -> base.FamilyResult:
+    units = []
+    for meta in sources.values():
+        names, transform = deepseek_targets(meta.name)
+        shards = ctx.hints.expert_fc1_shards if ".experts." in meta.name else ctx.hints.fc1_shards
+        params = {"split_gate_up": (("shards", shards),), "trim_rows": (("rows", ctx.config["vocab_size"]),)}
+        p = params.get(transform, ())
+        shapes = megatron.target_shapes(transform, meta, p)
+        targets = tuple(base.Target(name=n, shape=s, dtype=meta.dtype) for n, s in zip(names, shapes, strict=True))
+        units.append(base.Unit(sources=(meta.name,), targets=targets, transform=transform, params=p))
+    return base.FamilyResult(units=units)
+
+
+# Asked before the Megatron family (order 20, no table for it); only the 671B case here has Megatron names.
+base.register(base.NamingFamily(name="bench-deepseek-v3", naming="megatron", order=15, build=deepseek_units))
+
+
+# -- the measurement -----------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class Case:
+    label: str
+    scan: Scan
+    config: dict
+    per_file: list[list[Fragment]]
+
+
+def fsdp_case(world: int) -> Case:
+    files, per_file = fsdp_inventories(world)
+    scan = Scan(format="fsdp", root="/sim", files=files, hf_dir=None, world_size=world)
+    return Case(label=f"Llama-3.1-405B FSDP2 W={world}", scan=scan, config=LLAMA, per_file=per_file)
+
+
+def megatron_case(tp: int, pp: int, ep: int, reads: bool) -> Case:
+    files, per_file = megatron_inventories(tp, pp, ep)
+    files = with_reads(files, per_file) if reads else files
+    hints = Hints(naming="megatron", fc1_shards=tp, expert_fc1_shards=tp)
+    scan = Scan(format="megatron", root="/sim", files=files, hf_dir=None, world_size=len(files), hints=hints)
+    label = f"DeepSeek-V3 Megatron TP={tp} x PP={pp} x EP={ep} ({len(files)} files{', reads set' * reads})"
+    return Case(label=label, scan=scan,
+                config=DEEPSEEK, per_file=per_file)
+
+
+def gathered(case: Case, readers: tuple[int, ...], world: int) -> list[bytes]:
+    """Each rank's part of the all-gather of inventories, as the engine sends it (pickled by the collective)."""
+    mine: list[list[int]] = [[] for _ in range(world)]
+    for i, r in enumerate(readers):
+        mine[r].append(i)
+    return [pickle.dumps(inventory.pack([f for i in files for f in case.per_file[i]])) for files in mine]
+
+
+def plan_once(case: Case, parts: list[bytes], world: int, settings: OutputSettings):
+    found = Discovery(scan=case.scan, config=case.config, hf_dir="")
+    fragments = inventory.unpack([pickle.loads(p) for p in parts])
+    return prepare_merge(found, fragments, world, settings).plan
+
+
+def per_rank(plan: planning.Plan, world: int) -> dict[str, list[int]]:
+    read, written, opened, sent, got = ([0] * world for _ in range(5))
+    for r in plan.readers:
+        opened[r] += 1
+    for f in plan.files:
+        written[f.owner] += f.nbytes
+    for i, unit in enumerate(plan.units):
+        owner = plan.owner_of_unit[i]
+        for s in unit.sources:
+            for frag in plan.sources[s].fragments:
+                reader = plan.readers[frag.file_index]
+                read[reader] += frag.nbytes
+                if reader != owner:
+                    sent[reader] += frag.nbytes
+                    got[owner] += frag.nbytes
+    return {"read": read, "written": written, "open": opened, "sent": sent, "received": got}
+
+
+def round_sizes(plan: planning.Plan) -> tuple[int, int]:
+    """The largest round's source bytes (all owners) and the most one owner assembles in one round."""
+    need = {name: math.prod(s.meta.shape) * dtypes.itemsize(s.meta.dtype) for name, s in plan.sources.items()}
+    total, one = 0, 0
+    for units in plan.rounds:
+        by_owner: dict[int, int] = {}
+        for i in units:
+            owner = plan.owner_of_unit[i]
+            by_owner[owner] = by_owner.get(owner, 0) + sum(need[s] for s in plan.units[i].sources)
+        total, one = max(total, sum(by_owner.values())), max(one, max(by_owner.values()))
+    return total, one
+
+
+def measure(case: Case, world: int, settings: OutputSettings, memory: bool) -> dict:
+    readers = planning.assign_readers(case.scan.files, world)
+    parts = gathered(case, readers, world)
+    start = time.process_time()
+    plan = plan_once(case, parts, world, settings)
+    seconds = time.process_time() - start
+    peak = 0
+    if memory:
+        del plan
+        tracemalloc.start()
+        plan = plan_once(case, parts, world, settings)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    ranks = per_rank(plan, world)
+    total, one = round_sizes(plan)
+    return {"N": world, "plan_s": seconds, "peak": peak, "inventory": sum(map(len, parts)), "ranks": ranks,
+            "rounds": len(plan.rounds), "round_total": total, "round_one": one,
+            "fragments": sum(map(len, case.per_file)), "files_out": len(plan.files), "units": len(plan.units),
+            "W": len(case.scan.files)}
+
+
+def row(m: dict) -> str:
+    def mm(key: str, scale: float = 1e9, fmt: str = "{:.1f}") -> str:
+        values = m["ranks"][key]
+        mean = statistics.fmean(values)
+        off = (max(values) / mean - 1) * 100 if mean else 0.0
+        return f"{fmt.format(max(values) / scale)} / {fmt.format(mean / scale)} (+{off:.1f}%)"
+    limit = -(-m["W"] // m["N"]) + 1
+    return (f"| {m['N']} | {m['plan_s']:.1f} | {m['peak'] / 1e9:.2f} GB | {m['inventory'] / 1e6:.0f} MB | "
+            f"{mm('read')} | {mm('written')} | {max(m['ranks']['open'])} (limit {limit}) | "
+            f"{mm('received')} | {m['rounds']} | {m['round_total'] / 1e9:.1f} / {m['round_one'] / 1e9:.2f} GB |")
+
+
+HEAD = ("| N | plan s | plan state | inventory received | read GB max / mean | written GB max / mean | "
+        "open files max | received GB max / mean | rounds | largest round: all / one owner |\n|" + "---|" * 10)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", nargs="+", default=["405b", "671b"], choices=["405b", "671b"])
+    parser.add_argument("--world", nargs="+", type=int, default=[64, 256, 1024], help="FSDP2 rank files W")
+    parser.add_argument("--grid", default="8x16x64", help="Megatron TP x PP x EP (8x16x64)")
+    parser.add_argument("--procs", nargs="+", type=int, default=[8, 64, 256], help="merge processes N")
+    parser.add_argument("--max-shard-size", type=float, default=5e9, help="bytes (5e9)")
+    parser.add_argument("--budget", type=float, default=128 * 2**20, help="bytes per round per rank (128 MiB)")
+    parser.add_argument("--megatron-reads", action="store_true", help="671b: files carry .reads (with_reads)")
+    parser.add_argument("--no-memory", action="store_true", help="skip the tracemalloc pass (twice as fast)")
+    args = parser.parse_args()
+    settings = OutputSettings(max_shard_bytes=int(args.max_shard_size), budget_bytes=int(args.budget))
+    cases = []
+    if "405b" in args.model:
+        cases += [lambda w=w: fsdp_case(w) for w in args.world]
+    if "671b" in args.model:
+        tp, pp, ep = (int(x) for x in args.grid.split("x"))
+        cases.append(lambda: megatron_case(tp, pp, ep, args.megatron_reads))
+    print(f"max shard {args.max_shard_size / 1e9:g} GB, budget {args.budget / 2**20:g} MiB; times are CPU seconds of "
+          "one process", flush=True)
+    for make in cases:
+        case = make()
+        first = None
+        for n in args.procs:
+            m = measure(case, n, settings, not args.no_memory)
+            if first is None:
+                first = m
+                print(f"\n### {case.label}: {m['fragments']:,} fragments, {m['units']:,} units, "
+                      f"{m['files_out']} output files\n\n{HEAD}")
+            print(row(m), flush=True)
+        del case
+
+
+if __name__ == "__main__":
+    main()

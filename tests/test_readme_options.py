@@ -1,0 +1,78 @@
+"""The README's options table lists every option of every command, for the commands that have it, with its
+choices; and no option that does not exist. Read from the parsers themselves, so a new option fails here
+until it is documented."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from distmerge.cli import build_parser
+from tests.conftest import REPO
+
+HEADER = "| option | commands | meaning |"
+TOP = "distmerge"  # the row's command for options of `distmerge` itself (--version)
+
+
+def parser_options() -> dict[tuple[str, str], argparse.Action]:
+    """(command, option string) -> its action, for every command and the top-level parser; -h left out."""
+    top = build_parser()
+    parsers = {TOP: top}
+    for action in top._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            parsers.update(action.choices)
+    found = {}
+    for command, parser in parsers.items():
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction | argparse._SubParsersAction):
+                continue
+            for option in action.option_strings or [action.metavar or action.dest]:  # a positional: its name
+                found[(command, option)] = action
+    return found
+
+
+def readme_rows(text: str) -> list[tuple[list[str], set[str], str]]:
+    """The table's rows: (option strings and positional names of column 1, commands of column 2, whole row)."""
+    lines = text.splitlines()
+    start = lines.index(HEADER) + 2
+    rows = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+        names = [code.split()[0] for code in re.findall(r"`([^`]+)`", cells[0])]
+        rows.append((names, {c.strip() for c in cells[1].split(",")}, line.replace("\\|", " ")))
+    return rows
+
+
+def documented(rows, command: str, option: str) -> list[str]:
+    return [row for names, commands, row in rows if option in names and command in commands]
+
+
+def test_every_option_is_in_the_readme_table():
+    """Shown to fail: with the `--lora-alpha` row taken out of the README, this listed (merge, --lora-alpha)
+    and (inspect, --lora-alpha); with `inspect` taken out of the `--debug` row's commands, (inspect, --debug)."""
+    rows = readme_rows((REPO / "README.md").read_text())
+    missing = [key for key in parser_options() if not documented(rows, *key)]
+    assert missing == [], f"options missing from the README's options table (option, commands): {missing}"
+
+
+def test_every_choice_is_in_its_row():
+    """Shown to fail: with `dcp-hf` taken out of the --format row, this listed it."""
+    rows = readme_rows((REPO / "README.md").read_text())
+    absent = []
+    for (command, option), action in parser_options().items():
+        for choice in action.choices or ():
+            if not any(re.search(rf"(?<![\w-]){re.escape(choice)}(?![\w-])", row)
+                       for row in documented(rows, command, option)):
+                absent.append((command, option, choice))
+    assert absent == []
+
+
+def test_the_table_lists_no_option_that_does_not_exist():
+    """A row for a removed option, or one that names a command lacking it, misleads. Shown to fail: with
+    `verify` added to the --budget row's commands."""
+    known = parser_options()
+    wrong = [(command, name) for names, commands, _ in readme_rows((REPO / "README.md").read_text())
+             for name in names for command in commands if (command, name) not in known]
+    assert wrong == []
