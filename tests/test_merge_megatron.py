@@ -181,3 +181,25 @@ def test_one_rank_folder_is_not_the_checkpoint(megatron_ckpts, tmp_path, capsys)
     rank = save_folder(ckpt) / "mp_rank_01"
     assert merge_inproc("--input", rank, "--output", tmp_path / "out", "--hf-config", hf_config(ckpt)) == 1
     assert "one rank's folder of a Megatron save: pass the folder that holds the mp_rank_*" in capsys.readouterr().err
+
+
+def test_readers_are_spread_by_what_each_rank_file_is_read_for(megatron_ckpts, tmp_path):
+    """An expert rank > 0 file repeats expert rank 0's dense tensors, which the plan reads from the lowest file
+    only: the scan says what each file is read for (InputFile.reads), and readers are spread by that. Its sum is
+    what a merge reads (within the small replica checks). Shown failing with _expected_reads returning the file
+    unchanged (reads -1: every file weighed by its whole size)."""
+    from distmerge.formats.registry import get
+
+    ckpt = megatron_ckpts["megatron_moe_tp2ep2"]
+    scan = get("megatron").scan(ckpt, {})
+    by_ep = {}
+    for f in scan.files:
+        by_ep.setdefault(scan.state.grid.coords[f.path][2], []).append(f)
+    assert all(0 < f.reads < f.size for f in by_ep[1]), by_ep[1]
+    assert min(f.reads for f in by_ep[0]) > 4 * max(f.reads for f in by_ep[1])  # experts only, beyond EP rank 0
+    summary = tmp_path / "summary.json"
+    hf = reference_dir(ckpt) / "huggingface"
+    assert merge_inproc("--input", ckpt, "--output", tmp_path / "out", "--hf-config", hf,
+                        "--json-summary", summary) == 0
+    read = sum(r["bytes_read"] for r in json.loads(summary.read_text())["ranks"])
+    assert read <= sum(f.reads for f in scan.files) <= 1.05 * read

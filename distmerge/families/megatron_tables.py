@@ -74,8 +74,9 @@ MIXTRAL_MOE = _experts(M + "block_sparse_moe.gate.weight", M + "block_sparse_moe
 
 DENSE = EMBEDDINGS + ATTENTION + PRE_MLP_NORM + DENSE_MLP
 
-# DeepSeek-V3 (and V2) multi-latent attention, megatron-core transformer/multi_latent_attention.py; names as
-# Megatron-Bridge's DeepSeek bridge maps them. Transform "mla": megatron_mla.py checks the shape against
+# DeepSeek-V3 (and V2) multi-latent attention, megatron-core transformer/multi_latent_attention.py: the names
+# and shapes of megatron-core 0.16.1's own modules and of real saves (tests/fixtures/make_megatron_mla.py),
+# mapped to transformers' DeepseekV3 names. Transform "mla": megatron_mla.py checks the shape against
 # config.json and permutes the rope rows when config.json says rope_interleave: false. TE fuses the q/kv norms
 # into the up projections (layer_norm_weight); the local spec keeps q_layernorm / kv_layernorm. The input norm
 # is a module of its own in both specs.

@@ -12,6 +12,7 @@ bytes of every chunk inside them, and the engine reads exactly those byte ranges
 from __future__ import annotations
 
 import functools
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from distmerge import dtypes
-from distmerge.errors import InputError
+from distmerge.errors import CorruptInputError, InputError
 from distmerge.formats.base import FormatDefaults, Fragment, InputFile, OpenedFile, Scan, input_file, inside, register
 from distmerge.formats.dcp_keys import model_names
 from distmerge.formats.torch_private import dcp as private
@@ -62,6 +63,7 @@ class DcpFormat(FormatDefaults):
         if missing:
             raise InputError(f"{root}/.metadata points at {', '.join(missing[:4])}, which is missing: copy it back")
         files = tuple(input_file(root, i, p) for i, p in enumerate(paths))
+        _check_chunks(root, [c for c in md.chunks if c.fqn in names], {f.path: f.size for f in files})
         ranks = {int(m[1]) for p in os.listdir(root) if (m := RANK_OF.match(p))}
         skipped = len({c.fqn for c in md.chunks}) - len(names) + len(md.non_tensors)
         what = "optimizer, train state, extra state, ..."
@@ -87,3 +89,25 @@ class DcpFormat(FormatDefaults):
         finally:
             os.close(fd)
         return opened
+
+
+def _check_chunks(root: Path, chunks: list, sizes: dict[str, int]) -> None:
+    """What .metadata declares, against what is on disk, before anything is built from it: every chunk's block
+    inside its tensor (no negative sizes), its bytes inside its file, and a file's chunks no more bytes than the
+    file holds (DCP writes them one after another), so the chunk count is bounded by the files' sizes."""
+    used = dict.fromkeys(sizes, 0)
+    for c in chunks:
+        dims = (*c.global_shape, *c.offsets, *c.lengths)
+        inside_tensor = len(c.offsets) == len(c.lengths) == len(c.global_shape) and all(
+            o + n <= g for o, n, g in zip(c.offsets, c.lengths, c.global_shape, strict=True))
+        if min(dims, default=0) < 0 or not inside_tensor:
+            raise CorruptInputError(f"{root}/.metadata: {c.fqn} has a chunk at {list(c.offsets)} of "
+                                    f"{list(c.lengths)} outside its shape {list(c.global_shape)}: corrupt metadata")
+        if c.offset < 0 or c.length < min(1, math.prod(c.lengths)) or c.offset + c.length > sizes[c.file]:
+            raise CorruptInputError(f"{root}/.metadata puts a chunk of {c.fqn} at bytes {c.offset}+{c.length} of "
+                                    f"{c.file}, which holds {sizes[c.file]}: truncated file or corrupt metadata")
+        used[c.file] += c.length
+    over = next((f for f, n in used.items() if n > sizes[f]), None)
+    if over is not None:
+        raise CorruptInputError(f"{root}/.metadata declares {used[over]} bytes of chunks in {over}, which holds "
+                                f"{sizes[over]}: corrupt metadata")

@@ -13,8 +13,9 @@ so the plan sees Megatron's global tensors. `mp_rank_00_001` means PP=2 or EP=2:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -54,11 +55,12 @@ class MegatronLegacyFormat(FormatDefaults):
     def scan(self, root: Path, options: Mapping[str, Any]) -> Scan:
         save = mg.save_dir(root, options)
         grid = resolve_grid(save)
-        files = tuple(input_file(save, i, path, rank=i) for i, path in enumerate(grid.paths))
         if copy := input_tree.first_copy([save / p for p in grid.paths]):  # each rank's own file, not another's
             raise LayoutError(f"{save}: {copy[1].relative_to(save)} is the same file as {copy[0].relative_to(save)} "
                               "(a copy or a link): each rank folder must hold its own rank's file; restore them")
-        offsets, counts = _layer_offsets(save, grid)
+        offsets, counts, stage_bytes = _layer_offsets(save, grid)
+        files = tuple(_expected_reads(input_file(save, i, path, rank=i), grid, stage_bytes)
+                      for i, path in enumerate(grid.paths))
         state = _State(grid=grid, layer_offsets=offsets, layer_counts=counts,
                        iteration=int(m[1]) if (m := mg.ITERATION_DIR.match(save.name)) else None)
         notes = [f"Megatron legacy checkpoint {save.name}: {grid.describe()}"]
@@ -134,17 +136,28 @@ def _local_expert_count(state: dict[str, Any]) -> int:
     return max(numbers) + 1 if numbers else 0
 
 
-def _layer_offsets(save: Path, grid: Grid) -> tuple[dict[tuple[int, int], int], dict[tuple[int, int], int]]:
-    """Global number of each (stage, chunk)'s first layer, from the layer counts in one file per stage.
+def _layer_offsets(save: Path, grid: Grid) -> tuple[dict[tuple[int, int], int], dict[tuple[int, int], int],
+                                                     dict[int, tuple[int, int, int]]]:
+    """Global number of each (stage, chunk)'s first layer, from the layer counts in one file per stage; and
+    each stage's tensor bytes per file as (expert, TP-split, replicated), for _expected_reads.
 
     Virtual pipeline order: chunk 0 of stages 0..PP-1, then chunk 1 of stages 0..PP-1, ... A save whose
     numbers are already global (verl rewrites them before saving) keeps them.
     """
     counts: dict[tuple[int, int], list[int]] = {}
+    stage_bytes: dict[int, tuple[int, int, int]] = {}
     for pp in range(grid.pp):
         path = save / grid.path_of(0, pp, 0)
+        kinds = [0, 0, 0]
         for chunk, state in enumerate(model_chunks(torch_save.read(path).value, path)):
             counts[(chunk, pp)] = sorted({n for k in state if (n := mg.layer_number(k)) is not None})
+            te_mla = any(k.endswith(mg.TE_MLA_MARK) for k in state)
+            for key, ref in state.items():
+                if isinstance(ref, TensorRef):
+                    split = mg.tp_split_dim(key, tuple(ref.size), te_mla) is not None
+                    kind = 0 if mg.is_expert(key) else 1 if split else 2
+                    kinds[kind] += math.prod(ref.size) * dtypes.itemsize(dtypes.code_of(ref.storage.dtype))
+        stage_bytes[pp] = (kinds[0], kinds[1], kinds[2])
     order = sorted(counts)
     sizes = {(pp, chunk): len(layers) for (chunk, pp), layers in counts.items()}
     if all(not layers or layers[0] == 0 for layers in counts.values()):
@@ -152,12 +165,22 @@ def _layer_offsets(save: Path, grid: Grid) -> tuple[dict[tuple[int, int], int], 
         for chunk, pp in order:
             offsets[(pp, chunk)] = total
             total += len(counts[(chunk, pp)])
-        return offsets, sizes
+        return offsets, sizes, stage_bytes
     flat = [n for key in order for n in counts[key]]
     if flat != list(range(len(flat))):
         raise LayoutError(f"{save}: the layer numbers of the pipeline stages are neither local nor one global "
                           f"sequence ({_ranges(counts)}): files from different runs?")
-    return {(pp, chunk): 0 for chunk, pp in order}, sizes
+    return {(pp, chunk): 0 for chunk, pp in order}, sizes, stage_bytes
+
+
+def _expected_reads(file: InputFile, grid: Grid, stage_bytes: dict[int, tuple[int, int, int]]) -> InputFile:
+    """What a merge reads of one rank file: its experts; the TP-split dense tensors only in expert rank 0's file
+    (every expert rank saves them again, and the plan keeps the lowest file's copy); the replicated ones only in
+    TP rank 0's file of expert rank 0. Readers are spread by these bytes: by file size, at DeepSeek-V3's TP8 x
+    PP16 x EP64 the readers of EP rank 0 files would read 26% more than the mean (tests/bench/bench_scale.py)."""
+    tp, pp, ep = grid.coords[file.path]
+    expert, split, replicated = stage_bytes[pp]
+    return replace(file, reads=expert + (split if ep == 0 else 0) + (replicated if ep == 0 and tp == 0 else 0))
 
 
 def _ranges(counts: dict[tuple[int, int], list[int]]) -> str:

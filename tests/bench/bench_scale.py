@@ -21,8 +21,9 @@ plan: received inventories, sources, units, files, rounds); `open` = files a ran
 bytes per rank, max and mean; `rounds` and the largest round's source bytes (all owners) and the most one
 owner assembles in a round.
 
-Megatron: distmerge's Megatron family has no DeepSeek-V3 (MLA, MTP) table yet, so this script registers a
-family of its own for it (a name table, below, through megatron.target_shapes): the planner sees the tensor
+Megatron: distmerge's Megatron family maps DeepSeek-V3 but refuses its MTP layer (transformers has no module
+for it), which the real checkpoint has, so this script registers a name table of its own, MTP included
+(below, through megatron.target_shapes): the planner sees the tensor
 count, shapes, replicas and split layout of the legacy `mp_rank_TT_PPP_EEE` save (TP=8 x PP=16 x EP=64,
 expert TP = TP, 8192 files; non-expert tensors are in every EP rank's file, as Megatron saves them).
 """
@@ -160,8 +161,9 @@ def deepseek_file(c: dict, layers: range, first: bool, last: bool, ep: int, ep_s
 
 
 def with_reads(files: tuple[InputFile, ...], per_file: list[list[Fragment]]) -> tuple[InputFile, ...]:
-    """--megatron-reads: files as a scan would list them if it set InputFile.reads to the bytes not replicated in a
-    lower file (what the plan reads from each). megatron_legacy.py does not do this yet: this shows the effect."""
+    """Files as the Megatron legacy scan lists them: InputFile.reads = the bytes not replicated in a lower file
+    (what the plan reads from each; megatron_legacy._expected_reads computes it from one file per stage).
+    --megatron-sizes leaves them unset, to show spreading readers by file size instead."""
     seen: set[tuple] = set()
     out = []
     for file, frags in zip(files, per_file, strict=True):
@@ -193,7 +195,7 @@ def megatron_inventories(tp: int, pp: int, ep: int) -> tuple[tuple[InputFile, ..
     return tuple(files), per_file
 
 
-# The bench's DeepSeek-V3 family: Megatron-core names (Megatron-Bridge's DeepSeek mapping) -> Hugging Face names.
+# The bench's DeepSeek-V3 family: megatron-core names -> Hugging Face names, with the MTP layer as layer 61.
 LAYER_PREFIXES = ((re.compile(r"decoder\.layers\.(\d+)\."), 0),
                   (re.compile(r"mtp\.layers\.(\d+)\.transformer_layer\."), 61),  # the MTP module is HF's layer 61
                   (re.compile(r"mtp\.layers\.(\d+)\."), 61))
@@ -248,7 +250,7 @@ def deepseek_units(sources: dict[str, base.SourceMeta], ctx: base.FamilyContext)
     return base.FamilyResult(units=units)
 
 
-# Asked before the Megatron family (order 20, no table for it); only the 671B case here has Megatron names.
+# Asked before the Megatron family (order 20, which refuses MTP); only the 671B case here has Megatron names.
 base.register(base.NamingFamily(name="bench-deepseek-v3", naming="megatron", order=15, build=deepseek_units))
 
 
@@ -367,7 +369,8 @@ def main() -> None:
     parser.add_argument("--procs", nargs="+", type=int, default=[8, 64, 256], help="merge processes N")
     parser.add_argument("--max-shard-size", type=float, default=5e9, help="bytes (5e9)")
     parser.add_argument("--budget", type=float, default=128 * 2**20, help="bytes per round per rank (128 MiB)")
-    parser.add_argument("--megatron-reads", action="store_true", help="671b: files carry .reads (with_reads)")
+    parser.add_argument("--megatron-sizes", action="store_true",
+                        help="671b: files without .reads (readers spread by file size, as before the scan set them)")
     parser.add_argument("--no-memory", action="store_true", help="skip the tracemalloc pass (twice as fast)")
     args = parser.parse_args()
     settings = OutputSettings(max_shard_bytes=int(args.max_shard_size), budget_bytes=int(args.budget))
@@ -376,7 +379,7 @@ def main() -> None:
         cases += [lambda w=w: fsdp_case(w) for w in args.world]
     if "671b" in args.model:
         tp, pp, ep = (int(x) for x in args.grid.split("x"))
-        cases.append(lambda: megatron_case(tp, pp, ep, args.megatron_reads))
+        cases.append(lambda: megatron_case(tp, pp, ep, not args.megatron_sizes))
     print(f"max shard {args.max_shard_size / 1e9:g} GB, budget {args.budget / 2**20:g} MiB; times are CPU seconds of "
           "one process", flush=True)
     for make in cases:
