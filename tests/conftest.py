@@ -97,7 +97,8 @@ FIXTURE_SOURCES = {
     "deepspeed": ("deepspeed_cases.py", "make_deepspeed.py", "make_fsdp.py"),
     "torchtitan": ("make_torchtitan.py", "torchtitan_cases.py"),
     "vl": ("make_vl.py", "make_fsdp.py"),
-    "mla": ("build.py", "make_megatron_mla.py", "make_megatron.py", "megatron_models.py", "megatron_moe.py"),
+    "mla": ("build.py", "make_megatron_mla.py", "make_fsdp.py", "make_megatron.py", "megatron_models.py",
+            "megatron_moe.py"),
     "critic": ("build.py", "make_critic.py", "make_fsdp.py", "make_megatron.py", "megatron_models.py",
                "megatron_moe.py"),
 }
