@@ -9,9 +9,12 @@
                the family did not write
     resume     each rank checks the output files  all_gather of the checks (always; empty without --resume),
                it owns; rank 0 decides            then broadcast of rank 0's decision (resume.start)
+    shared     owners create the files several    all_gather of status (only when the plan has shared files)
+               ranks write (writer.py)
     per round: exchange  readers pack round k+1   all_to_all_single, asynchronous (errors travel with
                                                   the round's gather)
                assemble + write  owners            all_gather of bytes written (progress)
+    commit     owners rename their shared files   all_gather of the ranks' figures (always)
     finalize   rank 0: config, tokenizer, index   broadcast (comm.root_only); none when --resume found the
                                                   merge already complete
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import os
 import resource
+import socket
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -72,8 +76,11 @@ def merge(opts: MergeOptions, comm: Comm, progress: Progress) -> MergeResult:
     writers: dict[int, ShardWriter] = {}
     try:
         mine = [i for i, r in enumerate(readers) if r == comm.rank]
-        inventories = comm.gather(lambda: inventory.pack(reader.open(mine)))  # as columns: inventory.py says why
-        prepared = comm.agree(lambda: prepare_merge(found, inventory.unpack(inventories), comm.world, opts.settings))
+        # inventories travel as columns (inventory.py says why), with the host of each rank (spread.py)
+        gathered = comm.gather(lambda: (_host(), inventory.pack(reader.open(mine))))
+        hosts = _host_numbers([host for host, _ in gathered])
+        prepared = comm.agree(lambda: prepare_merge(found, inventory.unpack([part for _, part in gathered]),
+                                                    comm.world, opts.settings, hosts=hosts))
         plan = prepared.plan
         checked = unwritten.check(plan, prepared.left_out, prepared.must_equal, comm, reader)
         plan = replace(plan, notes=(*plan.notes, *replicas.check(plan, comm, reader), *checked))
@@ -84,9 +91,11 @@ def merge(opts: MergeOptions, comm: Comm, progress: Progress) -> MergeResult:
         todo = planning.without_files(plan, list(begun.kept))
         if not begun.complete:  # progress counts only what this run writes
             progress.start(plan.total_bytes - _kept_bytes(plan, begun), len(plan.files), kept=len(begun.kept))
+        _create_shared(plan, begun.kept, opts, comm, writers)
         _rounds(todo, opts, run, comm, reader, writers, progress)
         progress.stop()
-        ranks = comm.gather(lambda: _stats(comm.rank, reader, plan, writers))
+        ranks = comm.gather(lambda: _commit_shared(plan, opts, run, comm.rank, writers)
+                            or _stats(comm.rank, reader, writers))
         copied = [] if begun.complete else comm.root_only(
             lambda: finalize(out, plan, found.config, Path(found.hf_dir), scan.not_model_files))
     except BaseException:
@@ -151,6 +160,51 @@ def _discover(opts: MergeOptions) -> disc.Discovery:
     return found
 
 
+def _host() -> str:
+    """This machine: its boot id where Linux has one (hostnames repeat across containers), else its name."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read(64).strip() + "@" + socket.gethostname()
+    except OSError:
+        return socket.gethostname()
+
+
+def _host_numbers(names: list[str]) -> tuple[int, ...]:
+    """Each rank's host as the lowest rank on it: the same numbers on every rank."""
+    first: dict[str, int] = {}
+    return tuple(first.setdefault(name, rank) for rank, name in enumerate(names))
+
+
+def _writer(plan: Plan, f: int, opts: MergeOptions, rank: int, *, create: bool) -> ShardWriter:
+    file = plan.files[f]
+    part = sum(t.nbytes for i in file.units if plan.owner_of_unit[i] == rank for t in plan.units[i].targets)
+    return ShardWriter(Path(opts.output), file.name, file.targets, part=part if file.shared else None,
+                       create=create)
+
+
+def _create_shared(plan: Plan, kept: tuple[int, ...], opts: MergeOptions, comm: Comm, writers) -> None:
+    """Owners create the shared files they own before any other writer opens them. Collective only when the
+    plan has shared files to write (the same plan on every rank, so all ranks agree to call it or not)."""
+    shared = [f for f, file in enumerate(plan.files) if file.shared and f not in kept]
+    if not shared:
+        return
+
+    def create() -> None:
+        for f in shared:
+            if plan.files[f].owner == comm.rank:
+                writers[f] = _writer(plan, f, opts, comm.rank, create=True)
+    comm.agree(create)
+
+
+def _commit_shared(plan: Plan, opts: MergeOptions, run: resume.RunRecord, rank: int, writers) -> None:
+    """After the last round every writer's part is durable (each fsyncs its part inside a round's gather, and
+    that gather has returned on every rank): owners rename their shared files and record them."""
+    for f, writer in writers.items():
+        if writer.shared and plan.files[f].owner == rank:
+            writer.commit()
+            resume.record_done(Path(opts.output), plan.files[f], run, opts.checksum)
+
+
 def _kept_bytes(plan: Plan, begun: resume.Resumption) -> int:
     return sum(plan.files[i].nbytes for i in begun.kept)
 
@@ -163,8 +217,8 @@ def _build(plan: Plan, units, pending: Pending, opts: MergeOptions, run: resume.
     builds = []
     for i in (i for i in units if plan.owner_of_unit[i] == me):
         f = plan.file_of_unit[i]
-        if f not in writers:
-            writers[f] = ShardWriter(Path(opts.output), plan.files[f].name, plan.files[f].targets)
+        if f not in writers:  # a shared file was created by its owner before the first round
+            writers[f] = _writer(plan, f, opts, me, create=not plan.files[f].shared)
         builds.append((writers[f], UnitBuild(plan.units[i], plan, writers[f], comm.device)))
     try:
         for _, build in builds:
@@ -181,16 +235,18 @@ def _build(plan: Plan, units, pending: Pending, opts: MergeOptions, run: resume.
     for f, writer in writers.items():
         if writer.complete and writer.fd >= 0:
             writer.finish()
-            resume.record_done(Path(opts.output), plan.files[f], run, opts.checksum)
+            if not writer.shared:  # a shared file is renamed and recorded by its owner after the last round
+                resume.record_done(Path(opts.output), plan.files[f], run, opts.checksum)
     return sum(t.nbytes for _, build in builds for t in build.unit.targets)
 
 
-def _stats(rank: int, reader: Reader, plan: Plan, writers: dict[int, ShardWriter]) -> RankStats:
-    """What this rank did in this run: the files it wrote, not the ones --resume kept."""
+def _stats(rank: int, reader: Reader, writers: dict[int, ShardWriter]) -> RankStats:
+    """What this rank did in this run: the files it wrote (or its part of shared ones), not the ones --resume
+    kept."""
     return RankStats(
         rank=rank,
         bytes_read=reader.bytes_read,
-        bytes_written=sum(plan.files[f].nbytes for f in writers),
+        bytes_written=sum(w.own_bytes for w in writers.values()),
         files_written=len(writers),
         peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     )

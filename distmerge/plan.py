@@ -3,7 +3,9 @@
     inventories --merge--> source tensors (coverage checked, one replica chosen per block)
                 --family--> units (source names -> target names + transform)
                 --split --> output files by size, natural name order, one owner each (bytes balanced)
-                --rounds--> per owner, batches of units under the byte budget; round k = every k-th batch
+                --spread--> only when whole files cannot balance the writing: units over the ranks of a host
+                            (spread.py), a file then written by several ranks
+                --rounds--> per writer, batches of units under the byte budget; round k = every k-th batch
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from itertools import product
 from operator import attrgetter
 
-from distmerge import dtypes
+from distmerge import dtypes, spread
 from distmerge.errors import LayoutError
 from distmerge.families.base import SourceMeta, Target, Unit
 from distmerge.formats.base import Fragment, InputFile
@@ -33,14 +35,19 @@ class SourceTensor:
 @dataclass(frozen=True, kw_only=True)
 class OutputFile:
     name: str
-    owner: int
+    owner: int  # creates the file, renames it into place, records it; writes all of it unless shared
     units: tuple[int, ...]  # indices into Plan.units
     targets: tuple[Target, ...]  # in file order (natural name order)
     group: str = "model"
+    writers: tuple[int, ...] = ()  # the ranks writing its units when several do (spread.py); () = the owner
 
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.targets)
+
+    @property
+    def shared(self) -> bool:
+        return len(self.writers) > 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +67,10 @@ class Plan:
     @property
     def total_bytes(self) -> int:
         return sum(f.nbytes for f in self.files)
+
+    def written_by(self, rank: int) -> int:
+        """Bytes of target this rank writes (its units, in whole or shared files)."""
+        return sum(t.nbytes for i, u in enumerate(self.units) if self.owner_of_unit[i] == rank for t in u.targets)
 
     @property
     def model_files(self) -> tuple[OutputFile, ...]:
@@ -242,7 +253,9 @@ def make_plan(
     budget_bytes: int,
     extra_files: dict[str, dict] | None = None,
     notes: tuple[str, ...] = (),
+    hosts: tuple[int, ...] | None = None,
 ) -> Plan:
+    """`hosts[r]`: the host of rank r (ranks of one host may share a file); None: all on one host."""
     model = [i for i, u in enumerate(units) if u.targets[0].group == "model"]
     groups = split_files(units, max_shard_bytes, model) if model else []  # only an adapter: no model files
     names = model_file_names(len(groups))
@@ -253,17 +266,27 @@ def make_plan(
             names.append(name)
     sizes = [sum(t.nbytes for i in g for t in units[i].targets) for g in groups]
     owners = assign_owners(sizes, world)
-    out, owner_of, file_of = [], [0] * len(units), [0] * len(units)
+    owner_of = [0] * len(units)
+    for f, group in enumerate(groups):
+        for i in group:
+            owner_of[i] = owners[f]
+    readers = assign_readers(files, world)
+    if world > 1 and not spread.balanced(_loads(sizes, owners, world)):
+        owner_of, owners = spread.spread(units, groups, [sum(t.nbytes for t in u.targets) for u in units],
+                                         _local_bytes(units, sources, readers), hosts or (0,) * world)
+    out, file_of = [], [0] * len(units)
     for f, group in enumerate(groups):
         targets = sorted((t for i in group for t in units[i].targets), key=lambda t: natural_key(t.name))
+        writers = sorted({owner_of[i] for i in group})
         out.append(OutputFile(name=names[f], owner=owners[f], units=tuple(group), targets=tuple(targets),
-                              group=units[group[0]].targets[0].group))
+                              group=units[group[0]].targets[0].group,
+                              writers=tuple(writers) if len(writers) > 1 else ()))
         for i in group:
-            owner_of[i], file_of[i] = owners[f], f
-    rounds = _rounds(units, out, sources, world, budget_bytes)
+            file_of[i] = f
+    rounds = _rounds(units, out, sources, owner_of, world, budget_bytes)
     return Plan(
         world=world,
-        readers=assign_readers(files, world),
+        readers=readers,
         sources=sources,
         units=tuple(units),
         files=tuple(out),
@@ -275,19 +298,39 @@ def make_plan(
     )
 
 
-def _rounds(units, files, sources, world, budget) -> tuple[tuple[int, ...], ...]:
-    """Each owner takes its units in file order in batches whose source bytes fit the budget."""
+def _loads(sizes: list[int], owners: list[int], world: int) -> list[int]:
+    loads = [0] * world
+    for size, owner in zip(sizes, owners, strict=True):
+        loads[owner] += size
+    return loads
+
+
+def _local_bytes(units: list[Unit], sources: dict[str, SourceTensor], readers: tuple[int, ...]) -> list[dict]:
+    """Per unit: {rank: bytes of its sources that rank reads}."""
+    out = []
+    for u in units:
+        local: dict[int, int] = defaultdict(int)
+        for name in u.sources:
+            for frag in sources[name].fragments:
+                local[readers[frag.file_index]] += frag.nbytes
+        out.append(local)
+    return out
+
+
+def _rounds(units, files, sources, owner_of, world, budget) -> tuple[tuple[int, ...], ...]:
+    """Each writer takes its units in file order in batches whose source bytes fit the budget."""
     batches: list[list[list[int]]] = [[] for _ in range(world)]
     filled = [0] * world
     for f in files:
         for i in f.units:
             need = sum(_source_bytes(sources[s].meta) for s in units[i].sources)
-            mine = batches[f.owner]
-            if not mine or filled[f.owner] + need > budget:
+            owner = owner_of[i]
+            mine = batches[owner]
+            if not mine or filled[owner] + need > budget:
                 mine.append([])
-                filled[f.owner] = 0
+                filled[owner] = 0
             mine[-1].append(i)
-            filled[f.owner] += need
+            filled[owner] += need
     depth = max((len(b) for b in batches), default=0)
     return tuple(tuple(i for b in batches if k < len(b) for i in b[k]) for k in range(depth))
 

@@ -54,7 +54,9 @@ def plan_merge(found: Discovery, fragments: list[Fragment], world: int, settings
     return replace(prepared.plan, notes=(*prepared.plan.notes, *notes))
 
 
-def prepare_merge(found: Discovery, fragments: list[Fragment], world: int, settings: OutputSettings) -> Prepared:
+def prepare_merge(found: Discovery, fragments: list[Fragment], world: int, settings: OutputSettings,
+                  hosts: tuple[int, ...] | None = None) -> Prepared:
+    """`hosts[r]`: the host of rank r, for plan.make_plan (None: every rank on one host)."""
     scan = found.scan
     sources = planning.merge_inventories(fragments, scan.files)
     # The checkpoint's own tensors go to the family's claim; a second input root's (--base-model) ride along.
@@ -79,6 +81,7 @@ def prepare_merge(found: Discovery, fragments: list[Fragment], world: int, setti
         budget_bytes=settings.budget_bytes,
         extra_files=result.extra_files,
         notes=tuple(result.notes),
+        hosts=hosts,
     )
     plan = replace(plan, config_updates=dict(result.config_updates))  # finalize writes them into config.json
     return Prepared(plan=plan, left_out=dict(result.left_out), must_equal=tuple(result.must_equal))

@@ -3,6 +3,11 @@
 Bytes may arrive in any order and in pieces (a fragment straight from an input file, a received
 buffer, a whole assembled tensor): each lands at its planned offset. The file lives under a hidden
 temporary name until every byte is in and it is fsynced; then it is renamed into place.
+
+A shared file (plan.OutputFile.shared: several ranks of one host write its units) is made in three steps:
+its owner creates it at full size with the header; each writer opens it, writes its own units and fsyncs
+(`finish`); the owner renames it (`commit`) once every writer's part is durable (engine.py orders the steps
+with collectives).
 """
 
 from __future__ import annotations
@@ -38,16 +43,30 @@ def header_bytes(targets: tuple[Target, ...]) -> tuple[bytes, dict[str, tuple[in
 
 
 class ShardWriter:
-    def __init__(self, out_dir: Path, name: str, targets: tuple[Target, ...]) -> None:
+    def __init__(self, out_dir: Path, name: str, targets: tuple[Target, ...], *, part: int | None = None,
+                 create: bool = True) -> None:
+        """`part`: the bytes of a shared file this rank writes (None: the whole file, renamed by `finish`).
+        `create`: make the temporary file (a shared file's other writers open the one its owner made)."""
         self.final = out_dir / name
         self.temp = out_dir / partial_name(name)
-        self.final.parent.mkdir(parents=True, exist_ok=True)
+        self.shared = part is not None
         head, self.ranges = header_bytes(targets)
         self.data_start = len(head)
         self.size = len(head) + sum(t.nbytes for t in targets)
-        self.missing = self.size - len(head)  # data bytes not yet written
-        self.fd = os.open(self.temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.own_bytes = part if self.shared else self.size - len(head)
+        self.missing = self.own_bytes  # data bytes this rank has not yet written
+        try:
+            if not create:
+                self.fd = os.open(self.temp, os.O_WRONLY | os.O_NOFOLLOW)
+                return
+            self.final.parent.mkdir(parents=True, exist_ok=True)
+            self.fd = os.open(self.temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        except OSError as err:
+            self.fd = -1
+            self._failed(err)
         self.pwrite(memoryview(head), 0)
+        if self.shared:  # full size now: the other writers' ranges exist before they write them
+            self._truncate()
 
     def offset(self, name: str, start: int = 0) -> int:
         """File offset of byte `start` of tensor `name`."""
@@ -78,13 +97,18 @@ class ShardWriter:
         return self.missing == 0
 
     def finish(self) -> None:
-        """fsync, close, rename: after this the file is whole or absent, never half-written."""
+        """fsync, close, rename: after this the file is whole or absent, never half-written. A shared file's
+        part is only made durable: its owner renames the file (`commit`) once every part is."""
         assert self.missing == 0, f"{self.final.name}: {self.missing} bytes never written"
         try:
             os.fsync(self.fd)
         finally:
             os.close(self.fd)
             self.fd = -1
+        if not self.shared:
+            self.commit()
+
+    def commit(self) -> None:
         os.replace(self.temp, self.final)
         fsync_dir(self.final.parent)
 
@@ -99,6 +123,12 @@ class ShardWriter:
         try:
             while done < len(buf):
                 done += os.pwrite(self.fd, buf[done : done + WRITE_CHUNK], offset + done)
+        except OSError as err:
+            self._failed(err)
+
+    def _truncate(self) -> None:
+        try:
+            os.ftruncate(self.fd, self.size)
         except OSError as err:
             self._failed(err)
 

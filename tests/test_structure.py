@@ -13,12 +13,12 @@ LAYERS = {
     0: ("errors", "dtypes", "output_files", "results", "input_tree"),
     1: ("formats", "comm", "transforms"),
     2: ("families",),
-    3: ("plan", "reader", "writer", "discover", "inventory"),
+    3: ("plan", "spread", "reader", "writer", "discover", "inventory"),
     4: ("prepare", "exchange", "assemble", "replicas", "unwritten", "resume", "finalize", "report"),
     5: ("engine", "inspect", "verify", "cli_options"),
     6: ("cli", "__main__"),
 }
-ENGINE = ("plan", "reader", "writer", "discover", "prepare", "exchange", "assemble", "replicas", "unwritten",
+ENGINE = ("plan", "spread", "reader", "writer", "discover", "prepare", "exchange", "assemble", "replicas", "unwritten",
           "resume", "finalize", "engine", "inspect", "inventory")
 
 

@@ -1,0 +1,95 @@
+"""Spreading the writing of output files over several ranks of a host, when whole files cannot balance it.
+
+Files are cut by size alone (the output must be byte-identical whatever the number of processes), so whole
+files often balance badly: one 0.8 GB model.safetensors at N=2 leaves one rank idle; 275 files of 5 GB over 64
+ranks put 17% more than the mean on the busiest rank. Then the plan (pure, the same on every rank):
+
+    1. gives each file to a host: largest first, onto the host with the fewest bytes per rank;
+    2. within a host, gives each unit to a rank: largest first, onto the rank that reads most of the unit's
+       bytes among those still under the host's mean, else onto the least loaded (so a unit is mostly
+       written where it was read, and what crosses ranks is what locality cannot avoid);
+    3. makes the writer with the most bytes of a file its owner.
+
+A file whose units land on several ranks is *shared*: its owner creates it (header, full size) before the
+first round, each writer pwrites its own units, and the owner renames it into place once every part is
+durable (engine.py). Ranks share files only within a host: processes writing disjoint ranges of one file
+through one page cache is what every local filesystem supports, while across nodes it would hang on the
+coherence of the shared filesystem (NFS clients cache and flush pages on their own).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict
+from collections.abc import Sequence
+
+from distmerge.families.base import Unit
+
+TOLERANCE = 0.05  # whole files are kept when the busiest rank writes at most this much above the mean
+
+
+def balanced(loads: Sequence[int], tolerance: float = TOLERANCE) -> bool:
+    mean = sum(loads) / len(loads)
+    return max(loads) <= mean * (1 + tolerance)
+
+
+def spread(units: Sequence[Unit], groups: Sequence[Sequence[int]], unit_bytes: Sequence[int],
+           local: Sequence[dict[int, int]], hosts: Sequence[int]) -> tuple[list[int], list[int]]:
+    """(owner of each unit, owner of each file). `groups[f]` = the units of file f, `local[u]` = {rank: bytes of
+    unit u's sources that rank reads}, `hosts[r]` = the host of rank r (any hashable numbering)."""
+    ranks_of: dict[int, list[int]] = defaultdict(list)
+    for rank, host in enumerate(hosts):
+        ranks_of[host].append(rank)
+    file_bytes = [sum(unit_bytes[u] for u in g) for g in groups]
+    host_of_file = _files_to_hosts(file_bytes, ranks_of)
+    owner_of_unit = [0] * len(units)
+    for host, ranks in ranks_of.items():
+        mine = [u for f, g in enumerate(groups) if host_of_file[f] == host for u in g]
+        for u, rank in _units_to_ranks(mine, unit_bytes, local, ranks).items():
+            owner_of_unit[u] = rank
+    return owner_of_unit, [_file_owner(g, unit_bytes, owner_of_unit) for g in groups]
+
+
+def _files_to_hosts(file_bytes: list[int], ranks_of: dict[int, list[int]]) -> list[int]:
+    """Largest file first onto the host with the fewest bytes per rank (ties: the host of the lowest rank)."""
+    heap = [(0.0, ranks[0], host) for host, ranks in ranks_of.items()]
+    heapq.heapify(heap)
+    loads = dict.fromkeys(ranks_of, 0)
+    host_of = [0] * len(file_bytes)
+    for f in sorted(range(len(file_bytes)), key=lambda f: (-file_bytes[f], f)):
+        _, first, host = heapq.heappop(heap)
+        host_of[f] = host
+        loads[host] += file_bytes[f]
+        heapq.heappush(heap, (loads[host] / len(ranks_of[host]), first, host))
+    return host_of
+
+
+def _units_to_ranks(mine: list[int], unit_bytes: Sequence[int], local: Sequence[dict[int, int]],
+                    ranks: list[int]) -> dict[int, int]:
+    """Largest unit first: onto the rank reading most of it while that rank stays under the mean, else onto
+    the least loaded rank (the usual largest-first bound: no rank ends more than one unit above the mean)."""
+    mean = sum(unit_bytes[u] for u in mine) / len(ranks)
+    load = dict.fromkeys(ranks, 0)
+    heap = [(0, r) for r in ranks]  # (load, rank), entries go stale when a rank is chosen for locality
+    chosen: dict[int, int] = {}
+    for u in sorted(mine, key=lambda u: (-unit_bytes[u], u)):
+        size = unit_bytes[u]
+        near = [(-nbytes, load[r], r) for r, nbytes in local[u].items() if r in load and load[r] + size <= mean]
+        if near:
+            rank = min(near)[2]
+        else:
+            while heap[0][0] != load[heap[0][1]]:  # drop stale entries
+                heapq.heappop(heap)
+            rank = heap[0][1]
+        chosen[u] = rank
+        load[rank] += size
+        heapq.heappush(heap, (load[rank], rank))
+    return chosen
+
+
+def _file_owner(group: Sequence[int], unit_bytes: Sequence[int], owner_of_unit: list[int]) -> int:
+    """The writer with the most bytes of the file (ties: the lowest rank) creates, renames and records it."""
+    share: dict[int, int] = defaultdict(int)
+    for u in group:
+        share[owner_of_unit[u]] += unit_bytes[u]
+    return min(share, key=lambda r: (-share[r], r))
