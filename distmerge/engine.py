@@ -77,7 +77,7 @@ def merge(opts: MergeOptions, comm: Comm, progress: Progress) -> MergeResult:
     try:
         mine = [i for i, r in enumerate(readers) if r == comm.rank]
         # inventories travel as columns (inventory.py says why), with the host of each rank (spread.py)
-        gathered = comm.gather(lambda: (_host(), inventory.pack(reader.open(mine))))
+        gathered = comm.gather(lambda: (_host(out), inventory.pack(reader.open(mine))))
         hosts = _host_numbers([host for host, _ in gathered])
         prepared = comm.agree(lambda: prepare_merge(found, inventory.unpack([part for _, part in gathered]),
                                                     comm.world, opts.settings, hosts=hosts))
@@ -160,13 +160,15 @@ def _discover(opts: MergeOptions) -> disc.Discovery:
     return found
 
 
-def _host() -> str:
-    """This machine: its boot id where Linux has one (hostnames repeat across containers), else its name."""
+def _host(out: Path) -> str:
+    """This machine and its view of the output folder: the boot id where Linux has one (hostnames repeat across
+    containers), the host name, and the folder's device (two containers of one machine may mount it apart)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read(64).strip() + "@" + socket.gethostname()
+            boot = f.read(64).strip()
     except OSError:
-        return socket.gethostname()
+        boot = ""
+    return f"{boot}@{socket.gethostname()}:{os.stat(out).st_dev}"
 
 
 def _host_numbers(names: list[str]) -> tuple[int, ...]:
