@@ -4,6 +4,7 @@ one output file go through shared files; these tests check the plan's promises d
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -15,6 +16,7 @@ from distmerge.families.hf import HF
 from distmerge.formats import registry
 from distmerge.plan import make_plan, merge_inventories
 from distmerge.prepare import OutputSettings, prepare_merge
+from tests.conftest import merge_inproc, torchrun
 from tests.test_plan import files, frag
 
 
@@ -87,3 +89,21 @@ def test_a_zero_save_is_written_where_it_was_read(ds_ckpts, world):
 
 def test_balanced_is_relative_to_the_mean():
     assert spread.balanced([105, 95]) and not spread.balanced([106, 94]) and not spread.balanced([10, 0])
+
+
+@pytest.mark.torchrun
+def test_a_shared_file_is_whole_or_absent(fsdp_ckpts, tmp_path):
+    """Two ranks write the one model.safetensors; rank 1 fails in round 2, after both have written parts of it
+    (DISTMERGE_TEST_FAIL_AT, the engine's test hook). Nothing is left: no final file, no partial one, no index.
+    Then the same merge, whole: byte-identical to one process's. Shown to fail with `writer.abort()` not
+    removing the temporary file (the partial file stayed)."""
+    args = ("--input", fsdp_ckpts["fsdp2_llama_w4"], "--budget", "16KiB", "--quiet")
+    failed = torchrun(2, "merge", *args, "--output", tmp_path / "failed", env={"DISTMERGE_TEST_FAIL_AT": "1:2"})
+    assert failed.returncode != 0
+    assert sorted(p.name for p in (tmp_path / "failed").iterdir() if p.name != ".distmerge") == []
+    assert torchrun(2, "merge", *args, "--output", tmp_path / "two").returncode == 0
+    assert merge_inproc(*args, "--output", tmp_path / "one") == 0
+    two, one = (tmp_path / name / "model.safetensors" for name in ("two", "one"))
+    assert two.read_bytes() == one.read_bytes()
+    index = json.loads((tmp_path / "two" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {"model.safetensors"}
