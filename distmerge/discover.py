@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ def discover(root: Path, fmt_name: str, hf_config: Path | None, options: Mapping
     fmt = registry.pick(root, fmt_name)
     registry.check_options(fmt, options)
     scan = fmt.scan(root, options)
+    scan = replace(scan, walked=input_tree.record(scan.root, [Path(scan.root) / f.path for f in scan.files]))
     hf_dir = Path(hf_config) if hf_config else (Path(scan.hf_dir) if scan.hf_dir else None)
     if base_model is not None:
         scan = registry.with_base_model(scan, base_model)

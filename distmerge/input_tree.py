@@ -5,9 +5,12 @@ So the folder is walked once, at discovery, with `lstat` only: every entry is re
 a folder, a link that stays inside (recorded as the entry it leads to), or refused (a link that leads
 out of the input, a FIFO, a device, a socket). Later lookups go through that record, never through the
 file system's own resolution, so a linked `iter_N/` or `huggingface/` cannot move the anchor the
-inside-check resolves against. Opening re-checks with O_NOFOLLOW and fstat that the file is still the one
-recorded (same device and inode, still regular), so a file swapped for a FIFO or a link in between is
-refused, not followed. Small files (configs, trackers, markers) are read through `read_small`, which
+inside-check resolves against. Every later open of an input file goes through `open_input`: each folder on
+the way and the file itself are opened with O_NOFOLLOW from the walked root (so a file or folder swapped
+for a link after the walk is refused, never followed), the file with O_NONBLOCK (a FIFO cannot block),
+then fstat must show a regular file of the recorded size and, on the host that walked, the recorded device
+and inode. The walk's record of the listed files travels with the scan (`Walked`), so ranks other than
+0 check the same things. Small files (configs, trackers, markers) are read through `read_small`, which
 never reads past its cap.
 """
 
@@ -15,8 +18,10 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import stat
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from distmerge.errors import InputError
@@ -172,34 +177,122 @@ def tree_at(root: Path) -> InputTree:
     return tree_for(root) or InputTree(root)
 
 
-# -- reading: bounded, regular files only ----------------------------------------------------------------
-def open_checked(path: Path, expect: Entry | None = None) -> int:
-    """An fd for a regular file, opened without following a last-component link and without blocking on a
-    FIFO; when `expect` is given, the file must still be that one (device and inode)."""
+# -- the record every rank opens by ----------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class Walked:
+    """What the walk saw of the files a scan lists, sent to every rank with the scan: for each file (by the
+    absolute path formats open it by) its path inside the walked root, with no link on the way, its size,
+    device and inode. Device and inode are compared only on the host that walked: across the nodes of a
+    shared file system inode numbers usually agree but device numbers do not, and some file systems (FUSE,
+    some NFS exports) number inodes per mount, so another node compares the size only."""
+
+    root: str  # the walked input folder, resolved
+    host: str  # host_id() of the walking process
+    files: dict[str, tuple[str, int, int, int]] = field(default_factory=dict)  # path -> (inside, size, dev, ino)
+    folders: dict[str, str] = field(default_factory=dict)  # folders whose unlisted files are opened (scan root)
+
+
+def host_id() -> str:
+    """This machine (and boot): where device and inode numbers mean the same file."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read(64).strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def record(folder: Path | str, paths: Iterable[Path | str]) -> Walked | None:
+    """The walk's record of the files `paths` (at discovery, on rank 0), or None outside a walked input."""
+    tree = tree_for(folder)
+    if tree is None:
+        return None
+    walked = Walked(root=str(tree.root), host=host_id())
+    walked.folders[os.path.abspath(folder)] = str(tree.folder(folder).relative_to(tree.root))
+    for path in paths:
+        real, entry = tree._checked(path, "file")
+        walked.files[os.path.abspath(path)] = (str(real.relative_to(tree.root)), entry.size, entry.dev, entry.ino)
+    return walked
+
+
+_ADOPTED: list[Walked] = []  # the record this process's reader opens by (ranks other than 0 have no tree)
+
+
+def adopt(walked: Walked | None) -> None:
+    """Open the scan's files by the walk's record from now on (None: forget it)."""
+    _ADOPTED.clear()
+    if walked is not None:
+        _ADOPTED.append(walked)
+
+
+# -- opening: through the record, never by a path the file system resolves --------------------------------
+def open_input(path: Path | str) -> tuple[int, Path]:
+    """An fd for a file of the input, checked against the walk's record (the module docstring says how);
+    outside any walked input (--hf-config, --base-model: the user's own folders) any regular file its path
+    leads to. One line (InputError) when the file is not the one listed."""
+    tree = tree_for(path)
+    if tree is not None:
+        real, entry = tree._checked(path, "file")
+        rel = str(real.relative_to(tree.root))
+        return _open_beneath(path, tree.root, rel, entry.size, (entry.dev, entry.ino)), real
+    full = os.path.abspath(path)
+    for walked in _ADOPTED:
+        if full in walked.files:
+            rel, size, dev, ino = walked.files[full]
+            same_host = walked.host == host_id()
+            return _open_beneath(path, Path(walked.root), rel, size, (dev, ino) if same_host else None), \
+                Path(walked.root) / rel
+        folder = next((f for f in walked.folders if Path(full).is_relative_to(f)), None)
+        if folder is not None:  # an unlisted file of the save (DCP's .metadata): no link on the way, regular
+            rel = os.path.normpath(os.path.join(walked.folders[folder], os.path.relpath(full, folder)))
+            return _open_beneath(path, Path(walked.root), rel, None, None), Path(walked.root) / rel
+    real = Path(os.path.realpath(path))
+    if not real.is_file():
+        raise InputError(f"{path} is not a regular file")
+    return _open_beneath(path, real.parent, real.name, None, None), real
+
+
+_FOLDER = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # O_NONBLOCK: opening a FIFO returns at once
+
+
+def _open_beneath(shown: Path | str, root: Path, rel: str, size: int | None, ident: tuple[int, int] | None) -> int:
+    """root/rel opened one component at a time, none followed if it is a link; then fstat: a regular file,
+    of `size` and device and inode `ident` when given."""
+    parts = [p for p in rel.split(os.sep) if p not in ("", ".")]
+    if not parts or ".." in parts:
+        raise InputError(f"{shown} is not a file inside the input folder")
+    try:
+        at = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # the root was resolved when walked
     except OSError as err:
-        raise InputError(f"{path} cannot be opened ({err.strerror}); distmerge opens only regular files, "
-                         "not links") from None
+        raise InputError(f"{shown} cannot be opened ({err.strerror}): its folder {root} is gone") from None
+    try:
+        for part in parts[:-1]:
+            at, previous = os.open(part, _FOLDER, dir_fd=at), at
+            os.close(previous)
+        fd = os.open(parts[-1], _FILE, dir_fd=at)
+    except OSError as err:
+        raise InputError(f"{shown} cannot be opened ({err.strerror}): distmerge opens only the regular files and "
+                         "folders it listed, never a link put in their place; merge a checkpoint nothing else is "
+                         "writing") from None
+    finally:
+        os.close(at)
     st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or (expect is not None and (st.st_dev, st.st_ino) != (expect.dev, expect.ino)):
+    if not stat.S_ISREG(st.st_mode) or (size is not None and st.st_size != size) or (
+            ident is not None and (st.st_dev, st.st_ino) != ident):
         os.close(fd)
-        raise InputError(f"{path} is not the regular file distmerge listed (it changed while being read); "
-                         "merge a checkpoint nothing else is writing")
+        now = "a regular file" if stat.S_ISREG(st.st_mode) else _special(st.st_mode)
+        listed = "" if size is None else f", listed with {size:,}"
+        raise InputError(f"{shown} is not the regular file distmerge listed (now {now} of {st.st_size:,} bytes"
+                         f"{listed}): it changed after the input was listed; merge a checkpoint nothing else is "
+                         "writing")
     return fd
 
 
-def open_input(path: Path) -> tuple[int, Path]:
-    """An fd for a file: through the input's tree when it lies in one, else (--hf-config, the user's own
-    folder) any regular file its path leads to."""
-    tree = tree_for(path)
-    if tree is None:
-        real = Path(os.path.realpath(path))
-        if not real.is_file():
-            raise InputError(f"{path} is not a regular file")
-        return open_checked(real), real
-    real, entry = tree._checked(path, "file")
-    return open_checked(real, entry), real
+def fd_name(fd: int) -> str:
+    """A file name that opens the very file `fd` holds, whatever now lies at its path: for libraries that
+    open by name (torch.load with mmap), so they read the file that was checked."""
+    return f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else f"/dev/fd/{fd}"
 
 
 def read_small(path: Path, cap: int, what: str) -> bytes:
@@ -264,45 +357,3 @@ def copy_file(src: Path, dst: Path, cap: int = COPY_CAP) -> None:
                 f_out.write(data)
     finally:
         os.close(fd)
-
-
-HASHED = 64 * 1024  # bytes hashed at each end of a file to tell copies apart
-
-
-def first_copy(paths: list[Path]) -> tuple[Path, Path] | None:
-    """Two files of a save that are one file (a link to the other) or copies of each other: the same size
-    and the same first and last 64 KiB (a torch.save zip starts with its pickle and ends with its
-    directory, which holds every record's CRC), or None. Files of one save always differ there."""
-    seen: dict[tuple, Path] = {}
-    by_size: dict[int, list[Path]] = {}
-    for path in paths:
-        fd, _ = open_input(path)
-        try:
-            st = os.fstat(fd)
-            if (st.st_dev, st.st_ino) in seen:
-                return seen[(st.st_dev, st.st_ino)], path
-            seen[(st.st_dev, st.st_ino)] = path
-            by_size.setdefault(st.st_size, []).append(path)
-        finally:
-            os.close(fd)
-    for group in (g for g in by_size.values() if len(g) > 1):
-        digests: dict[str, Path] = {}
-        for path in group:
-            digest = _ends_digest(path)
-            if digest in digests:
-                return digests[digest], path
-            digests[digest] = path
-    return None
-
-
-def _ends_digest(path: Path) -> str:
-    import hashlib
-
-    fd, _ = open_input(path)
-    try:
-        size = os.fstat(fd).st_size
-        head = os.pread(fd, HASHED, 0)
-        tail = os.pread(fd, HASHED, max(0, size - HASHED))
-    finally:
-        os.close(fd)
-    return hashlib.sha256(head + tail).hexdigest()

@@ -1,5 +1,7 @@
 """Reads fragment bytes on the rank that owns the input file: pread into memory, or copy_file_range
-straight into an output file. No mapping of the input is kept (mmap only told us where bytes are)."""
+straight into an output file. No mapping of the input is kept (mmap only told us where bytes are). Every
+file is opened through input_tree.open_input, by the walk's record that came with the scan: on every rank,
+a file replaced by a link or a FIFO after discovery is refused, never followed."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from distmerge import dtypes
+from distmerge import dtypes, input_tree
 from distmerge.errors import CorruptInputError
 from distmerge.formats import registry
 from distmerge.formats.base import Fragment, InputFormat, OpenedFile, Scan
@@ -27,6 +29,7 @@ class Reader:
         self._fds: dict[int, int] = {}
         self.bytes_read = 0
         self._kernel_copy = hasattr(os, "copy_file_range")
+        input_tree.adopt(scan.walked)  # files are opened by the walk's record, on every rank
 
     def open(self, indices: list[int]) -> list[Fragment]:
         """Discover: open the assigned files, return their fragments (the rank's inventory)."""
@@ -85,7 +88,7 @@ class Reader:
     def _fd(self, index: int) -> int:
         if index not in self._fds:
             file = self.files[index]  # a second input root's file (--base-model) names its own folder
-            self._fds[index] = os.open(Path(file.root or self.root) / file.path, os.O_RDONLY)
+            self._fds[index] = input_tree.open_input(Path(file.root or self.root) / file.path)[0]
         return self._fds[index]
 
     def close(self) -> None:
@@ -93,3 +96,4 @@ class Reader:
             os.close(fd)
         self._fds.clear()
         self.opened.clear()
+        input_tree.adopt(None)

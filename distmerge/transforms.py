@@ -112,6 +112,16 @@ def mla_rope_halves(sources: list[torch.Tensor], heads: int, keep: int, rope: in
     return [torch.cat([blocks[:, :keep], pairs], dim=1).reshape(weight.shape).contiguous()]
 
 
+def copies(sources: list[torch.Tensor], of: str, count: int, **params: object) -> list[torch.Tensor]:
+    """One target that a checkpoint also carries under other names (DeepSeek-V3's MTP layers repeat the embedding
+    and the output head, families/mtp.py): the transform `of` applied once, its one result given `count` times.
+
+        source -> of(source) = t   ->   [t, t, ...]   (count targets, the same bytes)
+    """
+    (out,) = TRANSFORMS[of](sources, **params)
+    return [out] * count
+
+
 TRANSFORMS: dict[str, Transform] = {
     "identity": identity,
     "lora_fuse": lora_fuse,
@@ -121,6 +131,7 @@ TRANSFORMS: dict[str, Transform] = {
     "rope_permute": rope_permute,
     "with_zero_bias": with_zero_bias,
     "mla_rope_halves": mla_rope_halves,
+    "copies": copies,
 }
 
 

@@ -144,7 +144,7 @@ def world_size_in_name(ckpt: Path, outside: Path) -> None:  # fsdp._check_ranks 
     (ckpt / "fsdp_config.json").unlink()
 
 
-def rank_copied(ckpt: Path, outside: Path) -> None:  # input_tree.first_copy in fsdp.scan
+def rank_copied(ckpt: Path, outside: Path) -> None:  # copies.first_copy in fsdp.scan
     shutil.copy(rank(ckpt, 0), rank(ckpt, 1))
 
 
@@ -257,7 +257,7 @@ def tracker_huge(ckpt: Path, outside: Path) -> None:
         f.truncate(64 << 20)
 
 
-def megatron_rank_copied(ckpt: Path, outside: Path) -> None:  # input_tree.first_copy in megatron_legacy.scan
+def megatron_rank_copied(ckpt: Path, outside: Path) -> None:  # copies.first_copy in megatron_legacy.scan
     shutil.copy(ckpt / SAVE / "mp_rank_00_001" / "model_optim_rng.pt", ckpt / SAVE / "mp_rank_01_001" /
                 "model_optim_rng.pt")
 

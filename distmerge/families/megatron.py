@@ -13,9 +13,9 @@ from functools import cache
 from typing import Any
 
 from distmerge.errors import InputError, LayoutError
-from distmerge.families import base, megatron_mla, value_head
+from distmerge.families import base, megatron_mla, mtp, value_head
 from distmerge.families.base import FamilyContext, FamilyResult, SourceMeta, Target, Unit, output_dtype
-from distmerge.families.megatron_tables import FAMILIES, FLOAT32_TARGETS, LAYERS, MODEL_TYPES, Row
+from distmerge.families.megatron_tables import FAMILIES, FLOAT32_TARGETS, LAYERS, MODEL_TYPES, MTP, Row
 from distmerge.formats.base import Hints
 
 HEAD = base.CAUSAL_LM.tied_heads[0][0]
@@ -24,7 +24,6 @@ HEAD = base.CAUSAL_LM.tied_heads[0][0]
 
 def units(sources: dict[str, SourceMeta], ctx: FamilyContext) -> FamilyResult:
     refuse_vision_language(sources, ctx.config)
-    megatron_mla.refuse_mtp(sources)
     head = value_head.megatron_head(sources)  # a critic's one-row output layer: written as a value head
     if not head:
         return _units(sources, ctx, lm_head=True)
@@ -49,9 +48,12 @@ def _units(sources: dict[str, SourceMeta], ctx: FamilyContext, lm_head: bool) ->
     rows = _compiled(arch)
     tied = base.CAUSAL_LM.ties(ctx.config)
     sizes = base.CAUSAL_LM.sizes(ctx.config)
+    # multi-token prediction layers are found by the rows of the decoder layer they are built like
+    aliases = megatron_mla.mtp_aliases(sources, sizes, arch in MTP)
     out, notes, unmapped = [], [], []
     for meta in sources.values():
-        found = next(((row, m) for row, pattern in rows if (m := pattern.fullmatch(meta.name))), None)
+        name = aliases.get(meta.name, meta.name)
+        found = next(((row, m) for row, pattern in rows if (m := pattern.fullmatch(name))), None)
         if found is None:
             unmapped.append(meta.name)
             continue
@@ -71,11 +73,13 @@ def _units(sources: dict[str, SourceMeta], ctx: FamilyContext, lm_head: bool) ->
         shown = ", ".join(sorted(unmapped)[:6])
         raise InputError(f"{len(unmapped)} Megatron tensors have no mapping for {arch} ({shown}): "
                          "distmerge would drop them; is config.json for this model?")
-    _check_complete(out, sizes, tied or not lm_head, arch)
+    _check_complete([u for u in out if u.sources[0] not in aliases], sizes, tied or not lm_head, arch)
+    layers = {int(m[1]) for u in out if u.sources[0] in aliases for t in u.targets if (m := mtp.LAYER.match(t.name))}
+    out, updates, mtp_notes = mtp.finish(out, layers, sizes)
     padded = sources.get("embedding.word_embeddings.weight")
     if padded and padded.shape[0] != sizes.get("vocab_size"):
         notes.append(f"vocabulary padding trimmed: {padded.shape[0]} -> {sizes['vocab_size']} rows")
-    return FamilyResult(units=out, notes=notes)
+    return FamilyResult(units=out, notes=notes + mtp_notes, config_updates=updates)
 
 
 def architecture(config: dict[str, Any]) -> str:
@@ -84,7 +88,8 @@ def architecture(config: dict[str, Any]) -> str:
 
 @cache
 def _compiled(arch: str) -> list[tuple[Row, re.Pattern[str]]]:
-    return [(row, re.compile(re.escape(row.source).replace(r"\{\}", r"(\d+)"))) for row in FAMILIES[arch]]
+    return [(row, re.compile(re.escape(row.source).replace(r"\{\}", r"(\d+)")))
+            for row in FAMILIES[arch] + MTP.get(arch, ())]
 
 
 def _params(transform: str, meta: SourceMeta, config: dict[str, Any], hints: Hints) -> tuple[tuple[str, object], ...]:

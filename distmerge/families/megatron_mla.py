@@ -9,19 +9,25 @@ attention does: per head [qk_nope | qk_rope] for linear_q_proj / linear_q_up_pro
 `rope_interleave: false` rotates the halves (x0 x1 ... | y0 y1 ...): the rope rows are permuted to that order
 (transforms.mla_rope_halves), so the model gives the same logits; copying them as they are would load and
 silently give others.
+
+Multi-token prediction blocks (`mtp.layers.{j}.*`) are found by the decoder's rows (mtp_aliases) and written as
+layer num_hidden_layers + j, as DeepSeek-V3's checkpoint has them (families/mtp.py).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Collection
 from typing import Any
 
 from distmerge.errors import InputError, LayoutError
 from distmerge.families.base import SourceMeta, config_int
+from distmerge.families.megatron_tables import MTP_LAYERS
 
 MLA = "mla"  # the table's transform name for every MLA projection: resolved here to identity or the permutation
 
 Sizes = dict[str, int | None]
+MTP_SOURCE = re.compile(r"^mtp\.layers\.(\d+)\.(.*)$")
 
 
 def _sizes(config: dict[str, Any]) -> Sizes:
@@ -74,15 +80,26 @@ def resolve(meta: SourceMeta, config: dict[str, Any]) -> tuple[str, tuple[tuple[
     return "mla_rope_halves", (("heads", heads), ("keep", keep), ("rope", sizes["qk_rope_head_dim"]))
 
 
-def refuse_mtp(names: Collection[str]) -> None:
-    """Multi-token prediction layers (megatron-core `mtp.layers.{j}.*`: enorm, hnorm, eh_proj, a transformer layer,
-    final_layernorm) have no module in transformers' DeepseekV3 (its loader ignores the released model.layers.61.*),
-    so no save_pretrained shows what to write; merging the rest would silently drop them."""
-    mtp = sorted(n for n in names if n.startswith("mtp."))
-    if mtp:
-        raise InputError(f"{len(mtp)} multi-token prediction tensors ({mtp[0]}, ...): distmerge does not map "
-                         "Megatron's MTP layers yet (transformers' models have no module for them); "
-                         "Megatron-Bridge's export converts them")
+def mtp_aliases(names: Collection[str], config: dict[str, Any], has_rows: bool) -> dict[str, str]:
+    """Each multi-token prediction source (megatron-core `mtp.layers.{j}.*`) -> the name its table row is found
+    by: the block's transformer layer (either spelling of megatron_tables.MTP_LAYERS) as decoder layer
+    num_hidden_layers + j (it is built from the decoder's layer spec, so the decoder's rows map it), its own
+    parts (enorm, hnorm, eh_proj, final_layernorm) as `mtp.layers.{num_hidden_layers + j}.*`. `has_rows`: the
+    architecture has MTP rows (megatron_tables.MTP)."""
+    found = {n: m for n in names if (m := MTP_SOURCE.match(n))}
+    if not found:
+        return {}
+    if not has_rows:
+        first = min(found)
+        raise InputError(f"{len(found)} multi-token prediction tensors ({first}, ...): distmerge maps Megatron's MTP "
+                         "layers for DeepSeek-V3 only; is config.json's architecture this model's?")
+    layers = config_int(config, "num_hidden_layers", "Megatron multi-token prediction")
+    out = {}
+    for name, m in found.items():
+        number, rest = layers + int(m[1]), m[2]
+        layer = next((p for p in MTP_LAYERS if rest.startswith(p)), None)
+        out[name] = f"decoder.layers.{number}.{rest[len(layer):]}" if layer else f"mtp.layers.{number}.{rest}"
+    return out
 
 
 def rope_interleaved(config: dict[str, Any]) -> bool:

@@ -105,6 +105,24 @@ DEEPSEEK_MOE = _experts(M + "mlp.gate.weight", M + "mlp.experts.{}.gate_proj.wei
 )
 DEEPSEEK_V3 = EMBEDDINGS + MLA_ATTENTION + PRE_MLP_NORM + DENSE_MLP + DEEPSEEK_MOE
 
+# Multi-token prediction, megatron-core transformer/multi_token_prediction.py (MultiTokenPredictionLayer): block j
+# is `mtp.layers.{j}.` with enorm, hnorm (norms of the next token's embedding and of the hidden state), eh_proj
+# (column-parallel Linear(2 hidden -> hidden) over [enorm(embedding); hnorm(hidden)], as Hugging Face's eh_proj),
+# a transformer layer (built from the decoder's last layer spec: its rows are the decoder's, found under
+# decoder.layers.{num_hidden_layers + j}, megatron_mla.mtp_aliases) and final_layernorm (the norm before the
+# shared output head). The layer is `transformer_layer.*` in megatron-core 0.16, `mtp_model_layer.*` in 0.19.
+# Hugging Face numbers the block num_hidden_layers + j (families/mtp.py); the aliases put that number in these
+# rows' `{}`. Kept apart from FAMILIES: transformers' models have no module for them, so the
+# save_pretrained contract tests cannot reach them (the real megatron-core MTP saves in tests do).
+MTP_BLOCK, MTP_LAYERS = "mtp.layers.{}.", ("transformer_layer.", "mtp_model_layer.")
+MTP_OWN = (
+    Row(MTP_BLOCK + "enorm.weight", (M + "enorm.weight",)),
+    Row(MTP_BLOCK + "hnorm.weight", (M + "hnorm.weight",)),
+    Row(MTP_BLOCK + "eh_proj.weight", (M + "eh_proj.weight",)),
+    Row(MTP_BLOCK + "final_layernorm.weight", (M + "shared_head.norm.weight",)),
+)
+MTP: dict[str, tuple[Row, ...]] = {"DeepseekV3ForCausalLM": MTP_OWN}
+
 # Hugging Face architecture -> its table. MoE tables keep the dense MLP rows for layers without experts.
 FAMILIES: dict[str, tuple[Row, ...]] = {
     "LlamaForCausalLM": DENSE,

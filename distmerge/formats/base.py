@@ -89,6 +89,7 @@ class Scan:
     notes: tuple[str, ...] = ()
     hints: Hints = field(default_factory=Hints)
     state: Any = None  # the format's own scan -> open() state (picklable); nothing else reads it
+    walked: Any = None  # input_tree.Walked: the walk's record of `files`, each rank opens them by (discover sets it)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from distmerge import dtypes
+from distmerge import dtypes, input_tree
 from distmerge.errors import CorruptInputError, InputError
 from distmerge.formats.base import FormatDefaults, Fragment, InputFile, OpenedFile, Scan, input_file, inside, register
 from distmerge.formats.dcp_keys import model_names
@@ -76,7 +76,7 @@ class DcpFormat(FormatDefaults):
         md = load_metadata(root)
         names = model_names(sorted({c.fqn for c in md.chunks}), str(root))
         opened = OpenedFile(fragments=[], layout={"DCP chunk": 0})
-        fd = os.open(root / file.path, os.O_RDONLY)
+        fd, _ = input_tree.open_input(root / file.path)  # the file the walk listed, no link or FIFO in its place
         try:
             for chunk in (c for c in md.chunks if c.file == file.path and c.fqn in names):
                 code = dtypes.code_of(chunk.dtype)

@@ -13,14 +13,13 @@ fragment_address) become inert records. deepspeed is never imported.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from distmerge import dtypes
+from distmerge import dtypes, input_tree
 from distmerge.errors import InputError, LayoutError
 from distmerge.formats import deepspeed_layout as ds
 from distmerge.formats.base import FormatDefaults, Fragment, Hints, InputFile, OpenedFile, Scan, input_file, register
@@ -65,7 +64,7 @@ class DeepSpeedFormat(FormatDefaults):
     def scan(self, root: Path, options: Mapping[str, Any]) -> Scan:
         save = ds.tag_dir(root, options)
         models, optims = _rank_files(save)
-        ds.check_own_files(save, models + optims)  # before any is read: no link out, no copy of another rank's
+        ds.check_own_files(save, models, optims)  # before any is read: no link out, no copy of another rank's
         first = _model_states(save / models[0])
         stage3 = ds.MODEL_STATES.match(models[0])[1] is not None
         masters = _use_masters(save, options.get(ds.WEIGHTS.dest), stage3, first, optims)
@@ -196,10 +195,7 @@ def _lora_meta(root: Path, save: Path) -> dict | None:
     for folder in (root, save.parent):
         path = folder / "adapter_config.json"
         if path.is_file():
-            try:
-                meta = json.loads(path.read_text())
-            except ValueError:
-                raise InputError(f"{path} is not valid JSON: fix it, or remove it and pass --lora-alpha") from None
+            meta = input_tree.read_json(path, input_tree.MARKER_CAP, "adapter_config.json")  # bounded, no link out
             return meta if isinstance(meta, dict) else None
     return None
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from distmerge import input_tree
 from distmerge.errors import InputError, LayoutError
+from distmerge.formats import copies
 from distmerge.formats.base import FormatOption
 
 LATEST = "latest"
@@ -78,12 +79,18 @@ def tag_dir(root: Path, options: Mapping[str, Any]) -> Path:
     return root / tag
 
 
-def check_own_files(save: Path, paths: list[str]) -> None:
+def check_own_files(save: Path, models: list[str], optims: list[str]) -> None:
     """Each rank's file is its own, not a copy of or a link to another rank's (which would give that rank's
-    partition twice and lose this one's). A renamed one is refused when opened (archive_name)."""
-    if copy := input_tree.first_copy([save / p for p in paths]):
+    partition twice and lose this one's). A renamed one is refused when opened (archive_name); one renamed
+    and relabelled inside by its tensor bytes: the optimizer files hold each rank's own partition of the
+    fp32 masters, never equal on two ranks (copies.payload_twin; model states may be: buffers only)."""
+    if copy := copies.first_copy([save / p for p in models + optims]):
         raise LayoutError(f"{save}: {copy[1].name} is the same file as {copy[0].name} (a copy or a link): each "
                           "data-parallel rank's file must be the one it saved; restore the original files")
+    if twin := copies.payload_twin([save / p for p in optims]):
+        raise LayoutError(f"{save}: {twin[1].name} holds the same tensor bytes as {twin[0].name}, record for record "
+                          "(whatever its names say): a copy of another rank's file; each data-parallel rank's file "
+                          "must be the one it saved; restore the original files")
 
 
 def partition_owner(recorded: dict, layout_of: Callable[[int], dict], world: int) -> int | None:

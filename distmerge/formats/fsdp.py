@@ -18,6 +18,7 @@ from typing import Any
 
 from distmerge import dtypes, input_tree
 from distmerge.errors import InputError, LayoutError
+from distmerge.formats import copies
 from distmerge.formats.base import FormatDefaults, Fragment, Hints, InputFile, OpenedFile, Scan, input_file, register
 from distmerge.formats.torch_private import archive_name, state_dicts
 from distmerge.formats.torch_private.mesh_record import MeshChecks
@@ -57,7 +58,7 @@ class FsdpFormat(FormatDefaults):
         notes = _check_config(root, world)
         _check_ranks(root, world, set(found))  # before anything is built from the world size in the names
         files = tuple(input_file(root, r, found[r][1].name, rank=r) for r in range(world))
-        if copy := input_tree.first_copy([root / f.path for f in files]):
+        if copy := copies.first_copy([root / f.path for f in files]):
             raise LayoutError(f"{root}: {copy[1].name} is the same file as {copy[0].name} (a copy or a link): "
                               "each rank file must be the one its rank saved; restore the original files")
         archive_name.check_saved_names([root / f.path for f in files])  # a rank file renamed to another's name

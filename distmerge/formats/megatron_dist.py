@@ -3,6 +3,9 @@
     iter_0001000/  metadata.json {"sharded_backend": "torch_dist"}, common.pt (args, iteration: not read),
                    .metadata, __R_k.distcp        (verl: dist_ckpt/ or model/dist_ckpt/)
 
+megatron-core 0.19 writes no common.pt: the common state is a bytes entry `common_state/shard_0_<world>` of
+__0_0.distcp, skipped like every DCP entry that is not a tensor (tests/data/megatron_core_0_19).
+
 The DCP reader does the work. Megatron stacks the layers of a homogeneous decoder on a leading axis:
 `decoder.layers.self_attention.linear_qkv.weight` has shape (layers, rows, cols) and every chunk covers one
 layer (`prepend_axis_num`); SequentialMLP experts add an expert axis after it. Each chunk is renamed
@@ -35,8 +38,11 @@ STACKED = (
     ("decoder.layers.", "decoder.layers.{}."),
 )
 # A decoder of mixed dense and MoE layers (DeepSeek's first_k_dense_replace) is saved per layer, under global
-# numbers, yet each MoE layer's SequentialMLP experts are still stacked on a leading expert axis.
-LAYER_EXPERTS = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)experts\.")
+# numbers, yet each MoE layer's SequentialMLP experts are still stacked on a leading expert axis; so are those of
+# a multi-token prediction block's layer (mtp.layers.{j}.transformer_layer.…, mtp_model_layer in megatron-core 0.19;
+# always saved per block).
+LAYER_EXPERTS = re.compile(
+    r"^((?:decoder\.layers\.\d+|mtp\.layers\.\d+\.(?:transformer_layer|mtp_model_layer))\.mlp\.experts\.)experts\.")
 
 
 @register

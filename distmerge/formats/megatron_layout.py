@@ -46,6 +46,9 @@ TP_SPLIT_DIMS = (
     (".linear_q_proj.weight", 0),
     (".linear_q_up_proj.weight", 0),
     (".linear_kv_up_proj.weight", 0),
+    # multi-token prediction (transformer/multi_token_prediction.py): eh_proj is column-parallel; the block's
+    # transformer layer splits as the decoder's layers do (the suffixes above)
+    (".eh_proj.weight", 0),
 )
 # MLA's down projections (hidden -> latent): the local spec builds them as ColumnParallelLinear (split on dim 0;
 # the attention gathers their output), the Transformer Engine spec as TELinear(parallel_mode="duplicated"), a

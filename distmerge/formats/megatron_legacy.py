@@ -19,8 +19,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from distmerge import dtypes, input_tree
+from distmerge import dtypes
 from distmerge.errors import LayoutError
+from distmerge.formats import copies
 from distmerge.formats import megatron_layout as mg
 from distmerge.formats.base import FormatDefaults, Fragment, Hints, InputFile, OpenedFile, Scan, input_file, register
 from distmerge.formats.megatron_grid import Grid, model_chunks, resolve_grid
@@ -55,7 +56,7 @@ class MegatronLegacyFormat(FormatDefaults):
     def scan(self, root: Path, options: Mapping[str, Any]) -> Scan:
         save = mg.save_dir(root, options)
         grid = resolve_grid(save)
-        if copy := input_tree.first_copy([save / p for p in grid.paths]):  # each rank's own file, not another's
+        if copy := copies.first_copy([save / p for p in grid.paths]):  # each rank's own file, not another's
             raise LayoutError(f"{save}: {copy[1].relative_to(save)} is the same file as {copy[0].relative_to(save)} "
                               "(a copy or a link): each rank folder must hold its own rank's file; restore them")
         offsets, counts, stage_bytes = _layer_offsets(save, grid)
@@ -74,6 +75,7 @@ class MegatronLegacyFormat(FormatDefaults):
         state: _State = scan.state
         tp, pp, ep = state.grid.coords[file.path]
         _check_same_save(saved.value, state, file.path)
+        _check_saving_rank(saved.value, state.grid, file.path)
         opened = OpenedFile(fragments=[], layout={})
         for chunk, tensors in enumerate(model_chunks(saved.value, path)):
             _check_layer_count(tensors, state.layer_counts[(pp, chunk)], file.path, pp)
@@ -113,6 +115,36 @@ def _check_same_save(value: Any, state: _State, path: str) -> None:
         if isinstance(saved, int) and saved != size:
             raise LayoutError(f"{path} was saved by another run: its args say {what}={saved}, this save has "
                               f"{size} ({state.grid.describe()}); use one save's files only")
+
+
+def _check_saving_rank(value: Any, grid: Grid, path: str) -> None:
+    """A rank file in its own folder: Megatron-LM's args record the global rank that saved it (`rank`, from
+    RANK), and its rank order (parallel_state.RankGenerator). TP is innermost in every order Megatron-LM uses
+    (tp-cp-ep-dp-pp by default; tp-pp-dp or tp-cp-ep-pp-dp with --use-tp-pp-dp-mapping), so its TP rank is
+    rank % TP; PP is outermost only in the default order, where its PP rank is rank // (world_size / PP). TP
+    shards of one tensor have equal shapes: without this, files exchanged between TP folders merge a wrong
+    model. Args without a rank (megatron-core's own tools, other trainers), or with an encoder's ranks before
+    the decoder's, are not checked, nor is rank 0: Megatron-LM's checkpoint converter (tools/checkpoint) saves
+    every rank's file from one process, each recording rank 0. A swap is still found: the other file of the
+    pair records a rank other than 0 (a copy is found by copies.first_copy)."""
+    args = value.get("args") if isinstance(value, dict) else None
+    rank, world = getattr(args, "rank", None), getattr(args, "world_size", None)
+    encoder = any(getattr(args, f"encoder_{k}_model_parallel_size", 0) for k in ("tensor", "pipeline"))
+    if not _count(rank) or rank == 0 or encoder:
+        return
+    tp, pp, ep = grid.coords[path]
+    saved_pp = pp
+    if getattr(args, "use_tp_pp_dp_mapping", None) is False and _count(world) and world % grid.pp == 0 and rank < world:
+        saved_pp = rank // (world // grid.pp)
+    if (rank % grid.tp, saved_pp) != (tp, pp):
+        own = grid.path_of(rank % grid.tp, saved_pp, ep)
+        raise LayoutError(f"{Path(path).parent.name}/ holds the file of {Path(own).parent.name}/: its args say rank "
+                          f"{rank} saved it (TP rank {rank % grid.tp}, PP rank {saved_pp}), which writes "
+                          f"{Path(own).parent.name}; rank files were exchanged or copied between folders; restore them")
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _fragment(name: str, key: str, ref: TensorRef, saved: torch_save.SavedObject, file: InputFile, tp: int,

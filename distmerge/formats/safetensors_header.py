@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from distmerge import dtypes
+from distmerge import dtypes, input_tree
 from distmerge.errors import CorruptInputError
 
 MAX_HEADER = 100 * 2**20  # the safetensors library's own limit
@@ -39,8 +40,9 @@ class Header:
 
 
 def read_header(path: Path) -> Header:
-    size = path.stat().st_size
-    with open(path, "rb") as f:
+    fd, _ = input_tree.open_input(path)  # inside the input: the file the walk listed, no link or FIFO in its place
+    size = os.fstat(fd).st_size
+    with os.fdopen(fd, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
             raise CorruptInputError(f"{path} is too short to be a safetensors file")

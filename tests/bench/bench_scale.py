@@ -2,7 +2,7 @@
 405B dense FSDP2 checkpoint and a 671B MoE Megatron checkpoint would report, for N merge processes.
 
     python tests/bench/bench_scale.py [--model 405b 671b] [--world 64 256 1024] [--procs 8 64 256]
-                                      [--max-shard-size 5GB] [--budget 128MiB] [--no-memory]
+                                      [--layout fsdp dcp] [--max-shard-size 5GB] [--budget 128MiB] [--no-memory]
 
 No bytes exist: the inventories are generated as the formats' `open` returns them (one list of
 distmerge.formats.base.Fragment per input file, with the files' InputFile records), from the models' real
@@ -21,11 +21,10 @@ plan: received inventories, sources, units, files, rounds); `open` = files a ran
 bytes per rank, max and mean; `rounds` and the largest round's source bytes (all owners) and the most one
 owner assembles in a round.
 
-Megatron: distmerge's Megatron family maps DeepSeek-V3 but refuses its MTP layer (transformers has no module
-for it), which the real checkpoint has, so this script registers a name table of its own, MTP included
-(below, through megatron.target_shapes): the planner sees the tensor
-count, shapes, replicas and split layout of the legacy `mp_rank_TT_PPP_EEE` save (TP=8 x PP=16 x EP=64,
-expert TP = TP, 8192 files; non-expert tensors are in every EP rank's file, as Megatron saves them).
+405B `--layout dcp`: the same FSDP2 state dict saved by `dcp.save` (`.metadata` + one `__R_0.distcp` per rank).
+671B: the legacy `mp_rank_TT_PPP_EEE` save (TP=8 x PP=16 x EP=64, expert TP = TP, 8192 files; non-expert
+tensors are in every EP rank's file, as Megatron saves them), named by bench_scale_deepseek.py's table (MTP
+included, which distmerge's Megatron family refuses: transformers has no module for it).
 """
 
 from __future__ import annotations
@@ -33,7 +32,6 @@ from __future__ import annotations
 import argparse
 import math
 import pickle
-import re
 import statistics
 import sys
 import time
@@ -43,11 +41,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import bench_scale_deepseek  # noqa: E402, F401  (registers the DeepSeek-V3 names, MTP included)
+
 from distmerge import dtypes, inventory  # noqa: E402
 from distmerge import plan as planning  # noqa: E402
 from distmerge.discover import Discovery  # noqa: E402
-from distmerge.families import base, megatron  # noqa: E402
 from distmerge.formats.base import Fragment, Hints, InputFile, Scan  # noqa: E402
+from distmerge.formats.dcp_keys import model_names  # noqa: E402
 from distmerge.prepare import OutputSettings, prepare_merge  # noqa: E402
 
 BF16, FP32 = "BF16", "F32"
@@ -100,6 +100,39 @@ def fsdp_inventories(world: int, config: dict = LLAMA, dtype: str = BF16) -> tup
     files = tuple(InputFile(index=r, path=f"model_world_size_{world}_rank_{r}.pt", size=at[r], rank=r)
                   for r in range(world))
     return files, per_file
+
+
+# -- the same state dict saved by dcp.save (torchtitan's model-only save; accelerate wraps it: {"model": sd}) --
+BLOB_HEAD, BLOB_TAIL = 704, 873  # a chunk's torch.save blob before and after its elements (torch 2.13, +-64)
+
+
+def dcp_inventories(world: int, config: dict = LLAMA, dtype: str = BF16, wrap: str = "") -> tuple[tuple, list]:
+    """What DcpFormat.open returns for each __R_0.distcp of dcp.save(FSDP2 state dict): rank R's Shard(0) chunk
+    of every tensor, one blob each (in llama_tensors' order; dcp.save follows the state dict's, which moves byte
+    offsets only); files in the scan's order (sorted paths: rank 10 before 2), keys named as open names them
+    (dcp_keys.model_names). A chunk index held by several ranks (empty shards past the end) is written once, by
+    the rank whose plan is smallest so far (dcp's dedup_save_plans)."""
+    _, by_rank = fsdp_inventories(world, config, dtype)
+    fqn = {f.name: f"{wrap}.{f.name}" if wrap else f.name for f in by_rank[0]}
+    names = model_names(sorted(fqn.values()), "/sim")
+    holders: dict[tuple, tuple[Fragment, list[int]]] = {}
+    for r, frags in enumerate(by_rank):
+        for f in frags:
+            holders.setdefault((f.name, f.offsets), (f, []))[1].append(r)
+    writer, planned = {}, [0] * world
+    for index, (f, ranks) in holders.items():
+        writer[index] = min(ranks, key=planned.__getitem__)
+        planned[writer[index]] += f.nbytes or 1
+    files, per_file = [], []
+    for index, r in enumerate(sorted(range(world), key=lambda r: f"__{r}_0.distcp")):
+        at, frags = 0, []
+        for f in (f for f in by_rank[r] if writer[f.name, f.offsets] == r):
+            frags.append(replace(f, name=names[fqn[f.name]], key=fqn[f.name], file_index=index,
+                                 byte_offset=at + BLOB_HEAD))
+            at += BLOB_HEAD + f.nbytes + BLOB_TAIL
+        files.append(InputFile(index=index, path=f"__{r}_0.distcp", size=at))
+        per_file.append(frags)
+    return tuple(files), per_file
 
 
 # -- DeepSeek-V3 saved by Megatron (legacy mp_rank_TT_PPP_EEE), TP x PP x EP ---------------------------------
@@ -195,65 +228,6 @@ def megatron_inventories(tp: int, pp: int, ep: int) -> tuple[tuple[InputFile, ..
     return tuple(files), per_file
 
 
-# The bench's DeepSeek-V3 family: megatron-core names -> Hugging Face names, with the MTP layer as layer 61.
-LAYER_PREFIXES = ((re.compile(r"decoder\.layers\.(\d+)\."), 0),
-                  (re.compile(r"mtp\.layers\.(\d+)\.transformer_layer\."), 61),  # the MTP module is HF's layer 61
-                  (re.compile(r"mtp\.layers\.(\d+)\."), 61))
-GLOBAL = {"embedding.word_embeddings.weight": (("model.embed_tokens.weight",), "trim_rows"),
-          "output_layer.weight": (("lm_head.weight",), "trim_rows"),
-          "decoder.final_layernorm.weight": (("model.norm.weight",), "identity")}
-IN_LAYER = {"input_layernorm.weight": ("input_layernorm.weight",),
-            "self_attention.linear_q_down_proj.weight": ("self_attn.q_a_proj.weight",),
-            "self_attention.linear_q_up_proj.layer_norm_weight": ("self_attn.q_a_layernorm.weight",),
-            "self_attention.linear_q_up_proj.weight": ("self_attn.q_b_proj.weight",),
-            "self_attention.linear_kv_down_proj.weight": ("self_attn.kv_a_proj_with_mqa.weight",),
-            "self_attention.linear_kv_up_proj.layer_norm_weight": ("self_attn.kv_a_layernorm.weight",),
-            "self_attention.linear_kv_up_proj.weight": ("self_attn.kv_b_proj.weight",),
-            "self_attention.linear_proj.weight": ("self_attn.o_proj.weight",),
-            "pre_mlp_layernorm.weight": ("post_attention_layernorm.weight",),
-            "mlp.linear_fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-            "mlp.linear_fc2.weight": ("mlp.down_proj.weight",),
-            "mlp.router.weight": ("mlp.gate.weight",), "mlp.router.expert_bias": ("mlp.gate.e_score_correction_bias",),
-            "mlp.shared_experts.linear_fc1.weight": ("mlp.shared_experts.gate_proj.weight",
-                                                     "mlp.shared_experts.up_proj.weight"),
-            "mlp.shared_experts.linear_fc2.weight": ("mlp.shared_experts.down_proj.weight",),
-            "enorm.weight": ("enorm.weight",), "hnorm.weight": ("hnorm.weight",), "eh_proj.weight": ("eh_proj.weight",),
-            "final_layernorm.weight": ("shared_head.norm.weight",)}
-EXPERT = re.compile(r"mlp\.experts\.linear_fc([12])\.weight(\d+)")
-
-
-def deepseek_targets(name: str) -> tuple[tuple[str, ...], str]:
-    if name in GLOBAL:
-        return GLOBAL[name]
-    for pattern, offset in LAYER_PREFIXES:
-        if m := pattern.match(name):
-            hf, rest = f"model.layers.{int(m[1]) + offset}.", name[m.end():]
-            if e := EXPERT.fullmatch(rest):
-                x = f"{hf}mlp.experts.{e[2]}."
-                return ((x + "gate_proj.weight", x + "up_proj.weight"), "split_gate_up") if e[1] == "1" else \
-                    ((x + "down_proj.weight",), "identity")
-            targets = tuple(hf + t for t in IN_LAYER[rest])
-            return targets, "split_gate_up" if len(targets) == 2 else "identity"
-    raise KeyError(name)
-
-
-def deepseek_units(sources: dict[str, base.SourceMeta], ctx: base.FamilyContext) -> base.FamilyResult:
-    units = []
-    for meta in sources.values():
-        names, transform = deepseek_targets(meta.name)
-        shards = ctx.hints.expert_fc1_shards if ".experts." in meta.name else ctx.hints.fc1_shards
-        params = {"split_gate_up": (("shards", shards),), "trim_rows": (("rows", ctx.config["vocab_size"]),)}
-        p = params.get(transform, ())
-        shapes = megatron.target_shapes(transform, meta, p)
-        targets = tuple(base.Target(name=n, shape=s, dtype=meta.dtype) for n, s in zip(names, shapes, strict=True))
-        units.append(base.Unit(sources=(meta.name,), targets=targets, transform=transform, params=p))
-    return base.FamilyResult(units=units)
-
-
-# Asked before the Megatron family (order 20, which refuses MTP); only the 671B case here has Megatron names.
-base.register(base.NamingFamily(name="bench-deepseek-v3", naming="megatron", order=15, build=deepseek_units))
-
-
 # -- the measurement -----------------------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class Case:
@@ -263,10 +237,11 @@ class Case:
     per_file: list[list[Fragment]]
 
 
-def fsdp_case(world: int) -> Case:
-    files, per_file = fsdp_inventories(world)
-    scan = Scan(format="fsdp", root="/sim", files=files, hf_dir=None, world_size=world)
-    return Case(label=f"Llama-3.1-405B FSDP2 W={world}", scan=scan, config=LLAMA, per_file=per_file)
+def fsdp_case(world: int, layout: str = "fsdp") -> Case:
+    files, per_file = (dcp_inventories if layout == "dcp" else fsdp_inventories)(world)
+    scan = Scan(format=layout, root="/sim", files=files, hf_dir=None, world_size=world)
+    saved = "dcp.save of FSDP2" if layout == "dcp" else "FSDP2"
+    return Case(label=f"Llama-3.1-405B {saved} W={world}", scan=scan, config=LLAMA, per_file=per_file)
 
 
 def megatron_case(tp: int, pp: int, ep: int, reads: bool) -> Case:
@@ -275,8 +250,10 @@ def megatron_case(tp: int, pp: int, ep: int, reads: bool) -> Case:
     hints = Hints(naming="megatron", fc1_shards=tp, expert_fc1_shards=tp)
     scan = Scan(format="megatron", root="/sim", files=files, hf_dir=None, world_size=len(files), hints=hints)
     label = f"DeepSeek-V3 Megatron TP={tp} x PP={pp} x EP={ep} ({len(files)} files{', reads set' * reads})"
-    return Case(label=label, scan=scan,
-                config=DEEPSEEK, per_file=per_file)
+    return Case(label=label, scan=scan, config=DEEPSEEK, per_file=per_file)
+
+
+PER_NODE = 8  # merge processes per node (8 GPUs' worth of a training node), as the issue's 8 nodes x 8
 
 
 def gathered(case: Case, readers: tuple[int, ...], world: int) -> list[bytes]:
@@ -290,17 +267,17 @@ def gathered(case: Case, readers: tuple[int, ...], world: int) -> list[bytes]:
 def plan_once(case: Case, parts: list[bytes], world: int, settings: OutputSettings):
     found = Discovery(scan=case.scan, config=case.config, hf_dir="")
     fragments = inventory.unpack([pickle.loads(p) for p in parts])
-    return prepare_merge(found, fragments, world, settings).plan
+    hosts = tuple(r - r % PER_NODE for r in range(world))  # nodes of PER_NODE processes: files shared within one
+    return prepare_merge(found, fragments, world, settings, hosts=hosts).plan
 
 
 def per_rank(plan: planning.Plan, world: int) -> dict[str, list[int]]:
     read, written, opened, sent, got = ([0] * world for _ in range(5))
     for r in plan.readers:
         opened[r] += 1
-    for f in plan.files:
-        written[f.owner] += f.nbytes
     for i, unit in enumerate(plan.units):
-        owner = plan.owner_of_unit[i]
+        owner = plan.owner_of_unit[i]  # writes the unit, in its own file or a shared one (Plan.written_by)
+        written[owner] += sum(t.nbytes for t in unit.targets)
         for s in unit.sources:
             for frag in plan.sources[s].fragments:
                 reader = plan.readers[frag.file_index]
@@ -365,6 +342,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", nargs="+", default=["405b", "671b"], choices=["405b", "671b"])
     parser.add_argument("--world", nargs="+", type=int, default=[64, 256, 1024], help="FSDP2 rank files W")
+    parser.add_argument("--layout", nargs="+", default=["fsdp"], choices=["fsdp", "dcp"], help="405b saved as")
     parser.add_argument("--grid", default="8x16x64", help="Megatron TP x PP x EP (8x16x64)")
     parser.add_argument("--procs", nargs="+", type=int, default=[8, 64, 256], help="merge processes N")
     parser.add_argument("--max-shard-size", type=float, default=5e9, help="bytes (5e9)")
@@ -376,7 +354,7 @@ def main() -> None:
     settings = OutputSettings(max_shard_bytes=int(args.max_shard_size), budget_bytes=int(args.budget))
     cases = []
     if "405b" in args.model:
-        cases += [lambda w=w: fsdp_case(w) for w in args.world]
+        cases += [lambda w=w, lay=lay: fsdp_case(w, lay) for lay in args.layout for w in args.world]
     if "671b" in args.model:
         tp, pp, ep = (int(x) for x in args.grid.split("x"))
         cases.append(lambda: megatron_case(tp, pp, ep, not args.megatron_sizes))

@@ -13,6 +13,10 @@ Run under torchrun on CPU (gloo), e.g.::
 - ``hf``: the same save through ``HuggingFaceStorageWriter(path=DIR/sharded, save_distributed=True)``: one
   ``sharded/shard-{r+1:05}-model-00001-of-00001.safetensors`` per rank, chunk offsets in its header.
 
+``--wrap model`` (dcp, hf) saves ``{"model": state_dict}`` as accelerate's FSDP SHARDED_STATE_DICT does, so every
+key becomes ``model.<name>`` (``model.model.layers.0...``, ``model.lm_head.weight``); without it the keys are the
+module's own, as torchtitan's model-only saves are.
+
 Every layout gets ``DIR/huggingface/config.json``. bench_fsdp.py and bench_dcp.py call this once per layout and
 reuse the result, since building it is the slow part of a benchmark run.
 
@@ -58,7 +62,7 @@ def llama_shape(target_bytes: int, dtype_bytes: int = 4) -> dict:
     }
 
 
-def save(sd: dict, out: Path, layout: str, rank: int, world: int) -> None:
+def save(sd: dict, out: Path, layout: str, rank: int, world: int, wrap: str = "") -> None:
     """Write the DTensor state dict in one of the three layouts (a collective for dcp and hf)."""
     import torch
 
@@ -66,6 +70,8 @@ def save(sd: dict, out: Path, layout: str, rank: int, world: int) -> None:
         torch.save(sd, out / f"model_world_size_{world}_rank_{rank}.pt")
         return
     import torch.distributed.checkpoint as dcp
+
+    sd = {wrap: sd} if wrap else sd  # dcp.save flattens a nested dict to "wrap.<key>"
 
     if layout == "dcp":
         dcp.save(sd, checkpoint_id=str(out))
@@ -84,6 +90,7 @@ def main() -> int:
     parser.add_argument("--size", type=int, required=True, help="target checkpoint bytes (fp32)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--layout", choices=("fsdp", "dcp", "hf"), default="fsdp", help="how to save (fsdp)")
+    parser.add_argument("--wrap", default="", help="dcp, hf: save {WRAP: state_dict} (accelerate: model)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")  # gloo/CPU and TypedStorage warnings x W ranks bury real errors
 
@@ -140,7 +147,7 @@ def main() -> int:
     if bad:
         raise SystemExit(f"rank {rank}: expected DTensor entries only (FSDP2), got plain tensors for {bad[:3]}")
     args.out.mkdir(parents=True, exist_ok=True)
-    save(sd, args.out, args.layout, rank, world)
+    save(sd, args.out, args.layout, rank, world, args.wrap)
     if rank == 0:
         counted = sum(v.numel() for v in sd.values())  # DTensor.numel() is the global count
         assert counted == params, (counted, params)

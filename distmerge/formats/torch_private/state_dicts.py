@@ -97,15 +97,16 @@ PLAIN_STATE_DICT_NAMES = {
 }
 
 
-def check_before_load(path: Path, names: set[tuple[str, str]]) -> None:
+def check_before_load(path: Path, names: set[tuple[str, str]], fd: int | None = None) -> None:
     """The zip records and the pickle of a torch.save file, checked before torch.load sees it: stored
     disjoint records, a pickle within pickle_scan's budget naming only `names`, torch dtypes and storage
-    classes, and storages that fit their records."""
+    classes, and storages that fit their records. `fd`: the file, already opened through input_tree."""
 
     def permitted(module: str, name: str) -> bool:
         return (module, name) in names or (module == "torch" and (name in DTYPES or name in STORAGE_DTYPES))
 
-    fd, _ = input_tree.open_input(path)
+    own = fd is None
+    fd = input_tree.open_input(path)[0] if fd is None else fd
     try:
         found = zip_records.records(fd, str(path))
         pkl, prefix = zip_records.pickle_record(found, str(path))
@@ -115,7 +116,8 @@ def check_before_load(path: Path, names: set[tuple[str, str]]) -> None:
         storages = {n[len(prefix) :]: r.size for n, r in found.items() if n.startswith(prefix)}
         pickle_scan.check(zip_records.read(fd, pkl), str(path), permitted, storages=storages, itemsize=itemsize_of)
     finally:
-        os.close(fd)
+        if own:
+            os.close(fd)
 
 
 def register_dtensor() -> None:
@@ -129,19 +131,24 @@ def _is_dtensor(value: Any) -> bool:
 
 
 def load_pickle(path: Path) -> dict[str, Any]:
-    """torch.load(mmap=True, weights_only=True) with the ShardedTensor stand-ins; clear errors."""
-    if path.stat().st_size == 0:
-        raise CorruptInputError(f"{path} is empty (0 bytes): the save was interrupted; use another checkpoint")
-    register_dtensor()
-    check_before_load(path, _STATE_DICT_NAMES)
+    """torch.load(mmap=True, weights_only=True) with the ShardedTensor stand-ins; clear errors. torch.load
+    opens the file by name: it is given the name of the descriptor that was checked (input_tree.fd_name), so
+    it maps the file that passed the checks, not whatever lies at `path` by then."""
+    fd, _ = input_tree.open_input(path)
     try:
+        if os.fstat(fd).st_size == 0:
+            raise CorruptInputError(f"{path} is empty (0 bytes): the save was interrupted; use another checkpoint")
+        register_dtensor()
+        check_before_load(path, _STATE_DICT_NAMES, fd)
         with torch.serialization.safe_globals(_SHARDED_TENSOR_GLOBALS):
-            obj = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            obj = torch.load(input_tree.fd_name(fd), map_location="cpu", mmap=True, weights_only=True)
     except pickle.UnpicklingError as err:
         raise CorruptInputError(f"{path}: {_refused(str(err))}; distmerge never runs code from checkpoints") from None
     except (RuntimeError, EOFError, ValueError, OSError) as err:
         reason = str(err).splitlines()[0][:160]
         raise CorruptInputError(f"{path} cannot be read ({reason}): truncated or corrupt") from None
+    finally:
+        os.close(fd)
     if not isinstance(obj, dict):
         raise CorruptInputError(f"{path} holds a {type(obj).__name__}, not a state dict")
     return obj
@@ -163,8 +170,13 @@ def record_base(path: Path, tensors: list[torch.Tensor]) -> tuple[int, set[int]]
     address minus its record's offset is the same for all: the lowest address belongs to the lowest
     record. Callers check each tensor against the record set and fall back to the view otherwise.
     """
-    reader = torch._C.PyTorchFileReader(str(path))
-    offsets = {reader.get_record_offset(r) for r in reader.get_all_records() if r.startswith("data/")}
+    fd, _ = input_tree.open_input(path)  # checked like every open of an input file, never torch's reader by name
+    try:
+        found = zip_records.records(fd, str(path))
+        prefix = zip_records.pickle_record(found, str(path))[1]
+    finally:
+        os.close(fd)
+    offsets = {r.start for n, r in found.items() if n.startswith(prefix)}
     ptrs = [t.untyped_storage().data_ptr() for t in tensors if t.untyped_storage().nbytes() > 0]
     if not offsets or not ptrs:
         return None
