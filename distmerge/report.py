@@ -1,4 +1,8 @@
-"""What the user sees: progress on rank 0 while the merge runs, one summary table at the end."""
+"""What the user sees: progress on rank 0 while the merge runs, one summary table at the end.
+
+rich is imported only where it draws (a bar on a terminal, the summary table at the end): a --quiet run and
+every rank but 0 never pay its import (~0.05 s of CPU, and more objects for the GC to walk).
+"""
 
 from __future__ import annotations
 
@@ -6,20 +10,13 @@ import json
 import sys
 import time
 from dataclasses import asdict
-
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    TaskProgressColumn,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
-from rich.progress import Progress as RichProgress
-from rich.table import Table
+from typing import TYPE_CHECKING
 
 from distmerge.results import MergeResult
+
+if TYPE_CHECKING:
+    from rich.progress import Progress as RichProgress
+    from rich.table import Table
 
 
 def human_bytes(n: float) -> str:
@@ -53,6 +50,17 @@ class Progress:
         self.total, self._t0 = total, time.perf_counter()
         into = f"{files - kept} of {files} file(s) ({kept} kept)" if kept else f"{files} file(s)"
         if sys.stdout.isatty():
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                TaskProgressColumn,
+                TextColumn,
+                TimeRemainingColumn,
+                TransferSpeedColumn,
+            )
+            from rich.progress import Progress as RichProgress
+
             self._bar = RichProgress(
                 TextColumn(f"merging into {into}"),
                 BarColumn(),
@@ -87,6 +95,8 @@ class Progress:
 
 
 def summary_table(result: MergeResult) -> Table:
+    from rich.table import Table
+
     table = Table()
     for column in ("rank", "read", "written", "files", "peak RSS"):
         table.add_column(column, justify="right")
@@ -99,6 +109,8 @@ def summary_table(result: MergeResult) -> Table:
 
 
 def print_summary(result: MergeResult) -> None:
+    from rich.console import Console
+
     console = Console(width=max(100, Console().width))
     for note in result.notes:
         console.print(f"note: {note}", markup=False)

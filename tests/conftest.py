@@ -95,7 +95,7 @@ FIXTURE_SOURCES = {
     "dcp": ("build.py", "make_dcp.py", "make_fsdp.py"),
     "megatron": ("build.py", "make_megatron.py", "megatron_models.py", "megatron_moe.py"),
     "deepspeed": ("deepspeed_cases.py", "make_deepspeed.py", "make_fsdp.py"),
-    "torchtitan": ("make_torchtitan.py", "torchtitan_cases.py"),
+    "torchtitan": ("make_torchtitan.py", "torchtitan_cases.py", "torchtitan_deepseek.py"),
     "vl": ("make_vl.py", "make_fsdp.py"),
     "mla": ("build.py", "make_megatron_mla.py", "make_fsdp.py", "make_megatron.py", "megatron_models.py",
             "megatron_moe.py"),

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from distmerge.formats.torch_private.dcp import read_metadata
 from tests.conftest import assert_refused
 
 CASE = "dcp_llama_w2"
@@ -64,3 +65,16 @@ def many_chunks_over_the_same_bytes(md) -> None:
 def test_declared_chunks_are_checked_against_the_files(edit, message, dcp_ckpts, tmp_path, capsys):
     ckpt = edited(dcp_ckpts[CASE], tmp_path / "ckpt", edit)
     assert_refused(ckpt, tmp_path / "out", message, capsys)
+
+
+
+def test_a_huge_sparse_file_beside_the_metadata_costs_no_memory(dcp_ckpts, tmp_path):
+    """The .metadata size cap grows with the .distcp bytes beside it; a 900 GB sparse file not named by the
+    metadata once made the reader reserve a buffer of the whole cap ("internal error on rank 0: MemoryError").
+    Now the metadata is read at its own size. (The reader is called directly: the test harness's input digest
+    would read the 900 GB of zeros.) Shown to fail with `f.read(budget.max_bytes + 1)` back: MemoryError."""
+    ckpt = Path(shutil.copytree(dcp_ckpts[CASE], tmp_path / "ckpt"))
+    with open(ckpt / "__99_0.distcp", "wb") as f:
+        f.truncate(900 * 10**9)
+    md = read_metadata(ckpt / ".metadata")
+    assert {c.file for c in md.chunks} == {"__0_0.distcp", "__1_0.distcp"}

@@ -15,7 +15,7 @@ from functools import cache
 from typing import Any
 
 from distmerge.errors import InputError, LayoutError
-from distmerge.families import base
+from distmerge.families import base, mtp
 from distmerge.families.base import FamilyContext, FamilyResult, SourceMeta, Target, Unit, output_dtype
 from distmerge.families.torchtitan_tables import FAMILIES, MODEL_TYPES, SHAPES, Row
 
@@ -56,7 +56,10 @@ def units(sources: dict[str, SourceMeta], ctx: FamilyContext) -> FamilyResult:
                          "would drop them; is config.json for this model?")
     out, must_equal = _tie(out, written, tied)
     _check_counts(written, size, arch)
-    return FamilyResult(units=out, left_out=left_out, must_equal=must_equal)
+    # MTP layers also carry the embedding and the head, as DeepSeek-V3's checkpoint does (families/mtp.py)
+    layers = {int(m[1]) for t, s in written.items() if s.startswith("mtp_") and (m := LAYER.match(t))}
+    out, updates, notes = mtp.finish(out, layers, base.CAUSAL_LM.sizes(ctx.config))
+    return FamilyResult(units=out, left_out=left_out, must_equal=must_equal, config_updates=updates, notes=notes)
 
 
 def architecture(config: dict[str, Any]) -> str:

@@ -28,6 +28,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 PY = sys.executable
 _TR = Path(PY).with_name("torchrun")
+LAUNCH_ONLY = "from distmerge.cli import _start_up\nwith _start_up(program=True):\n    import distmerge.engine"
 TORCHRUN = [str(_TR)] if _TR.exists() else [PY, "-m", "torch.distributed.run"]  # the same launcher either way
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -151,9 +152,10 @@ class Bench:
         print(f"    {row:<{self.width}} {cp_s:8.2f} s  (+ sync {sync_s:.2f} s = {cp_s + sync_s:.2f} s)", flush=True)
 
     def launch(self, n: int) -> None:
-        prefix = [*TORCHRUN, "--standalone", "--nproc-per-node", str(n)] if n > 1 else [PY]
-        # Start the processes and import everything a merge imports (torch, DTensor, rich), then exit.
-        row, cmd = f"launch N={n}", [*prefix, "-m", "distmerge.engine"]
+        prefix = [*TORCHRUN, "--standalone", "--nproc-per-node", str(n), "--no-python", PY] if n > 1 else [PY]
+        # Start the processes and import everything a merge imports, as `python -m distmerge` imports it (the
+        # CLI's start-up: GC off, then the imported objects frozen; cli._start_up), then exit.
+        row, cmd = f"launch N={n}", [*prefix, "-c", LAUNCH_ONLY]
         self.commands.setdefault(row, shlex.join(cmd))
         seconds, _ = run(cmd, self.work / "logs" / f"launch_n{n}.log")
         self.times[row].append(seconds)

@@ -96,7 +96,9 @@ def read_metadata(path: Path) -> DcpMetadata:
         if size > budget.max_bytes:
             raise CorruptInputError(f"{path} is {size} bytes, over the limit of {budget.max_bytes} (max_bytes: "
                                     f"{METADATA_FLOOR} + the .distcp files' bytes) for a DCP metadata file")
-        raw = f.read(budget.max_bytes + 1)
+        raw = f.read(size + 1)  # what fstat saw (the budget may be far larger: sparse or huge .distcp files)
+        if len(raw) > size:
+            raise CorruptInputError(f"{path} grew while distmerge read it: is a job still writing this checkpoint?")
     try:
         md = loads(raw, _METADATA_GLOBALS, where=str(path), storages={}, budget=budget)
         tensors = {_text(fqn): m for fqn, m in md.state_dict_metadata.items() if hasattr(m, "chunks")}
