@@ -4,7 +4,8 @@
 
 Makes (once, then reuses) a verl-layout FSDP2 checkpoint of a Llama-shaped fp32 model with make_ckpt.py,
 then times, in every repeat and in rotating order so that drift on a shared machine hits all methods alike:
-cp (+sync, the physical floor: distmerge fsyncs its output), launch-only (`-m distmerge.engine` under python
+cp (+sync, the physical floor: distmerge fsyncs its output), launch-only (`import distmerge.engine`
+as the CLI imports (common.LAUNCH_ONLY) under python
 and torchrun: start and import, to subtract), distmerge with 1 and 2 processes, and baseline_merge.py.
 The page cache stays hot throughout on purpose: the comparison is of the mergers, not of the disk's cold-read speed.
 """
@@ -118,9 +119,12 @@ def main() -> int:
     print(machine_line())
     print(f"- model: {shape['params']:,} params, {shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}, "
           f"vocab {shape['vocab_size']}; checkpoint {len(files)} rank files, {gb(ckpt_bytes)}")
-    print(f"- median of {args.repeats} (methods rotated each repeat), hot page cache; distmerge fsyncs its output, "
+    print(f"- median of {args.repeats} (methods rotated each repeat), hot page cache "
+          f"(inputs re-read before every timed run: common.warm); distmerge fsyncs its output, "
           "so `cp+sync` is the floor and `baseline+sync` the like-for-like baseline; launch rows are "
-          "`-m distmerge.engine` under python (N=1) and torchrun (N=2): start the processes, import what a merge "
+          "`import distmerge.engine` "
+          "as the CLI imports (common.LAUNCH_ONLY) under python (N=1) and torchrun (N=2)"
+          ": start the processes, import what a merge "
           "imports (torch, DTensor, rich), exit; own timer = each tool's clock after its imports (distmerge's "
           "JSON `seconds`, the baseline's likewise); own ratio = baseline own / this own\n")
     return close_report(rows, ok, args.keep, bench.out, f"checkpoint kept for reuse in {ckpt} ({gb(ckpt_bytes)})")

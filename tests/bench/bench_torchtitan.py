@@ -244,9 +244,11 @@ def main() -> int:
     print(f"- model: {shape['params']:,} params, {shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}, "
           f"vocab {shape['vocab_size']}, saved by torchtitan's CheckpointManager: {len(files)} .distcp files, "
           f"{gb(ckpt_bytes)}")
-    print(f"- median of {args.repeats} (methods rotated each repeat), hot page cache; distmerge fsyncs its output, "
+    print(f"- median of {args.repeats} (methods rotated each repeat), hot page cache "
+          f"(inputs re-read before every timed run: common.warm); distmerge fsyncs its output, "
           "torchtitan's route does not, so `cp+sync` is the floor and `torchtitan+sync` the like-for-like peer; "
-          "launch rows are `-m distmerge.engine` under python (N=1) and torchrun (N=2); own timer = each tool's "
+          "launch rows are `import distmerge.engine` "
+          "as the CLI imports (common.LAUNCH_ONLY) under python (N=1) and torchrun (N=2); own timer = each tool's "
           "clock after its imports (torchtitan: importing it takes most of its wall time on 2 cores); "
           "own ratio = torchtitan own / this own\n")
     return close_report(rows, ok, args.keep, bench.out, f"dump kept for reuse in {dump} ({gb(ckpt_bytes)})")

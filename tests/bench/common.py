@@ -106,8 +106,20 @@ def ensure_checkpoint(args: argparse.Namespace, work: Path, layout: str = "fsdp"
     return ckpt
 
 
+HOT: list[Path] = []  # the inputs warm() was given: read again before every timed run (Bench.before_run)
+
+
 def warm(files: list[Path]) -> None:
-    """Read the files once so the first method timed does not pay the cold reads the later ones skip."""
+    """Read the files now, and again before every timed run, so no method pays cold reads another skips. Once is
+    not enough on these machines: the VM's DAMON reclaim pages out page-cache memory not accessed for about a
+    minute (/sys/kernel/mm/damon/admin/kdamonds/0: action pageout, min age 12 x 5 s), so in a bench's rotation
+    the inputs of one run were sometimes cold and sometimes hot, by chance (a merge's own timer 0.65 s hot,
+    1.65 s cold)."""
+    HOT[:] = files
+    _read(files)
+
+
+def _read(files: list[Path]) -> None:
     for path in files:
         with open(path, "rb") as f:
             while f.read(1 << 24):
@@ -134,6 +146,10 @@ class Bench:
     def fresh(self, name: str) -> Path:
         dest = self.out / name
         shutil.rmtree(dest, ignore_errors=True)  # outside the timing: every run writes into a new folder
+        # ...and the deletion settled outside it too: / is mounted with `discard`, so freeing a just-written
+        # 0.8 GB file queues discards that the next fsync's journal commit waits for (a merge right after one
+        # took 1.25 s instead of 0.67 s).
+        os.sync()
         return dest
 
     def keep_peak(self, row: str, peaks: list[int]) -> None:
@@ -144,6 +160,7 @@ class Bench:
         dest, names = self.fresh(slug(row)), [str(p) for p in files]
         dest.mkdir(parents=True)
         self.commands.setdefault(row, shlex.join(["cp", "-r", *names, str(dest)]))
+        _read(HOT)
         cp_s, _ = run(["cp", "-r", *names, str(dest)], self.work / "logs" / f"{slug(row)}.log")
         self.commands.setdefault(f"{row}+sync", f"({row} as above) && sync {dest}/{pattern}")
         sync_s, _ = run(["sync", *(str(dest / p.name) for p in files)], self.work / "logs" / "sync.log")
@@ -172,6 +189,7 @@ class Bench:
                *extra, "--overwrite", "--quiet", "--json-summary", str(summary), "--max-shard-size",
                self.args.max_shard_size]
         self.commands.setdefault(row, shlex.join(cmd))
+        _read(HOT)
         seconds, _ = run(cmd, self.work / "logs" / f"distmerge_{name}.log")
         data = json.loads(summary.read_text())
         peaks = [r["peak_rss"] for r in sorted(data["ranks"], key=lambda r: r["rank"])]
@@ -191,6 +209,7 @@ class Bench:
         if summary:
             summary.unlink(missing_ok=True)
         self.commands.setdefault(row, shown or shlex.join(cmd))
+        _read(HOT)
         seconds, rss = run(cmd, self.work / "logs" / f"{slug(row)}.log")
         sync_s, _ = run(["sync", *(str(p) for p in dest.iterdir())], self.work / "logs" / "sync.log")
         self.commands.setdefault(f"{row}+sync", f"({row} as above) && sync {dest}/*")
