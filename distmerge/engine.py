@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import os
 import resource
-import socket
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from distmerge import discover as disc
-from distmerge import inventory, replicas, resume, unwritten
+from distmerge import input_tree, inventory, replicas, resume, unwritten
 from distmerge import plan as planning
 from distmerge.assemble import UnitBuild
 from distmerge.comm import Comm
@@ -161,14 +160,9 @@ def _discover(opts: MergeOptions) -> disc.Discovery:
 
 
 def _host(out: Path) -> str:
-    """This machine and its view of the output folder: the boot id where Linux has one (hostnames repeat across
-    containers), the host name, and the folder's device (two containers of one machine may mount it apart)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read(64).strip()
-    except OSError:
-        boot = ""
-    return f"{boot}@{socket.gethostname()}:{os.stat(out).st_dev}"
+    """This machine (input_tree.host_id: host name and boot id, since host names repeat across containers) and
+    its view of the output folder: its device (two containers of one machine may mount it apart)."""
+    return f"{input_tree.host_id()}:{os.stat(out).st_dev}"
 
 
 def _host_numbers(names: list[str]) -> tuple[int, ...]:

@@ -207,9 +207,8 @@ def test_mla_config_without_query_lora_is_refused(mla_ckpts, tmp_path, capsys):
                    "--hf-config", hf_config(mla_ckpts["mla_dist_tp2_noqlora"]))
 
 
-@pytest.mark.torchrun
-def test_mla_torchrun_output_is_byte_identical(mla_ckpts, tmp_path):
-    ckpt = mla_ckpts["mla_dist_tp2pp2"]
+def assert_n1_equals_n2(ckpt, tmp_path) -> None:
+    """One process and two under torchrun write the same bytes (several output files)."""
     args = ["--input", ckpt, "--hf-config", hf_config(ckpt), "--max-shard-size", "200KB", "--quiet"]
     assert merge_inproc(*args[:-1], "--output", tmp_path / "n1") == 0
     run = torchrun(2, "merge", *args, "--output", tmp_path / "n2")
@@ -217,6 +216,11 @@ def test_mla_torchrun_output_is_byte_identical(mla_ckpts, tmp_path):
     one, two = tree_bytes(tmp_path / "n1"), tree_bytes(tmp_path / "n2")
     assert len([n for n in one if n.endswith(".safetensors")]) > 2
     assert one == two
+
+
+@pytest.mark.torchrun
+def test_mla_torchrun_output_is_byte_identical(mla_ckpts, tmp_path):
+    assert_n1_equals_n2(mla_ckpts["mla_dist_tp2pp2"], tmp_path)
 
 
 # -- multi-token prediction (mtp_num_layers=1): megatron-core's MTP block on the last pipeline stage ---------------
@@ -387,11 +391,4 @@ def test_mtp_torchrun_output_is_byte_identical(mla_ckpts, tmp_path):
     """N=1 and N=2 write the same bytes for the legacy PP=2 MTP save (the MTP stage's embedding copy is read from
     one file; the embedding's and the head's units write two names each). Not broken on purpose: what it guards
     is the engine's independence of N, with units of several targets spread over owners."""
-    ckpt = mla_ckpts["mla_mtp_tp2pp2"]
-    args = ["--input", ckpt, "--hf-config", hf_config(ckpt), "--max-shard-size", "200KB", "--quiet"]
-    assert merge_inproc(*args[:-1], "--output", tmp_path / "n1") == 0
-    run = torchrun(2, "merge", *args, "--output", tmp_path / "n2")
-    assert run.returncode == 0, run.stderr[-3000:]
-    one, two = tree_bytes(tmp_path / "n1"), tree_bytes(tmp_path / "n2")
-    assert len([n for n in one if n.endswith(".safetensors")]) > 2
-    assert one == two
+    assert_n1_equals_n2(mla_ckpts["mla_mtp_tp2pp2"], tmp_path)
