@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from distmerge.cli import main as distmerge_main
 from distmerge.formats import megatron_layout as mg
 from distmerge.transforms import mla_rope_halves
 from tests.conftest import (
@@ -392,3 +393,17 @@ def test_mtp_torchrun_output_is_byte_identical(mla_ckpts, tmp_path):
     one file; the embedding's and the head's units write two names each). Not broken on purpose: what it guards
     is the engine's independence of N, with units of several targets spread over owners."""
     assert_n1_equals_n2(mla_ckpts["mla_mtp_tp2pp2"], tmp_path)
+
+
+def test_mtp_verify_passes_against_save_pretrained(mla_ckpts, mtp_merged, capsys):
+    """`distmerge verify` against save_pretrained's model, which has no MTP layer (transformers builds no module
+    for it): the MTP layer's tensors are listed as not in the reference, which is no failure, and every other
+    tensor is bit-exact. Shown to fail without the MTP rule in verify/listing.py ("verify: FAIL 32 of 125
+    tensors: model.layers.4.eh_proj.weight (extra in merged), ...")."""
+    case = "mla_dist_mtp_tp2"
+    reference = reference_dir(mla_ckpts[case]) / "model.safetensors"
+    assert distmerge_main(["verify", "--merged", str(mtp_merged[case]), "--reference", str(reference)]) == 0
+    verdict = [line for line in capsys.readouterr().out.splitlines() if line.startswith("verify:")][-1]
+    layer = 32  # its decoder layer, the MTP parts and the two copies
+    assert verdict == (f"verify: PASS 125 tensors ({125 - layer} bit-exact, {layer} not in the reference: its "
+                       "multi-token-prediction layer)"), verdict

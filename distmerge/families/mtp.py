@@ -106,3 +106,11 @@ def _with_copies(units: list[Unit], layers: range) -> list[Unit]:
         out[i] = replace(unit, targets=(target, *copies), transform="copies",
                          params=(("of", unit.transform), ("count", 1 + len(copies)), *unit.params))
     return out
+
+
+def layer_prefixes(config: dict[str, Any]) -> tuple[str, ...]:
+    """The names under which config.json's MTP layers live (`model.layers.<n + j>.`), none when it counts none."""
+    n, count = config.get("num_hidden_layers"), config.get(COUNT)
+    if type(n) is not int or type(count) is not int or not 0 < count <= 64:
+        return ()
+    return tuple(f"model.layers.{n + j}." for j in range(count))

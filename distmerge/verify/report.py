@@ -68,7 +68,9 @@ class Check:
 
     name: str
     passed: bool
-    outcome: str  # bit-exact | within tolerance | missing in merged | extra in merged | shape | dtype | values
+    # bit-exact | within tolerance | not in reference (an MTP layer) | missing in merged | extra in merged | shape |
+    # dtype | values
+    outcome: str
     reason: str  # why it failed, "" when it passed
     file: str | None  # the merged file that holds it
     shape: tuple[int, ...] | None
@@ -154,6 +156,7 @@ def tally(checks: list[Check]) -> dict[str, int]:
         "within_tolerance": sum(c.outcome == "within tolerance" and not c.note for c in checks),
         "tied_heads": sum(bool(c.note) for c in checks),
         "cast": sum(bool(c.cast) for c in checks),
+        "not_in_reference": sum(c.passed and c.outcome == "not in reference" for c in checks),
     }
 
 
@@ -162,6 +165,8 @@ def _pass_detail(checks: list[Check]) -> str:
     parts = [f"{counts['bit_exact']} bit-exact"] if counts["bit_exact"] else []
     if counts["within_tolerance"]:
         parts.append(f"{counts['within_tolerance']} within tolerance")
+    if counts["not_in_reference"]:
+        parts.append(f"{counts['not_in_reference']} not in the reference: its multi-token-prediction layer")
     tied = [c.name for c in checks if c.note]
     if tied:
         parts.append(f"{len(tied)} tied head ({', '.join(tied)})")
