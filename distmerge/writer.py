@@ -22,6 +22,7 @@ import torch
 from distmerge.errors import OutputError
 from distmerge.families.base import Target
 from distmerge.output_files import fsync_dir, partial_name
+from distmerge.writeback import Writeback
 
 # Large single write() calls into the page cache are several times slower than 1 MiB ones here
 # (ext4: 800 MB in 8 MiB or 4 MiB calls took 0.4-3.2 s, in 1 MiB calls 0.25-0.47 s).
@@ -58,12 +59,14 @@ class ShardWriter:
         try:
             if not create:
                 self.fd = os.open(self.temp, os.O_WRONLY | os.O_NOFOLLOW)
+                self.writeback = Writeback(self.fd)
                 return
             self.final.parent.mkdir(parents=True, exist_ok=True)
             self.fd = os.open(self.temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
         except OSError as err:
             self.fd = -1
             self._failed(err)
+        self.writeback = Writeback(self.fd)  # the disk starts on early bytes while later ones are copied
         self.pwrite(memoryview(head), 0)
         if self.shared:  # full size now: the other writers' ranges exist before they write them
             self._truncate()
@@ -91,6 +94,7 @@ class ShardWriter:
         except OSError as err:
             self._failed(err)
         self.missing -= nbytes
+        self.writeback.wrote(offset, nbytes)
 
     @property
     def complete(self) -> bool:
@@ -125,6 +129,7 @@ class ShardWriter:
                 done += os.pwrite(self.fd, buf[done : done + WRITE_CHUNK], offset + done)
         except OSError as err:
             self._failed(err)
+        self.writeback.wrote(offset, len(buf))
 
     def _truncate(self) -> None:
         try:

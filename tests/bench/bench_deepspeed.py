@@ -7,8 +7,8 @@ ranks (make_deepspeed_ckpt.py: a real engine, one AdamW step, engine.save_checkp
 fp32 master partitions copied out of the optimizer files as plain files (what distmerge has to read). Then
 times, every repeat and in rotating order: `cp masters` (+sync: the floor; at stage 3 with the small per-rank
 model-states files, which distmerge reads too), `cp optim` (+sync) of the whole optimizer files (the masters
-are a third of them, Adam's two moments the rest), launch-only (`import distmerge.engine`
-as the CLI imports (common.LAUNCH_ONLY) under python and
+are a third of them, Adam's two moments the rest), launch-only (the CLI's imports and parser, and its
+process group formed and destroyed: common.LAUNCH_ONLY) under python and
 torchrun), `launch zero_to_fp32` (python importing what zero_to_fp32.py imports), distmerge N=1 and N=2, and
 `python <ckpt>/zero_to_fp32.py <ckpt> <out> --safe_serialization` (+sync), the script DeepSpeed copies beside
 every save. Page cache hot throughout on purpose: the comparison is of the mergers, not of the disk's cold reads.
@@ -242,7 +242,7 @@ def main() -> int:
           "fp32 master partitions, copied out of the optimizer files once as plain files"
           f"{' (plus the per-rank model-states files)' if args.stage == 3 else ''}, i.e. the bytes distmerge reads; "
           "`cp optim` copies whole optimizer files; launch rows: `import distmerge.engine` "
-          "as the CLI imports (common.LAUNCH_ONLY) under python (N=1) and "
+          "as the CLI imports, its process group formed and destroyed (common.LAUNCH_ONLY), under python (N=1) and "
           "torchrun (N=2), and python importing what zero_to_fp32.py imports (torch, deepspeed); minus launch = "
           "median minus the matching launch row; own timer = distmerge's JSON `seconds`\n")
     return close_report(rows, ok, args.keep, bench.out, f"checkpoint kept for reuse in {ckpt} ({gb(ckpt_bytes)})")

@@ -4,8 +4,8 @@
 
 Makes (once, then reuses) a verl-layout FSDP2 checkpoint of a Llama-shaped fp32 model with make_ckpt.py,
 then times, in every repeat and in rotating order so that drift on a shared machine hits all methods alike:
-cp (+sync, the physical floor: distmerge fsyncs its output), launch-only (`import distmerge.engine`
-as the CLI imports (common.LAUNCH_ONLY) under python
+cp (+sync, the physical floor: distmerge fsyncs its output), launch-only (the CLI's imports and parser, and its
+process group formed and destroyed: common.LAUNCH_ONLY) under python
 and torchrun: start and import, to subtract), distmerge with 1 and 2 processes, and baseline_merge.py.
 The page cache stays hot throughout on purpose: the comparison is of the mergers, not of the disk's cold-read speed.
 """
@@ -123,7 +123,8 @@ def main() -> int:
           f"(inputs re-read before every timed run: common.warm); distmerge fsyncs its output, "
           "so `cp+sync` is the floor and `baseline+sync` the like-for-like baseline; launch rows are "
           "`import distmerge.engine` "
-          "as the CLI imports (common.LAUNCH_ONLY) under python (N=1) and torchrun (N=2)"
+          "as the CLI imports, its process group formed and destroyed (common.LAUNCH_ONLY), "
+          "under python (N=1) and torchrun (N=2)"
           ": start the processes, import what a merge "
           "imports (torch, DTensor, rich), exit; own timer = each tool's clock after its imports (distmerge's "
           "JSON `seconds`, the baseline's likewise); own ratio = baseline own / this own\n")

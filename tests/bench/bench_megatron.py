@@ -5,8 +5,8 @@
 Makes (once, then reuses) a megatron-core GPTModel checkpoint of a Llama-shaped fp32 model with
 make_megatron_ckpt.py (iter_0000001/mp_rank_XX_YYY/model_optim_rng.pt, vocab 32001 padded to 128 x TP, and a
 config.json folder for --hf-config), then times, every repeat and in rotating order: cp (+sync) of the
-mp_rank files (the floor: distmerge fsyncs its output), launch-only (`import distmerge.engine`
-as the CLI imports (common.LAUNCH_ONLY) under python and
+mp_rank files (the floor: distmerge fsyncs its output), launch-only (the CLI's imports and parser, and its
+process group formed and destroyed: common.LAUNCH_ONLY) under python and
 torchrun), distmerge N=1 and N=2, and peer_megatron_baseline.py (+sync), the torch.load-everything converter.
 Page cache hot throughout on purpose: the comparison is of the mergers, not of the disk's cold reads.
 """
@@ -209,7 +209,8 @@ def main() -> int:
           f"(inputs re-read before every timed run: common.warm); distmerge fsyncs its output, "
           "so `cp+sync` is the floor and `baseline+sync` the like-for-like baseline; launch rows are "
           "`import distmerge.engine` "
-          "as the CLI imports (common.LAUNCH_ONLY) under python (N=1) and torchrun (N=2)"
+          "as the CLI imports, its process group formed and destroyed (common.LAUNCH_ONLY), "
+          "under python (N=1) and torchrun (N=2)"
           "; own timer = each tool's clock after its "
           "imports (the baseline imports megatron-core before its clock: unpickling `args` needs it); "
           "own ratio = baseline own / this own\n")

@@ -248,7 +248,8 @@ def main() -> int:
           f"(inputs re-read before every timed run: common.warm); distmerge fsyncs its output, "
           "torchtitan's route does not, so `cp+sync` is the floor and `torchtitan+sync` the like-for-like peer; "
           "launch rows are `import distmerge.engine` "
-          "as the CLI imports (common.LAUNCH_ONLY) under python (N=1) and torchrun (N=2); own timer = each tool's "
+          "as the CLI imports, its process group formed and destroyed (common.LAUNCH_ONLY), "
+          "under python (N=1) and torchrun (N=2); own timer = each tool's "
           "clock after its imports (torchtitan: importing it takes most of its wall time on 2 cores); "
           "own ratio = torchtitan own / this own\n")
     return close_report(rows, ok, args.keep, bench.out, f"dump kept for reuse in {dump} ({gb(ckpt_bytes)})")

@@ -28,7 +28,16 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 PY = sys.executable
 _TR = Path(PY).with_name("torchrun")
-LAUNCH_ONLY = "from distmerge.cli import _start_up\nwith _start_up(program=True):\n    import distmerge.engine"
+# The launch-only row: everything a merge command does except the merge (distmerge/cli.py's order): the imports
+# and the parser under the CLI's start-up (GC off, then frozen), then the process group formed and destroyed, the
+# torchrun rendezvous and the teardown that every run pays whatever it merges. `minus launch` is then the work.
+LAUNCH_ONLY = ("from distmerge.cli import _start_up, build_parser\n"
+               "with _start_up(program=True):\n"
+               "    build_parser()\n"
+               "    import distmerge.engine\n"
+               "from distmerge.comm import process_group\n"
+               "with process_group(device='cpu', timeout_s=600):\n"
+               "    pass")
 TORCHRUN = [str(_TR)] if _TR.exists() else [PY, "-m", "torch.distributed.run"]  # the same launcher either way
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
