@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "distmerge"
 MAX_LINES = 400
 # Lower layers never import higher ones. A module not listed belongs to its package's layer.
 LAYERS = {
-    0: ("errors", "dtypes", "output_files", "results", "input_tree"),
+    0: ("errors", "dtypes", "output_files", "results", "input_tree", "writeback"),
     1: ("formats", "comm", "transforms"),
     2: ("families",),
     3: ("plan", "spread", "reader", "writer", "discover", "inventory"),
@@ -18,8 +18,8 @@ LAYERS = {
     5: ("engine", "inspect", "verify", "cli_options"),
     6: ("cli", "__main__"),
 }
-ENGINE = ("plan", "spread", "reader", "writer", "discover", "prepare", "exchange", "assemble", "replicas", "unwritten",
-          "resume", "finalize", "engine", "inspect", "inventory")
+ENGINE = ("plan", "spread", "reader", "writer", "writeback", "discover", "prepare", "exchange", "assemble", "replicas",
+          "unwritten", "resume", "finalize", "engine", "inspect", "inventory")
 
 
 def modules() -> dict[str, Path]:
