@@ -3,8 +3,8 @@
 Two ways, chosen per unit:
 - direct: an identity (or row-trimming) unit without a cast whose fragments are each one contiguous run
   of the source (FSDP's Shard(0), plain tensors, Megatron's vocabulary-parallel embeddings). Its output
-  file is the preallocated target: local fragments are copied from the input file into it inside the
-  kernel (copy_file_range), received ones written from the receive buffer; rows beyond a trimmed
+  file is the preallocated target: local fragments are copied from the input file into it through one
+  reused 1 MiB buffer (reader.copy_to), received ones written from the receive buffer; rows beyond a trimmed
   target are never copied. No tensor is built.
 - tensor: the source tensors are preallocated (on the GPU when there is one), fragments are copied in
   by offset (a local fragment that is one run of a CPU source is read straight into it), then the
@@ -55,7 +55,7 @@ class UnitBuild:
         if self.direct and reader.can_copy(frag):
             offset, nbytes = self._kept(source, frag)
             if nbytes:
-                self.writer.copy_in(lambda fd: reader.copy_to(frag, fd, offset, nbytes), offset, nbytes)
+                self.writer.copy_in(lambda put: reader.copy_to(frag, put, offset, nbytes), nbytes)
             return
         run = self._run_in_source(source, frag) if reader.can_copy(frag) and not self.direct else None
         if run is not None:

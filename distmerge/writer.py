@@ -87,14 +87,11 @@ class ShardWriter:
         self.missing -= len(buf)
         return len(buf)
 
-    def copy_in(self, copy: Callable[[int], None], offset: int, nbytes: int) -> None:
-        """Let `copy(fd)` put nbytes at offset (copy_file_range from an input file), reporting failures."""
-        try:
-            copy(self.fd)
-        except OSError as err:
-            self._failed(err)
+    def copy_in(self, copy: Callable[[Callable[[memoryview, int], None]], None], nbytes: int) -> None:
+        """Let `copy(put)` deliver nbytes in pieces through `put(buffer, offset)` (reader.copy_to: a fragment
+        read straight from its input file)."""
+        copy(self.pwrite)
         self.missing -= nbytes
-        self.writeback.wrote(offset, nbytes)
 
     @property
     def complete(self) -> bool:
