@@ -128,7 +128,8 @@ def test_a_fragment_of_several_buffers_is_copied_exactly(tmp_path: Path) -> None
 
 def test_a_read_failure_names_the_input_and_a_write_failure_the_output(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """The two sides of one copy fail with their own file's name (both were one OSError in the kernel copy)."""
+    """The two sides of one copy fail with their own file's name (with copy_file_range, which did both, a failed
+    read was reported as the output's: "is the disk full?")."""
     _, reader, frag = one_fragment_file(tmp_path, 1000)
     writer = ShardWriter(tmp_path / "out", "model.safetensors", targets(4000))
 
