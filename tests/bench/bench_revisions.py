@@ -2,13 +2,13 @@
 
     python tests/bench/bench_revisions.py --input CKPT --revs REV1,REV2[,...] [--nproc 1,2] [--repeats 5]
 
-Checks each revision out once (a detached `git worktree` under --work, made again when the revision moves), then
-for every repeat, every N and every revision in turn (the order reversed every other repeat) deletes the previous
-output and syncs, re-reads the inputs as the other benchmarks do (common.warm), and runs `distmerge merge` from
-that worktree (PYTHONPATH) with the same venv. Prints each revision's own timer (the JSON summary's `seconds`:
-the merge without start-up) per run and its median, and the median's ratio to the first revision's. Outputs
-of every revision are compared byte for byte. Made for a machine whose speed drifts from minute to minute (see
-docs/benchmarks.md on this VM): only runs interleaved in one session compare.
+Checks each revision out once (a detached `git worktree` under --work, made again when the revision moves), then for
+every repeat, every N and every revision in turn (the order reversed every other repeat) deletes the previous output
+and syncs, re-reads the inputs and touches the memory the run will get, as the other benchmarks do (common.ready),
+and runs `distmerge merge` from that worktree (PYTHONPATH) with the same venv. Prints each revision's own timer (the
+JSON summary's `seconds`: the merge without start-up) per run and its median, and the median's ratio to the first
+revision's. Outputs of every revision are compared byte for byte. Made for a machine whose speed drifts from minute
+to minute (see docs/benchmarks.md on this VM): only runs interleaved in one session compare.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common import PY, ROOT, TORCHRUN, Failed, gb, machine_line, run, warm
+from common import PY, ROOT, TORCHRUN, Failed, gb, machine_line, ready, run, warm
 from compare_outputs import byte_differences
 
 
@@ -51,7 +51,7 @@ def merge(args: argparse.Namespace, tree: Path, n: int, out: Path) -> float:
     """Own timer of one run from `tree`."""
     run(["rm", "-rf", str(out)], args.work / "logs" / "rm.log")
     run(["sync"], args.work / "logs" / "sync.log")
-    warm(args.inputs)
+    ready()
     summary = args.work / "summary.json"
     prefix = [*TORCHRUN, "--standalone", "--nproc-per-node", str(n)] if n > 1 else [PY]
     cmd = [*prefix, "-m", "distmerge", "merge", "--input", str(args.input), "--output", str(out), "--quiet",
@@ -69,6 +69,7 @@ def main() -> int:
     args.input, args.work = args.input.resolve(), args.work.resolve()
     (args.work / "logs").mkdir(parents=True, exist_ok=True)
     args.inputs = [p for p in args.input.rglob("*") if p.is_file()]
+    warm(args.inputs)
     revs = [checkout(r, args.work) for r in args.revs.split(",")]
     counts = [int(n) for n in args.nproc.split(",")]
     own: dict[tuple[int, str], list[float]] = {}

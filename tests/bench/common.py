@@ -115,7 +115,7 @@ def ensure_checkpoint(args: argparse.Namespace, work: Path, layout: str = "fsdp"
     return ckpt
 
 
-HOT: list[Path] = []  # the inputs warm() was given: read again before every timed run (Bench.before_run)
+HOT: list[Path] = []  # the inputs warm() was given: read again before every timed run (ready())
 
 
 def warm(files: list[Path]) -> None:
@@ -126,6 +126,24 @@ def warm(files: list[Path]) -> None:
     1.65 s cold)."""
     HOT[:] = files
     _read(files)
+
+
+# Memory touched just before every timed run, then freed. This VM gives free memory back to its host
+# (virtio-balloon free page reporting: bit 5 of /sys/bus/virtio/drivers/virtio_balloon/*/features), and the next
+# process that uses such pages waits while the host hands them out again. Without this, which method got
+# recycled memory and which got memory the host had taken back was chance and drift: in one ZeRO-3 run the own
+# timer of distmerge N=2 fell with every repeat (2.57, 1.85, 1.14, 0.77, 0.71 s) as the bench's own churn brought
+# memory back, and the same merges run back to back took 0.35-0.40 s. Touched and freed right before the timed
+# command starts, these pages are the ones it gets. 3 GiB: more than any method here allocates.
+READY_BYTES = 3 << 30
+
+
+def ready() -> None:
+    """Before every timed run: the inputs re-read (HOT) and guest memory handed back by the host (READY_BYTES)."""
+    _read(HOT)
+    memory = bytearray(READY_BYTES)  # mapped, not yet touched
+    memory[:: 4096] = bytes(len(range(0, READY_BYTES, 4096)))  # one write per page: every page faulted in
+    del memory  # freed at once, to be reused by the next process
 
 
 def _read(files: list[Path]) -> None:
@@ -169,7 +187,7 @@ class Bench:
         dest, names = self.fresh(slug(row)), [str(p) for p in files]
         dest.mkdir(parents=True)
         self.commands.setdefault(row, shlex.join(["cp", "-r", *names, str(dest)]))
-        _read(HOT)
+        ready()
         cp_s, _ = run(["cp", "-r", *names, str(dest)], self.work / "logs" / f"{slug(row)}.log")
         self.commands.setdefault(f"{row}+sync", f"({row} as above) && sync {dest}/{pattern}")
         sync_s, _ = run(["sync", *(str(dest / p.name) for p in files)], self.work / "logs" / "sync.log")
@@ -198,7 +216,7 @@ class Bench:
                *extra, "--overwrite", "--quiet", "--json-summary", str(summary), "--max-shard-size",
                self.args.max_shard_size]
         self.commands.setdefault(row, shlex.join(cmd))
-        _read(HOT)
+        ready()
         seconds, _ = run(cmd, self.work / "logs" / f"distmerge_{name}.log")
         data = json.loads(summary.read_text())
         peaks = [r["peak_rss"] for r in sorted(data["ranks"], key=lambda r: r["rank"])]
@@ -218,7 +236,7 @@ class Bench:
         if summary:
             summary.unlink(missing_ok=True)
         self.commands.setdefault(row, shown or shlex.join(cmd))
-        _read(HOT)
+        ready()
         seconds, rss = run(cmd, self.work / "logs" / f"{slug(row)}.log")
         sync_s, _ = run(["sync", *(str(p) for p in dest.iterdir())], self.work / "logs" / "sync.log")
         self.commands.setdefault(f"{row}+sync", f"({row} as above) && sync {dest}/*")
