@@ -41,6 +41,7 @@ from common import (
     parse_size,
     print_checks,
     print_results,
+    ready,
     run,
     warm,
 )
@@ -132,6 +133,7 @@ class DeepSpeedBench(Bench):
     def launch_z2f(self) -> None:
         row, cmd = "launch zero_to_fp32", [PY, "-c", Z2F_IMPORTS]
         self.commands.setdefault(row, shlex.join(cmd))
+        ready()
         seconds, _ = run(cmd, self.work / "logs" / "launch_z2f.log")
         self.times[row].append(seconds)
         print(f"    {row:<{self.width}} {seconds:8.2f} s", flush=True)

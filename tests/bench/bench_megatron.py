@@ -34,6 +34,7 @@ from common import (
     parse_size,
     print_checks,
     print_results,
+    ready,
     run,
     warm,
 )
@@ -102,6 +103,7 @@ class MegatronBench(Bench):
         dest.mkdir(parents=True)
         cmd = ["cp", "-r", str(self.ckpt / SAVE), str(dest)]
         self.commands.setdefault("cp", shlex.join(cmd))
+        ready()
         cp_s, _ = run(cmd, self.work / "logs" / "cp.log")
         copied = rank_files(dest)
         self.commands.setdefault("cp+sync", f"(cp as above) && sync {dest}/{SAVE}/mp_rank_*/model_optim_rng.pt")
