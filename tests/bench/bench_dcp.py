@@ -176,7 +176,8 @@ def main() -> int:
           f"vocab {shape['vocab_size']}; `dcp.save`: {len(files)} .distcp files, {gb(ckpt_bytes)}; "
           f"HuggingFaceStorageWriter(save_distributed=True): {len(shards)} shard files, {gb(hf_bytes)}")
     print(f"- median of {args.repeats} (methods rotated each repeat), hot page cache "
-          f"(inputs re-read before every timed run: common.warm); distmerge fsyncs its output, "
+          "(before every timed run the inputs re-read and 3 GiB of memory touched: common.ready); "
+          f"distmerge fsyncs its output, "
           "the peers do not, so `cp+sync` is the floor and the `+sync` rows are the like-for-like peers; launch rows "
           "are `import distmerge.engine` "
           "as the CLI imports, its process group formed and destroyed (common.LAUNCH_ONLY), "

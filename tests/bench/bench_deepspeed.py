@@ -240,7 +240,8 @@ def main() -> int:
           f"vocab {shape['vocab_size']}, untied; save `{TAG}`: {len(optims)} optimizer files {gb(moved['cp optim'])}, "
           f"{len(states)} model-states file(s) {gb(sum(p.stat().st_size for p in states))}, {gb(ckpt_bytes)} in all")
     print(f"- median of {args.repeats} (methods rotated each repeat), hot page cache "
-          f"(inputs re-read before every timed run: common.warm); floor = `cp masters+sync`: the "
+          "(before every timed run the inputs re-read and 3 GiB of memory touched: common.ready); "
+          f"floor = `cp masters+sync`: the "
           "fp32 master partitions, copied out of the optimizer files once as plain files"
           f"{' (plus the per-rank model-states files)' if args.stage == 3 else ''}, i.e. the bytes distmerge reads; "
           "`cp optim` copies whole optimizer files; launch rows: `import distmerge.engine` "

@@ -120,7 +120,8 @@ def main() -> int:
     print(f"- model: {shape['params']:,} params, {shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}, "
           f"vocab {shape['vocab_size']}; checkpoint {len(files)} rank files, {gb(ckpt_bytes)}")
     print(f"- median of {args.repeats} (methods rotated each repeat), hot page cache "
-          f"(inputs re-read before every timed run: common.warm); distmerge fsyncs its output, "
+          "(before every timed run the inputs re-read and 3 GiB of memory touched: common.ready); "
+          f"distmerge fsyncs its output, "
           "so `cp+sync` is the floor and `baseline+sync` the like-for-like baseline; launch rows are "
           "`import distmerge.engine` "
           "as the CLI imports, its process group formed and destroyed (common.LAUNCH_ONLY), "

@@ -208,7 +208,8 @@ def main() -> int:
           f"{shape['hidden_size']}, vocab {shape['vocab_size']} padded to {shape['padded_vocab_size']}; checkpoint "
           f"{len(files)} mp_rank files, {gb(ckpt_bytes)}")
     print(f"- median of {args.repeats} (methods rotated each repeat), hot page cache "
-          f"(inputs re-read before every timed run: common.warm); distmerge fsyncs its output, "
+          "(before every timed run the inputs re-read and 3 GiB of memory touched: common.ready); "
+          f"distmerge fsyncs its output, "
           "so `cp+sync` is the floor and `baseline+sync` the like-for-like baseline; launch rows are "
           "`import distmerge.engine` "
           "as the CLI imports, its process group formed and destroyed (common.LAUNCH_ONLY), "

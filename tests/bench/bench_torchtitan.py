@@ -245,7 +245,8 @@ def main() -> int:
           f"vocab {shape['vocab_size']}, saved by torchtitan's CheckpointManager: {len(files)} .distcp files, "
           f"{gb(ckpt_bytes)}")
     print(f"- median of {args.repeats} (methods rotated each repeat), hot page cache "
-          f"(inputs re-read before every timed run: common.warm); distmerge fsyncs its output, "
+          "(before every timed run the inputs re-read and 3 GiB of memory touched: common.ready); "
+          f"distmerge fsyncs its output, "
           "torchtitan's route does not, so `cp+sync` is the floor and `torchtitan+sync` the like-for-like peer; "
           "launch rows are `import distmerge.engine` "
           "as the CLI imports, its process group formed and destroyed (common.LAUNCH_ONLY), "
