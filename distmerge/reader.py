@@ -17,11 +17,11 @@ from distmerge.formats import registry
 from distmerge.formats.base import Fragment, InputFormat, OpenedFile, Scan
 
 # The copy of a fragment into an output file goes through one reused buffer of this size: preadv from the input,
-# pwrite into the output, 1 MiB each (writer.WRITE_CHUNK). Measured on ext4 against copy_file_range, which splices
-# 64 KiB at a time inside the kernel and takes the output's inode lock for each piece: 0.78 GB in 0.37-0.42 s
-# instead of 0.49-0.54 s with one writer, and 0.25-0.28 s instead of 0.45-0.47 s with two processes writing one
-# file (their 1 MiB writes take turns on the lock while the other reads); 4 MiB or 16 MiB writes were 2-3x slower
-# than 1 MiB ones (docs/benchmarks.md, "copying through memory").
+# pwrite into the output, 1 MiB each (writer.WRITE_CHUNK). copy_file_range, used before, splices 64 KiB at a time
+# on ext4 and takes the output file's inode lock for each piece, so two processes writing one shared file took
+# turns. tests/bench/bench_copy_paths.py, 0.78 GB into one file with fsync (docs/benchmarks.md): 0.65 s by
+# copy_file_range, 0.54 s through this buffer; with early writeback (writeback.py) 0.50 s and 0.34 s; two
+# processes writing halves of one file 0.46 s and 0.25 s. 4 MiB writes were 2-4x slower than 1 MiB ones.
 BOUNCE = 1 << 20
 
 

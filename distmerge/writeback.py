@@ -1,12 +1,12 @@
 """Starts the disk writing of an output file's bytes while the later bytes are still being copied in.
 
 A merge writes into the page cache and fsyncs each file when its last byte is in. Left alone, the kernel
-writes back almost nothing before that fsync, so copying and disk writing take turns: on the test machines
-0.78 GB copied in 0.29-0.32 s, then fsync waited 0.25-0.30 s for the disk. Asking the kernel to start
-writeback of each range once it is written (Linux `sync_file_range(SYNC_FILE_RANGE_WRITE)`: queue the dirty
-pages for the disk, do not wait) overlaps the two, and the final fsync finds little left: one writer 0.43-0.67
-s instead of 0.59-0.92 s, two writers of one file 0.38-0.42 s instead of 0.56-0.57 s (docs/benchmarks.md).
-It also keeps the page cache from filling with dirty output when a rank writes hundreds of GB.
+writes back almost nothing before that fsync, so copying and disk writing take turns. Asking the kernel to
+start writeback of each range once it is written (Linux `sync_file_range(SYNC_FILE_RANGE_WRITE)`: queue the
+dirty pages for the disk, do not wait) overlaps the two, and the final fsync finds little left: 0.78 GB copied
+through reader.copy_to's buffer and fsynced in 0.34 s instead of 0.54 s by one process, 0.25 s instead of
+0.41 s by two writing one file (tests/bench/bench_copy_paths.py, docs/benchmarks.md).
+It also keeps the dirty part of the output in the page cache small while a rank writes hundreds of GB.
 
 Durability does not depend on it: the writer still fsyncs every file before renaming it. Where the call does
 not exist (not Linux, a libc without it) or a file system refuses it, writeback is simply left to the fsync.
