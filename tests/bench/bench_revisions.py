@@ -2,7 +2,7 @@
 
     python tests/bench/bench_revisions.py --input CKPT --revs REV1,REV2[,...] [--nproc 1,2] [--repeats 5]
 
-Checks each revision out once (a detached `git worktree` under --work, made again when the revision moves), then for
+Checks each revision out (a detached `git worktree` under --work, removed at the end), then for
 every repeat, every N and every revision in turn (the order reversed every other repeat) deletes the previous output
 and syncs, re-reads the inputs and touches the memory the run will get, as the other benchmarks do (common.ready),
 and runs `distmerge merge` from that worktree (PYTHONPATH) with the same venv. Prints each revision's own timer (the
@@ -71,6 +71,14 @@ def main() -> int:
     args.inputs = [p for p in args.input.rglob("*") if p.is_file()]
     warm(args.inputs)
     revs = [checkout(r, args.work) for r in args.revs.split(",")]
+    try:
+        return measure(args, revs)
+    finally:  # the worktrees are registered in the repository: remove them (checking out again is quick)
+        for _, tree in revs:
+            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, capture_output=True)
+
+
+def measure(args: argparse.Namespace, revs: list[tuple[str, Path]]) -> int:
     counts = [int(n) for n in args.nproc.split(",")]
     own: dict[tuple[int, str], list[float]] = {}
     print(f"input {args.input} ({gb(sum(p.stat().st_size for p in args.inputs))}); revisions "
