@@ -128,10 +128,10 @@ def warm(files: list[Path]) -> None:
     _read(files)
 
 
-# Memory touched just before every timed run, then freed. This VM gives free memory back to its host
-# (virtio-balloon free page reporting: bit 5 of /sys/bus/virtio/drivers/virtio_balloon/*/features), and the next
-# process that uses such pages waits while the host hands them out again. Without this, which method got
-# recycled memory and which got memory the host had taken back was chance and drift: in one ZeRO-3 run the own
+# Memory touched just before every timed run, then freed. The suspected cause of the drift it fights (not
+# isolated): this VM gives free memory back to its host (virtio-balloon free page reporting: bit 5 of
+# /sys/bus/virtio/drivers/virtio_balloon/*/features), and the next process that uses such pages waits while the
+# host hands them out again, so which method got recycled memory was chance: in one ZeRO-3 run the own
 # timer of distmerge N=2 fell with every repeat (2.57, 1.85, 1.14, 0.77, 0.71 s) as the bench's own churn brought
 # memory back, and the same merges run back to back took 0.35-0.40 s. Touched and freed right before the timed
 # command starts, these pages are the ones it gets. 3 GiB: more than any method here allocates.
