@@ -57,16 +57,17 @@ class ShardWriter:
         self.own_bytes = part if self.shared else self.size - len(head)
         self.missing = self.own_bytes  # data bytes this rank has not yet written
         try:
-            if not create:
+            if create:
+                self.final.parent.mkdir(parents=True, exist_ok=True)
+                self.fd = os.open(self.temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+            else:
                 self.fd = os.open(self.temp, os.O_WRONLY | os.O_NOFOLLOW)
-                self.writeback = Writeback(self.fd)
-                return
-            self.final.parent.mkdir(parents=True, exist_ok=True)
-            self.fd = os.open(self.temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
         except OSError as err:
             self.fd = -1
             self._failed(err)
         self.writeback = Writeback(self.fd)  # the disk starts on early bytes while later ones are copied
+        if not create:
+            return
         self.pwrite(memoryview(head), 0)
         if self.shared:  # full size now: the other writers' ranges exist before they write them
             self._truncate()
