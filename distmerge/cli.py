@@ -221,7 +221,6 @@ def _internal(err: Exception) -> DistmergeError:
 def _run_merge(args: argparse.Namespace) -> int:
     from distmerge.comm import process_group, resolve_device
     from distmerge.engine import MergeOptions, merge
-    from distmerge.formats import registry
     from distmerge.report import Progress, print_summary, summary_json
 
     opts = MergeOptions(
@@ -230,7 +229,6 @@ def _run_merge(args: argparse.Namespace) -> int:
         base_model=base_model_dir(args),
         resume=args.resume, checksum=args.checksum,
     )
-    registry.warm_up(args.input, args.format)
     if args.verify_against is not None and not args.verify_against.exists():  # before hours of merging
         err = InputError(f"--verify-against {args.verify_against} does not exist: pass the reference model")
         err.before_group = True

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import distmerge
 import distmerge.cli
-from distmerge.formats import registry
 
 
 def rchar() -> int:
@@ -32,8 +31,6 @@ def import_everything(argv: list[str]) -> None:
     for module in pkgutil.walk_packages(distmerge.__path__, "distmerge."):
         if not module.name.startswith("distmerge.verify.logits"):  # transformers: never on the merge path
             importlib.import_module(module.name)
-    if "--input" in argv:  # what the input's format imports lazily (DTensor, ...)
-        registry.warm_up(Path(argv[argv.index("--input") + 1]), "auto")
 
 
 def main() -> int:

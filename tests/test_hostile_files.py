@@ -173,6 +173,7 @@ def ranks_swapped_relabelled(ckpt: Path, outside: Path) -> None:  # mesh_record.
 
 
 def mesh_stride_zero(ckpt: Path, outside: Path) -> None:  # mesh_record.check_mesh (else mesh.mesh allocates)
+    import torch.distributed.tensor  # noqa: F401 - torch.load rebuilds DTensors only once it is imported
     from torch.distributed._mesh_layout import _MeshLayout
 
     state = torch.load(rank(ckpt, 2), weights_only=True)

@@ -7,7 +7,7 @@ file that was listed when it is opened.
 - Every open after the walk goes through input_tree.open_input: a rank file, or a folder on its way,
   replaced by a link or a FIFO between discovery and the read is refused in one line, on rank 0 (by the
   tree) and on the other ranks (by the record that travels with the scan: simulated in process, and in one
-  real 2-process torchrun); torch.load maps the checked file.
+  real 2-process torchrun); a rank file is read through the one descriptor that was checked.
 - DeepSpeed ZeRO optimizer files are compared by their tensor bytes: a copy of another rank's file, renamed
   and relabelled inside so that every label fits its new name, is refused; legitimate saves never are.
 
@@ -34,7 +34,7 @@ from distmerge import input_tree
 from distmerge.cli import main as distmerge_main
 from distmerge.errors import InputError
 from distmerge.formats import copies, registry
-from distmerge.formats.torch_private import state_dicts
+from distmerge.formats.torch_private import state_dicts, zip_records
 from distmerge.reader import Reader
 from tests.conftest import REPO, assert_exact, free_port, load_merged, load_reference
 from tests.test_hostile_files import SAVE, bounded, megatron_copy, optim, rank, refused, run, swap
@@ -255,27 +255,32 @@ def test_rank_1_refuses_a_file_swapped_after_rank_0_walked(fsdp_ckpts, tmp_path,
     assert not (tmp_path / "out" / "model.safetensors.index.json").exists()
 
 
-def test_torch_load_maps_the_file_that_was_checked(fsdp_ckpts, tmp_path, monkeypatch):
-    """torch.load(mmap=True) opens by name: it is handed the checked descriptor's name, so a swap between the
-    checks and the load changes nothing. Shown to fail with torch.load(path): the link was followed, rank 2's
-    tensors came back."""
+def test_rank_file_is_read_through_the_descriptor_that_was_checked(fsdp_ckpts, tmp_path, monkeypatch):
+    """The zip directory, the pickle and the storage offsets of a rank file all come from one descriptor, opened
+    through input_tree.open_input: a swap between the zip checks and the pickle read changes nothing. (With
+    torch.load by name, which distmerge used before, the link was followed and rank 2's tensors came back.)"""
     ckpt = Path(shutil.copytree(fsdp_ckpts["fsdp2_llama_w4"], tmp_path / "ckpt", symlinks=True))
     monkeypatch.setattr(input_tree, "_TREES", {})
     input_tree.load(ckpt)
-    checked = state_dicts.check_before_load
+    checked = zip_records.records
 
-    def check_then_swap(path, names, fd=None):
-        checked(path, names, fd)
-        path.unlink()
-        path.symlink_to(rank(ckpt, 2))
+    def check_then_swap(fd, where, *args):
+        found = checked(fd, where, *args)
+        if where == str(rank(ckpt, 1)) and not rank(ckpt, 1).is_symlink():
+            rank(ckpt, 1).unlink()
+            rank(ckpt, 1).symlink_to(rank(ckpt, 2))
+        return found
 
-    monkeypatch.setattr(state_dicts, "check_before_load", check_then_swap)
-    got = state_dicts.load_pickle(rank(ckpt, 1))
-    want = torch.load(fsdp_ckpts["fsdp2_llama_w4"] / rank(ckpt, 1).name, weights_only=True)
-    other = torch.load(rank(ckpt, 2), weights_only=True)
-    local = [k for k, v in want.items() if hasattr(v, "_local_tensor") and v._local_tensor.numel()]
-    assert local and all(torch.equal(got[k]._local_tensor, want[k]._local_tensor) for k in local)
-    assert not all(torch.equal(other[k]._local_tensor, want[k]._local_tensor) for k in local)
+    monkeypatch.setattr(zip_records, "records", check_then_swap)
+    got = state_dicts.read_rank_file(rank(ckpt, 1))
+    want = state_dicts.read_rank_file(fsdp_ckpts["fsdp2_llama_w4"] / rank(ckpt, 1).name)
+    other = state_dicts.read_rank_file(fsdp_ckpts["fsdp2_llama_w4"] / rank(ckpt, 2).name)
+    def saver(saved: state_dicts.RankFile) -> int:
+        return vars(state_dicts.dtensor_parts("lm_head.weight", saved.state["lm_head.weight"])[1].mesh)["_rank"]
+
+    assert rank(ckpt, 1).is_symlink()
+    assert (saver(got), saver(want), saver(other)) == (1, 1, 2)
+    assert got.storage_offsets == want.storage_offsets
 
 
 # -- DeepSpeed ZeRO: a copy of another rank's partition, whatever its labels ----------------------------------

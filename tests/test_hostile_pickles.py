@@ -84,7 +84,7 @@ def _read_blob(path: Path) -> object:
 
 
 PLACES = {
-    "fsdp rank file": Place("fsdp", "fsdp2_llama_w2", "model_world_size_2_rank_1.pt", state_dicts.load_pickle),
+    "fsdp rank file": Place("fsdp", "fsdp2_llama_w2", "model_world_size_2_rank_1.pt", state_dicts.read_rank_file),
     "megatron legacy": Place("megatron", "megatron_tp2", "iter_*/mp_rank_01/model_optim_rng.pt", torch_save.read),
     "deepspeed model states": Place("deepspeed", "ds_z2_fp32_w2", "global_step*/*model_states.pt",
                                     _read_ds),
@@ -118,7 +118,6 @@ CASES = [(place, payload) for place in PLACES for payload in hp.PICKLES] + [
 @pytest.fixture(scope="module")
 def sources(request, tmp_path_factory) -> dict[str, Path]:
     """The real file in each place (verify's reference: the fixture's reference saved as pytorch_model.bin)."""
-    state_dicts.register_dtensor()  # imported once here, not again in every forked child
     out = {}
     for name, place in PLACES.items():
         case = request.getfixturevalue(f"{_FIXTURES[place.family]}")[place.case]
@@ -233,7 +232,7 @@ def test_refusing_a_torch_name_imports_nothing(sources, tmp_path):
         "from pathlib import Path\n"
         "from distmerge.formats.torch_private import dcp, state_dicts, torch_save\n"
         f"files = {{k: Path(v) for k, v in {json.dumps({k: str(v) for k, v in files.items()})}.items()}}\n"
-        "for read, key in ((state_dicts.load_pickle, 'fsdp rank file'), (torch_save.read, 'megatron legacy'),\n"
+        "for read, key in ((state_dicts.read_rank_file, 'fsdp rank file'), (torch_save.read, 'megatron legacy'),\n"
         "                  (dcp.read_metadata, 'dcp .metadata')):\n"
         "    try:\n"
         "        read(files[key])\n"

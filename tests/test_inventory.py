@@ -23,7 +23,6 @@ SAVES = [("fsdp", "fsdp2_llama_bf16_w4"), ("fsdp", "fsdp1_llama_nomesh_w4"), ("f
 
 def opened(root: Path) -> list[Fragment]:
     fmt = registry.pick(root, "auto")
-    fmt.warm_up()
     scan = fmt.scan(root, {})
     return [f for file in scan.files for f in fmt.open(scan, file).fragments]
 

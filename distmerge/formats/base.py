@@ -206,10 +206,6 @@ class InputFormat(Protocol):
         """When no format detects `root`: a message that says what to pass instead, if this format can tell."""
         ...
 
-    def warm_up(self) -> None:
-        """Imports this format needs, done before the merge's clock starts."""
-        ...
-
 
 REGISTERED: dict[str, InputFormat] = {}
 
@@ -229,7 +225,4 @@ class FormatDefaults:
     options: tuple[FormatOption, ...] = ()
 
     def explain(self, root: Path) -> str | None:
-        return None
-
-    def warm_up(self) -> None:
         return None

@@ -20,8 +20,8 @@ from distmerge import dtypes, input_tree
 from distmerge.errors import InputError, LayoutError
 from distmerge.formats import copies
 from distmerge.formats.base import FormatDefaults, Fragment, Hints, InputFile, OpenedFile, Scan, input_file, register
-from distmerge.formats.torch_private import archive_name, state_dicts
-from distmerge.formats.torch_private.mesh_record import MeshChecks
+from distmerge.formats.torch_private import archive_name, state_dicts, torch_save
+from distmerge.formats.torch_private.mesh_record import MeshCache
 
 RANK_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 LORA_META = "lora_train_meta.json"  # verl writes r, lora_alpha, task_type beside the rank files of a LoRA run
@@ -41,9 +41,6 @@ class FsdpFormat(FormatDefaults):
         return (root / "fsdp_config.json").is_file() or any(
             RANK_FILE.match(p.name) or OPTIM_FILE.match(p.name) for p in root.iterdir()
         )
-
-    def warm_up(self) -> None:
-        state_dicts.register_dtensor()
 
     def scan(self, root: Path, options: Mapping[str, Any]) -> Scan:
         found = {int(m[2]): (int(m[1]), p) for p in root.iterdir() if (m := RANK_FILE.match(p.name))}
@@ -75,38 +72,37 @@ class FsdpFormat(FormatDefaults):
         )
 
     def open(self, scan: Scan, file: InputFile) -> OpenedFile:
-        path = Path(scan.root) / file.path
-        state = state_dicts.load_pickle(path)
-        pieces, skipped, layout = [], [], {}
-        meshes = state_dicts.MeshCache()
-        checks = MeshChecks(file.rank, scan.world_size)
-        for key, value in state.items():
-            checks.check(key, value)  # before the mesh is materialised, and the saver's rank vs the name's
-            found = state_dicts.local_pieces(key, value, file.rank, meshes)
-            if not found or key.endswith("_extra_state"):
-                skipped.append(key)
+        saved = state_dicts.read_rank_file(Path(scan.root) / file.path)
+        meshes = MeshCache(file.rank, scan.world_size, saved.read_ints)
+        opened = OpenedFile(fragments=[], skipped=[], layout={})
+        strided = {}
+        for key, value in saved.state.items():
+            blocks = state_dicts.local_blocks(key, value, meshes)  # meshes checked before anything is read
+            if not blocks or key.endswith("_extra_state"):
+                opened.skipped.append(key)
                 continue
-            pieces.extend((key, *p) for p in found)
-            kind = state_dicts.describe(value, meshes)
-            layout[kind] = layout.get(kind, 0) + 1
-        base = state_dicts.record_base(path, [t for _, t, _, _ in pieces])
-        opened = OpenedFile(fragments=[], skipped=skipped, layout=layout)
-        for key, tensor, shape, offsets in pieces:
-            where = state_dicts.byte_offset_of(tensor, base)
-            frag = Fragment(
-                name=_clean(key),
-                dtype=dtypes.code_of(tensor.dtype),
-                global_shape=shape,
-                offsets=offsets,
-                lengths=tuple(tensor.shape),
-                file_index=file.index,
-                byte_offset=where,
-                key=key,
-            )
-            opened.fragments.append(frag)
-            if where < 0:
-                opened.views[(key, offsets)] = tensor
+            kind = state_dicts.describe(key, value, meshes)
+            opened.layout[kind] = opened.layout.get(kind, 0) + 1
+            for block in blocks:
+                opened.fragments.append(_fragment(key, block, file.index, saved))
+                if not block.ref.contiguous:  # torch.save keeps a view's strides: read through a mapped view
+                    strided[(key, block.offsets)] = block.ref
+        opened.views.update(torch_save.mapped_views(saved.path, saved.storage_offsets, strided))
         return opened
+
+
+def _fragment(key: str, block: state_dicts.Block, index: int, saved: state_dicts.RankFile) -> Fragment:
+    ref = block.ref
+    return Fragment(
+        name=_clean(key),
+        dtype=dtypes.code_of(ref.storage.dtype),
+        global_shape=block.global_shape,
+        offsets=block.offsets,
+        lengths=ref.size,
+        file_index=index,
+        byte_offset=saved.file_offset(ref) if ref.contiguous else -1,
+        key=key,
+    )
 
 
 def _check_ranks(root: Path, world: int, ranks: set[int]) -> None:

@@ -44,16 +44,6 @@ def options() -> list[tuple[FormatOption, list[str]]]:
     return list(found.values())
 
 
-def warm_up(root: Path, requested: str = "auto") -> None:
-    """Import what the input's format needs before the merge's clock starts (DTensor costs ~0.8 s).
-    Errors are left to discovery, which reports them properly."""
-    try:
-        fmt = pick(root, requested)
-    except (InputError, OSError):
-        return
-    fmt.warm_up()
-
-
 def pick(root: Path, requested: str = "auto") -> InputFormat:
     if requested != "auto":
         return get(requested)

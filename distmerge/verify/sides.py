@@ -1,8 +1,8 @@
 """The two sides of a verify run: a merged model and a reference, listed from headers, read one tensor at a time.
 
-Neither side is ever loaded whole: safetensors files are opened with `safe_open`, pytorch_model*.bin with
-`torch.load(mmap=True, weights_only=True)` after its zip records and pickle passed the same checks as a
-checkpoint's (budgets, tensors-only allow-list: state_dicts.check_before_load).
+Neither side is ever loaded whole: safetensors files are opened with `safe_open`, pytorch_model*.bin are read as
+a checkpoint's torch.save files are (torch_save.read: zip records and pickle checked against budgets, a tensors-only
+allow-list, no torch.load), their tensors views of one mapping of the file.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import torch
 from distmerge import dtypes
 from distmerge.errors import CorruptInputError, InputError
 from distmerge.formats.safetensors_header import read_header
-from distmerge.formats.torch_private.state_dicts import PLAIN_STATE_DICT_NAMES, check_before_load
+from distmerge.formats.torch_private import torch_save
+from distmerge.formats.torch_private.restricted import TENSOR_GLOBALS, TensorRef
 from distmerge.output_files import INDEX_NAME
 
 TORCH_SUFFIXES = (".bin", ".pt", ".pth")
@@ -126,15 +127,12 @@ def _list_torch(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
 
 def load_torch(path: Path) -> dict[str, torch.Tensor]:
     """A flat state dict, memory-mapped: a tensor's bytes are read only when it is used."""
-    check_before_load(path, PLAIN_STATE_DICT_NAMES)
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as err:  # unsafe pickle, legacy (non-zip) format, truncated file
-        raise CorruptInputError(f"{path} cannot be loaded safely ({type(err).__name__}): save it with "
-                                "torch.save(state_dict) or as safetensors") from None
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+    saved = torch_save.read(path, inert_modules=(), allowed=TENSOR_GLOBALS)
+    state = saved.value
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, TensorRef) for k, v in
+                                              state.items()):
         raise CorruptInputError(f"{path} is not a flat state dict of tensors (name -> tensor)")
-    return state
+    return torch_save.mapped_views(path, saved.storage_offsets, state)
 
 
 class TensorFiles:

@@ -27,7 +27,7 @@ from make_ckpt import llama_shape
 
 # What a merge process has imported before it reads a byte (cli, engine, torch.distributed, rich, formats).
 IMPORTS_ONLY = ("import resource, torch.distributed, distmerge.cli, distmerge.engine, distmerge.report; "
-                "from distmerge.formats import registry; registry.warm_up; "
+                ""
                 "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
 
 

@@ -45,7 +45,6 @@ def best_of(work, repeats: int = 3) -> tuple[float, object]:
 def discovery_costs(found: Discovery) -> tuple[str, list[list[Fragment]]]:
     """One line of measured discovery costs, and the real inventory (each file's fragments)."""
     fmt = registry.get(found.scan.format)
-    fmt.warm_up()
     root = Path(found.scan.root)
     line = ""
     if found.scan.format == "dcp":

@@ -8,6 +8,7 @@ opcode stream against a budget (pickle_scan.py), so the unpickler only ever sees
 
 from __future__ import annotations
 
+import _compat_pickle
 import io
 import pickle
 from dataclasses import dataclass
@@ -19,7 +20,16 @@ from distmerge.formats.torch_private import pickle_scan
 
 
 class Record:
-    """Stand-in for a pickled object: keeps constructor args and state, runs nothing."""
+    """Stand-in for a pickled object: keeps constructor args and state, runs nothing. NEWOBJ (cls.__new__ with
+    the args, no __init__) and REDUCE (cls(*args)) both keep the args."""
+
+    pickled_as = ""  # "module.name" of the global a named record stands for (record_class)
+    tensor_subclass = False  # _rebuild_from_type_v2 may rebuild it (a DTensor, a ShardedTensor)
+
+    def __new__(cls, *args: Any) -> Record:
+        obj = super().__new__(cls)
+        obj._args = args
+        return obj
 
     def __init__(self, *args: Any) -> None:
         self._args = args
@@ -108,9 +118,51 @@ class _TensorClass:
     """torch.Tensor as a pickle names it (plain tensors rebuilt through _rebuild_from_type_v2)."""
 
 
+_RECORD_CLASSES: dict[tuple[str, str], type[Record]] = {}
+
+
+def record_class(module: str, name: str, *, tensor_subclass: bool = False) -> type[Record]:
+    """A Record subclass that remembers which global it stands for (one per name): readers of the records
+    tell a `Shard` placement from a `Replicate` one by `pickled_as`, never by rebuilding torch's class."""
+    key = (module, name)
+    if key not in _RECORD_CLASSES:
+        attrs = {"pickled_as": f"{module}.{name}", "tensor_subclass": tensor_subclass}
+        _RECORD_CLASSES[key] = type(f"Record[{name}]", (Record,), attrs)
+    return _RECORD_CLASSES[key]
+
+
+@dataclass(frozen=True)
+class SubclassTensor:
+    """A tensor subclass's pickle, inert: `wrapper` is what `func` returned for it (for torch's wrapper
+    subclasses, `WrapperArgs`), `state` its pickled state (DTensor: a dict, ShardedTensor: a tuple)."""
+
+    kind: type[Record]
+    wrapper: Any
+    state: Any
+
+
+@dataclass(frozen=True)
+class WrapperArgs:
+    """torch._utils._rebuild_wrapper_subclass(cls, dtype, size, stride, storage_offset, layout, device,
+    requires_grad), the same eight arguments from torch 2.0 to 2.15, kept as given."""
+
+    args: tuple
+
+    @property
+    def size(self) -> tuple[int, ...]:
+        return tuple(self.args[2])
+
+
+def rebuild_wrapper_subclass(*args: Any) -> WrapperArgs:
+    return WrapperArgs(args)
+
+
 def rebuild_from_type(func, new_type, args, state) -> Any:
     """torch._tensor._rebuild_from_type_v2: rebuild with `func` (itself from this allow-list), then set the
-    subclass. Only plain torch.Tensor is accepted: a subclass would run its own code."""
+    subclass. Plain torch.Tensor, or a record class the caller's allow-list marks as a tensor subclass (kept
+    inert as a SubclassTensor); any other subclass would run its own code."""
+    if isinstance(new_type, type) and issubclass(new_type, Record) and new_type.tensor_subclass:
+        return SubclassTensor(new_type, func(*args), state)
     if new_type is not _TensorClass:
         raise pickle.UnpicklingError("a tensor subclass is not allowed")
     return func(*args)
@@ -146,6 +198,12 @@ class Restricted(pickle.Unpickler):
         self.inert_modules = inert_modules
 
     def find_class(self, module: str, name: str) -> Any:
+        # Python 2 names as pickle's fix_imports maps them (protocol 2: `__builtin__ getattr`); an override of
+        # find_class gets them raw. pickle_scan already refused such names in protocol 3+ streams.
+        if (module, name) in _compat_pickle.NAME_MAPPING:
+            module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+        elif module in _compat_pickle.IMPORT_MAPPING:
+            module = _compat_pickle.IMPORT_MAPPING[module]
         if (module, name) in self.allowed:
             return self.allowed[(module, name)]
         if module == "torch" and name in DTYPES:

@@ -1,21 +1,32 @@
-"""The one module that touches private PyTorch details: torch.save zip records, DTensor specs and the
-pickled form of FSDP1's ShardedTensor. A torch upgrade that changes any of them is a change here only.
+"""verl's rank files (each rank's `torch.save(model.state_dict())`) read without torch.load: the pickle goes
+through the restricted reader (torch_save.read), DTensors and ShardedTensors become inert records, and their
+local tensors `TensorRef`s into the file. No torch class is rebuilt from a checkpoint, so a file saved by
+one torch reads the same on any other, and `torch.distributed.tensor` is never imported.
 
-Everything is loaded with `torch.load(weights_only=True, mmap=True)`: nothing in a checkpoint can run
-code. torch's loader has no budgets, so each file is checked first (`check_before_load`): its zip records
-(zip_records) and its pickle against a budget and an allow-list of the globals an FSDP save names
-(pickle_scan): names only, nothing imported. ShardedTensor cannot be unpickled without the process group it
-was saved with, so its pickle globals are mapped to inert stand-ins (below) that only record the local
-shards and their offsets.
+How torch.save pickles each kind of state-dict value (the forms read here; meshes: mesh_record.py):
+
+    plain tensor, Parameter   _rebuild_tensor_v2 (inside _rebuild_parameter)                    every torch
+    DTensor (FSDP2, HSDP,     _rebuild_from_type_v2(_rebuild_wrapper_subclass, DTensor, (DTensor, dtype,
+      FSDP1 with a mesh)        global size, stride, ...), {"_local_tensor": tensor, "_spec": DTensorSpec})
+                              DTensor in torch.distributed._tensor.api (2.4), torch.distributed.tensor (2.5+)
+      DTensorSpec             mesh, placements (a tuple), tensor_meta: TensorMeta(shape, stride, dtype),
+                              shard_order (2.10+, ignored); in ..._tensor.placement_types (2.4),
+                              torch.distributed.tensor._dtensor_spec (2.5+)
+      placements              Shard(dim) and Replicate(), read; _StridedShard(dim, split_factor) and
+                              Partial(reduce_op) refused by name; in ..._tensor.placement_types (2.4),
+                              torch.distributed.tensor.placement_types (2.5+)
+    ShardedTensor (FSDP1      _rebuild_from_type_v2(_rebuild_wrapper_subclass, ShardedTensor, (...),
+      without a mesh)           (local shards, metadata, process group state, sharding spec, init_rrefs))
+                              each local shard: Shard(tensor, ShardMetadata(shard_offsets, shard_sizes, ...));
+                              the same module paths from torch 2.0 to 2.15
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import pickle
-import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,243 +34,216 @@ import torch
 
 from distmerge import input_tree
 from distmerge.errors import CorruptInputError, LayoutError
-from distmerge.formats.torch_private import pickle_scan, zip_records
-from distmerge.formats.torch_private.restricted import DTYPES, STORAGE_DTYPES, itemsize_of
-from distmerge.formats.torch_private.restricted import Record as _Record
+from distmerge.formats.torch_private import torch_save
+from distmerge.formats.torch_private.mesh_record import Mesh, MeshCache
+from distmerge.formats.torch_private.restricted import (
+    TENSOR_GLOBALS,
+    Record,
+    SubclassTensor,
+    TensorRef,
+    WrapperArgs,
+    as_text,
+    rebuild_wrapper_subclass,
+    record_class,
+)
 
-
-class _QuietMeshUnpickle(logging.Filter):
-    """Unpickling a DeviceMesh without process groups warns about torch.compile, once per tensor."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "unpickling of the DeviceMesh" not in record.getMessage()
-
-
-logging.getLogger("torch.distributed.device_mesh").addFilter(_QuietMeshUnpickle())
-
-
-class _ShardedTensorStandIn(torch.Tensor):
-    """Stand-in for torch.distributed._shard.sharded_tensor.ShardedTensor (FSDP1 without a mesh)."""
-
-    def __setstate__(self, state: Any) -> None:
-        self.local_shards = state[0]  # list of Shard records: .tensor, .metadata.shard_offsets/sizes
-
-    __torch_function__ = torch._C._disabled_torch_function_impl  # plain attribute access, no dispatch
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        raise TypeError(f"{func}: a ShardedTensor read by distmerge is only a record of its local shards")
+_DTENSOR_MODULES = ("torch.distributed.tensor", "torch.distributed.tensor._api", "torch.distributed._tensor.api",
+                    "torch.distributed._tensor")
+_SPEC_MODULES = ("torch.distributed.tensor._dtensor_spec", "torch.distributed._tensor.placement_types",
+                 "torch.distributed._tensor._dtensor_spec")
+_PLACEMENT_MODULES = ("torch.distributed.tensor.placement_types", "torch.distributed._tensor.placement_types")
+_SHARDED = "torch.distributed._shard."
+SHARDED_TENSOR = record_class(f"{_SHARDED}sharded_tensor.api", "ShardedTensor", tensor_subclass=True)
 
 
 def _nested_class(owner: Any, name: str) -> Any:
     """Pickle reaches nested classes through getattr(owner, name); allow exactly one such lookup."""
-    if owner is _ShardedTensorStandIn and name == "ProcessGroupState":
-        return _Record
+    if owner is SHARDED_TENSOR and name == "ProcessGroupState":
+        return record_class(f"{_SHARDED}sharded_tensor.api", "ShardedTensor.ProcessGroupState")
     raise pickle.UnpicklingError(f"getattr({getattr(owner, '__name__', owner)!r}, {name!r}) is not allowed")
 
 
-_SHARDED_TENSOR_GLOBALS = [
-    (_nested_class, "builtins.getattr"),
-    (_ShardedTensorStandIn, "torch.distributed._shard.sharded_tensor.api.ShardedTensor"),
-    (_Record, "torch.distributed._shard.sharded_tensor.shard.Shard"),
-    (_Record, "torch.distributed._shard.metadata.ShardMetadata"),
-    (_Record, "torch.distributed._shard.sharded_tensor.metadata.ShardedTensorMetadata"),
-    (_Record, "torch.distributed._shard.sharded_tensor.metadata.TensorProperties"),
-    (_Record, "torch.distributed._shard.sharded_tensor.metadata.MEM_FORMAT_ENCODING"),
-    (_Record, "torch.distributed._shard.sharded_tensor.api.ShardedTensor.ProcessGroupState"),
-    (_Record, "torch.distributed._shard.sharding_spec.chunk_sharding_spec.ChunkShardingSpec"),
-    (_Record, "torch.distributed.remote_device._remote_device"),
-]
+def _records(modules: tuple[str, ...], names: tuple[str, ...], **kind: bool) -> dict[tuple[str, str], Any]:
+    return {(m, n): record_class(m, n, **kind) for m in modules for n in names}
 
 
-# What torch.save of a state dict names: tensors, parameters, DTensors with their specs and meshes (several
-# torch versions' module paths), and FSDP1's ShardedTensor (above). torch.load's own allow-list is wider
-# (bytearray, ...); these files never need more than this.
-_STATE_DICT_NAMES = {
-    ("collections", "OrderedDict"), ("torch", "Size"), ("torch", "device"), ("torch", "Tensor"),
-    ("torch.serialization", "_get_layout"), ("torch._utils", "_rebuild_tensor_v2"),
-    ("torch._utils", "_rebuild_parameter"), ("torch._utils", "_rebuild_wrapper_subclass"),
-    ("torch._tensor", "_rebuild_from_type_v2"),
-    *((m, "DTensor") for m in ("torch.distributed.tensor", "torch.distributed.tensor._api",
-                               "torch.distributed._tensor.api", "torch.distributed._tensor")),
-    *((m, n) for m in ("torch.distributed.tensor._dtensor_spec", "torch.distributed._tensor.placement_types")
-      for n in ("DTensorSpec", "TensorMeta", "ShardOrderEntry")),
-    *((m, n) for m in ("torch.distributed.tensor.placement_types", "torch.distributed._tensor.placement_types")
-      for n in ("Shard", "Replicate", "_StridedShard", "Partial")),
-    ("torch.distributed.device_mesh", "DeviceMesh"), ("torch.distributed._mesh_layout", "_MeshLayout"),
-    ("torch.distributed._mesh_layout", "_FlatLayout"),
-    *(tuple(name.rsplit(".", 1)) for _, name in _SHARDED_TENSOR_GLOBALS),
-}
-# Plain torch.save(state_dict) files (Hugging Face's pytorch_model*.bin): tensors only.
-PLAIN_STATE_DICT_NAMES = {
-    ("collections", "OrderedDict"), ("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_parameter"),
-    ("torch._tensor", "_rebuild_from_type_v2"), ("torch", "Tensor"), ("torch", "Size"), ("torch", "device"),
+# Every global a rank file may name, each mapped to an inert stand-in: nothing else is resolvable.
+RANK_FILE_GLOBALS: dict[tuple[str, str], Any] = {
+    **TENSOR_GLOBALS,
+    ("torch._utils", "_rebuild_wrapper_subclass"): rebuild_wrapper_subclass,
+    ("torch.serialization", "_get_layout"): as_text,
+    ("builtins", "getattr"): _nested_class,
+    **_records(_DTENSOR_MODULES, ("DTensor",), tensor_subclass=True),
+    **_records(_SPEC_MODULES, ("DTensorSpec", "TensorMeta", "ShardOrderEntry")),
+    **_records(_PLACEMENT_MODULES, ("Shard", "Replicate", "_StridedShard", "Partial")),
+    **_records(("torch.distributed.device_mesh",), ("DeviceMesh",)),
+    **_records(("torch.distributed._mesh_layout",), ("_MeshLayout", "_FlatLayout")),
+    (f"{_SHARDED}sharded_tensor.api", "ShardedTensor"): SHARDED_TENSOR,
+    **{(f"{_SHARDED}{m}", n): record_class(f"{_SHARDED}{m}", n) for m, n in (
+        ("sharded_tensor.shard", "Shard"), ("metadata", "ShardMetadata"),
+        ("sharded_tensor.metadata", "ShardedTensorMetadata"), ("sharded_tensor.metadata", "TensorProperties"),
+        ("sharded_tensor.metadata", "MEM_FORMAT_ENCODING"),
+        ("sharding_spec.chunk_sharding_spec", "ChunkShardingSpec"))},
+    **_records(("torch.distributed.remote_device",), ("_remote_device",)),
 }
 
 
-def check_before_load(path: Path, names: set[tuple[str, str]], fd: int | None = None) -> None:
-    """The zip records and the pickle of a torch.save file, checked before torch.load sees it: stored
-    disjoint records, a pickle within pickle_scan's budget naming only `names`, torch dtypes and storage
-    classes, and storages that fit their records. `fd`: the file, already opened through input_tree."""
+@dataclass(frozen=True, kw_only=True)
+class RankFile:
+    """A rank file's state dict (tensors as TensorRef, DTensors and ShardedTensors as SubclassTensor) and where
+    each storage record starts in the file."""
 
-    def permitted(module: str, name: str) -> bool:
-        return (module, name) in names or (module == "torch" and (name in DTYPES or name in STORAGE_DTYPES))
+    path: Path
+    state: dict[str, Any]
+    storage_offsets: dict[str, int]
 
-    own = fd is None
-    fd = input_tree.open_input(path)[0] if fd is None else fd
-    try:
-        found = zip_records.records(fd, str(path))
-        pkl, prefix = zip_records.pickle_record(found, str(path))
-        if pkl.size > pickle_scan.DEFAULT.max_bytes:
-            raise CorruptInputError(f"{path}: its pickle is {pkl.size} bytes, over the limit of "
-                                    f"{pickle_scan.DEFAULT.max_bytes} (max_bytes)")
-        storages = {n[len(prefix) :]: r.size for n, r in found.items() if n.startswith(prefix)}
-        pickle_scan.check(zip_records.read(fd, pkl), str(path), permitted, storages=storages, itemsize=itemsize_of)
-    finally:
-        if own:
+    def file_offset(self, ref: TensorRef) -> int:
+        return self.storage_offsets[ref.storage.key] + ref.storage_offset * ref.storage.dtype.itemsize
+
+    def read_ints(self, ref: TensorRef, count: int) -> list[int]:
+        """The first `count` values of a small contiguous int tensor (a mesh's ranks), read from the file."""
+        if not ref.contiguous or ref.storage.dtype.is_floating_point or math.prod(ref.size) != count:
+            raise LayoutError(f"{self.path}: a device mesh's rank list is not a contiguous int tensor of {count}")
+        size = ref.storage.dtype.itemsize
+        fd, _ = input_tree.open_input(self.path)
+        try:
+            data = os.pread(fd, count * size, self.file_offset(ref))
+        finally:
             os.close(fd)
+        if len(data) != count * size:
+            raise CorruptInputError(f"{self.path} ends inside a device mesh's rank list: the file is truncated")
+        return torch.frombuffer(bytearray(data), dtype=ref.storage.dtype).tolist()
 
 
-def register_dtensor() -> None:
-    """Importing torch.distributed.tensor registers DTensor with the weights_only loader. It costs ~0.8 s,
-    so it happens on the first rank file read, not when distmerge starts (DCP merges never need it)."""
-    import torch.distributed.tensor  # noqa: F401
-
-
-def _is_dtensor(value: Any) -> bool:
-    return type(value).__name__ == "DTensor" and isinstance(value, torch.distributed.tensor.DTensor)
-
-
-def load_pickle(path: Path) -> dict[str, Any]:
-    """torch.load(mmap=True, weights_only=True) with the ShardedTensor stand-ins; clear errors. torch.load
-    opens the file by name: it is given the name of the descriptor that was checked (input_tree.fd_name), so
-    it maps the file that passed the checks, not whatever lies at `path` by then."""
+def read_rank_file(path: Path) -> RankFile:
+    """The state dict of one rank file, with the zip and the pickle checked first (torch_save.read)."""
     fd, _ = input_tree.open_input(path)
     try:
-        if os.fstat(fd).st_size == 0:
-            raise CorruptInputError(f"{path} is empty (0 bytes): the save was interrupted; use another checkpoint")
-        register_dtensor()
-        check_before_load(path, _STATE_DICT_NAMES, fd)
-        with torch.serialization.safe_globals(_SHARDED_TENSOR_GLOBALS):
-            obj = torch.load(input_tree.fd_name(fd), map_location="cpu", mmap=True, weights_only=True)
-    except pickle.UnpicklingError as err:
-        raise CorruptInputError(f"{path}: {_refused(str(err))}; distmerge never runs code from checkpoints") from None
-    except (RuntimeError, EOFError, ValueError, OSError) as err:
-        reason = str(err).splitlines()[0][:160]
-        raise CorruptInputError(f"{path} cannot be read ({reason}): truncated or corrupt") from None
+        empty = os.fstat(fd).st_size == 0
     finally:
         os.close(fd)
-    if not isinstance(obj, dict):
-        raise CorruptInputError(f"{path} holds a {type(obj).__name__}, not a state dict")
-    return obj
+    if empty:
+        raise CorruptInputError(f"{path} is empty (0 bytes): the save was interrupted; use another checkpoint")
+    saved = torch_save.read(path, inert_modules=(), allowed=RANK_FILE_GLOBALS)
+    if not isinstance(saved.value, dict):
+        raise CorruptInputError(f"{path} holds a {type(saved.value).__name__}, not a state dict")
+    return RankFile(path=path, state=saved.value, storage_offsets=saved.storage_offsets)
 
 
-def _refused(message: str) -> str:
-    """The global torch's weights_only loader refused, named in a few words (its own message is a page)."""
-    found = re.search(r"GLOBAL ([\w.]+)", message) or re.search(r"global ['`]?([\w.]+)", message)
-    if found:
-        return f"its pickle calls {found[1]}, which is not allowed"
-    first = message.split("WeightsUnpickler error:")[-1].strip().splitlines()
-    return f"it holds objects that are not tensors ({(first[0] if first else '')[:100]})"
+@dataclass(frozen=True)
+class Block:
+    """One local piece of a state-dict entry: its tensor in the file and its place in the global tensor."""
+
+    ref: TensorRef
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
 
 
-def record_base(path: Path, tensors: list[torch.Tensor]) -> tuple[int, set[int]] | None:
-    """Address of file byte 0 in the mmap torch.load made, and the offsets of the data records.
+def kind_of(value: Any) -> str:
+    """"dtensor", "sharded" (FSDP1's ShardedTensor), "tensor", or "" for what holds no tensor."""
+    if isinstance(value, SubclassTensor):
+        return "sharded" if value.kind is SHARDED_TENSOR else "dtensor"
+    return "tensor" if isinstance(value, TensorRef) else ""
 
-    torch.load(mmap=True) maps the whole file once and slices every storage out of it, so a storage's
-    address minus its record's offset is the same for all: the lowest address belongs to the lowest
-    record. Callers check each tensor against the record set and fall back to the view otherwise.
-    """
-    fd, _ = input_tree.open_input(path)  # checked like every open of an input file, never torch's reader by name
-    try:
-        found = zip_records.records(fd, str(path))
-        prefix = zip_records.pickle_record(found, str(path))[1]
-    finally:
-        os.close(fd)
-    offsets = {r.start for n, r in found.items() if n.startswith(prefix)}
-    ptrs = [t.untyped_storage().data_ptr() for t in tensors if t.untyped_storage().nbytes() > 0]
-    if not offsets or not ptrs:
+
+def local_blocks(key: str, value: Any, meshes: MeshCache) -> list[Block]:
+    """The blocks one state-dict entry holds; [] for entries that are not tensors."""
+    kind = kind_of(value)
+    if kind == "dtensor":
+        return [_dtensor_block(key, value, meshes)]
+    if kind == "sharded":
+        return _sharded_blocks(key, value)
+    if kind == "tensor":
+        return [Block(value, value.size, (0,) * len(value.size))]
+    return []
+
+
+def _global_shape(key: str, value: SubclassTensor) -> tuple[int, ...]:
+    wrapper = value.wrapper
+    if not isinstance(wrapper, WrapperArgs) or len(wrapper.args) < 3:
+        raise LayoutError(f"{key}: a {value.kind.pickled_as} not rebuilt by _rebuild_wrapper_subclass")
+    shape = wrapper.size
+    if not all(type(n) is int and n >= 0 for n in shape):
+        raise LayoutError(f"{key}: its global shape {shape} is not a list of sizes")
+    return shape
+
+
+def dtensor_parts(key: str, value: SubclassTensor) -> tuple[TensorRef, Any]:
+    state = value.state[1] if isinstance(value.state, tuple) and len(value.state) == 2 else value.state
+    local, spec = (state.get("_local_tensor"), state.get("_spec")) if isinstance(state, dict) else (None, None)
+    if not isinstance(local, TensorRef) or not isinstance(spec, Record):
+        raise LayoutError(f"{key}: a DTensor without a local tensor and a spec: not a DTensor torch 2.4 to 2.15 saves")
+    return local, spec
+
+
+def placement_of(key: str, placement: Any, ndim: int) -> int | None:
+    """The tensor dim a placement shards (None: replicated); other placements are refused by name."""
+    name = getattr(placement, "pickled_as", "").rsplit(".", 1)[-1]
+    if name == "Replicate":
         return None
-    return min(ptrs) - min(offsets), offsets
+    if name != "Shard":
+        shown = name or type(placement).__name__
+        raise LayoutError(f"{key}: placement {shown} is not supported (only Shard and Replicate): merge a save "
+                          "without tensor-parallel strided or partial placements")
+    dim = vars(placement).get("dim", placement._args[0] if placement._args else None)
+    if type(dim) is not int or not -ndim <= dim < ndim:
+        raise LayoutError(f"{key}: placement Shard({dim}) names a dimension its {ndim}-dimensional tensor does not "
+                          "have: the file is corrupt")
+    return dim % ndim
 
 
-def byte_offset_of(tensor: torch.Tensor, base: tuple[int, set[int]] | None) -> int:
-    """Where the tensor's bytes start in the file, or -1 when they are not one run we can locate."""
-    if base is None or not tensor.is_contiguous() or tensor.numel() == 0:
-        return -1
-    record = tensor.untyped_storage().data_ptr() - base[0]
-    if record not in base[1]:
-        return -1
-    return record + tensor.storage_offset() * tensor.element_size()
-
-
-class MeshCache:
-    """`mesh.mesh` (global ranks laid out on the mesh) once per unpickled mesh object: the DTensors
-    of a file share a few meshes, and rebuilding that tensor costs ~0.1 ms per call."""
-
-    def __init__(self) -> None:
-        self._seen: dict[int, tuple[Any, torch.Tensor]] = {}
-
-    def ranks(self, mesh: Any) -> torch.Tensor:
-        hit = self._seen.get(id(mesh))
-        if hit is None:
-            hit = self._seen[id(mesh)] = (mesh, mesh.mesh)  # holding `mesh` keeps its id unique
-        return hit[1]
-
-
-def _dtensor_offsets(key: str, value: Any, file_rank: int, meshes: MeshCache) -> tuple[int, ...]:
+def _dtensor_block(key: str, value: SubclassTensor, meshes: MeshCache) -> Block:
     """Global offsets of a DTensor's local block: torch.chunk rules, applied mesh dim by mesh dim."""
-    spec = value._spec
-    mesh = meshes.ranks(spec.mesh)
-    where = (mesh == file_rank).nonzero()
-    if where.numel() == 0:
-        raise LayoutError(f"{key}: saved by rank {file_rank}, which is not in its device mesh {mesh.tolist()}")
-    coord = where[0].tolist()
-    shape = list(value.shape)
+    local, spec = dtensor_parts(key, value)
+    mesh: Mesh = meshes.get(key, vars(spec).get("mesh"))
+    placements = vars(spec).get("placements")
+    if not isinstance(placements, tuple) or len(placements) != len(mesh.sizes):
+        raise LayoutError(f"{key}: {len(placements or ())} placements on a {len(mesh.sizes)}-dimensional mesh")
+    shape = list(_global_shape(key, value))
     offsets = [0] * len(shape)
-    for mesh_dim, placement in enumerate(spec.placements):
-        kind = type(placement).__name__
-        if kind == "Replicate":
+    for placement, parts, index in zip(placements, mesh.sizes, mesh.coordinate, strict=True):
+        dim = placement_of(key, placement, len(shape))
+        if dim is None:
             continue
-        if kind != "Shard":
-            raise LayoutError(f"{key}: placement {placement} is not supported (only Shard and Replicate)")
-        dim, parts, index = placement.dim, mesh.shape[mesh_dim], coord[mesh_dim]
         chunk = math.ceil(shape[dim] / parts) if shape[dim] else 0
         start = min(chunk * index, shape[dim])
         shape[dim] = max(0, min(shape[dim], start + chunk) - start)
         offsets[dim] += start
-    local = tuple(value._local_tensor.shape)
-    if tuple(shape) != local:
-        raise LayoutError(f"{key}: local shape {local} does not match its placements (expected {tuple(shape)})")
-    return tuple(offsets)
+    if tuple(shape) != local.size:
+        raise LayoutError(f"{key}: local shape {local.size} does not match its placements (expected {tuple(shape)})")
+    return Block(local, _global_shape(key, value), tuple(offsets))
 
 
-def local_pieces(
-    key: str, value: Any, file_rank: int, meshes: MeshCache
-) -> list[tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]]:
-    """(local tensor, global shape, offsets) for one state-dict entry: DTensor, ShardedTensor or plain."""
-    if _is_dtensor(value):
-        return [(value._local_tensor, tuple(value.shape), _dtensor_offsets(key, value, file_rank, meshes))]
-    if isinstance(value, _ShardedTensorStandIn):
-        shape = tuple(value.shape)
-        return [
-            (s.tensor, shape, tuple(s.metadata.shard_offsets))
-            for s in value.local_shards
-            if s.tensor.numel() > 0
-        ]
-    if isinstance(value, torch.Tensor):
-        return [(value, tuple(value.shape), (0,) * value.dim())]
-    return []
+def _sharded_blocks(key: str, value: SubclassTensor) -> list[Block]:
+    shape = _global_shape(key, value)
+    shards = value.state[0] if isinstance(value.state, tuple) and value.state else None
+    if not isinstance(shards, list):
+        raise LayoutError(f"{key}: a ShardedTensor without its local shards: not one torch saves")
+    blocks = []
+    for shard in shards:
+        tensor, meta = vars(shard).get("tensor"), vars(shard).get("metadata")
+        offsets = tuple(getattr(meta, "__dict__", {}).get("shard_offsets") or ())
+        if not isinstance(tensor, TensorRef) or len(offsets) != len(shape) or any(type(o) is not int for o in offsets):
+            raise LayoutError(f"{key}: a ShardedTensor shard without a tensor and its offsets")
+        if math.prod(tensor.size) > 0:
+            blocks.append(Block(tensor, shape, offsets))
+    return blocks
 
 
-def describe(value: Any, meshes: MeshCache) -> str:
+def describe(key: str, value: Any, meshes: MeshCache) -> str:
     """A short human description of an entry's sharding, for `distmerge inspect`."""
-    if _is_dtensor(value):
-        mesh = value._spec.mesh
-        ranks = meshes.ranks(mesh)
-        names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(ranks.dim()))
-        dims = ", ".join(f"{n}={s}" for n, s in zip(names, ranks.shape, strict=True))
-        return f"DTensor mesh({dims}) {', '.join(map(str, value._spec.placements))}"
-    if isinstance(value, _ShardedTensorStandIn):
+    kind = kind_of(value)
+    if kind == "dtensor":
+        spec = dtensor_parts(key, value)[1]
+        mesh = meshes.get(key, vars(spec)["mesh"])
+        shown = ", ".join(_placement_text(p) for p in vars(spec)["placements"])
+        return f"DTensor mesh({mesh.describe()}) {shown}"
+    if kind == "sharded":
         return "ShardedTensor (FSDP1, no mesh)"
     return "plain tensor"
+
+
+def _placement_text(placement: Any) -> str:
+    name = placement.pickled_as.rsplit(".", 1)[-1]
+    dim = vars(placement).get("dim", placement._args[0] if placement._args else None)
+    return f"{name}(dim={dim})" if name == "Shard" else f"{name}()"

@@ -12,16 +12,27 @@ records, tensors become references, and nothing from the file runs.
 
 from __future__ import annotations
 
+import mmap
 import os
 import pickle
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from distmerge import input_tree
 from distmerge.errors import CorruptInputError
 from distmerge.formats.torch_private import zip_records
-from distmerge.formats.torch_private.restricted import TENSOR_GLOBALS, OrderedDictStandIn, Record, TensorRef, loads
+from distmerge.formats.torch_private.restricted import (
+    TENSOR_GLOBALS,
+    OrderedDictStandIn,
+    Record,
+    SubclassTensor,
+    TensorRef,
+    loads,
+)
 
 # Training metadata a trainer pickles beside its tensors; read as inert records, never as live objects.
 TRAINING_MODULES = ("argparse", "numpy", "megatron", "transformer_engine", "enum", "_io", "io", "types", "apex")
@@ -44,8 +55,10 @@ class SavedObject:
     storage_offsets: dict[str, int]  # storage key -> file offset of its first byte
 
 
-def read(path: Path, inert_modules: tuple[str, ...] = TRAINING_MODULES) -> SavedObject:
-    """`inert_modules`: the trainer's own modules whose pickled objects become inert records. The zip is
+def read(path: Path, inert_modules: tuple[str, ...] = TRAINING_MODULES,
+         allowed: Mapping[tuple[str, str], Any] | None = None) -> SavedObject:
+    """`inert_modules`: the trainer's own modules whose pickled objects become inert records; `allowed`: the
+    globals the pickle may name and their stand-ins (default: tensors and a few builtins). The zip is
     checked first (zip_records), the pickle is checked against its budget (pickle_scan), and every tensor
     must lie inside its storage record."""
     fd, _ = input_tree.open_input(path)  # a regular file inside the input, never a FIFO or a link out
@@ -53,7 +66,8 @@ def read(path: Path, inert_modules: tuple[str, ...] = TRAINING_MODULES) -> Saved
         found = zip_records.records(fd, str(path))
         pkl, prefix = zip_records.pickle_record(found, str(path))
         storages = {n[len(prefix) :]: r.size for n, r in found.items() if n.startswith(prefix)}
-        value = loads(zip_records.read(fd, pkl), {**TENSOR_GLOBALS, **SAFE_GLOBALS}, inert_modules,
+        names = dict(allowed) if allowed is not None else {**TENSOR_GLOBALS, **SAFE_GLOBALS}
+        value = loads(zip_records.read(fd, pkl), names, inert_modules,
                       where=str(path), storages=storages)
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError) as err:
         raise CorruptInputError(f"{path} cannot be read safely ({err}); distmerge loads no code from "
@@ -85,6 +99,8 @@ def _check_views(path: Path, value: Any, storages: dict[str, int]) -> None:
             todo.extend(item)
         elif isinstance(item, Record):
             todo.extend(vars(item).values())
+        elif isinstance(item, SubclassTensor):
+            todo.extend((item.wrapper, item.state))
 
 
 def _check_view(path: Path, ref: TensorRef, storages: dict[str, int]) -> None:
@@ -96,3 +112,24 @@ def _check_view(path: Path, ref: TensorRef, storages: dict[str, int]) -> None:
     if need > have:
         raise CorruptInputError(f"{path}: a tensor view reaches byte {need} of storage record {key}, which holds "
                                 f"{max(have, 0)} bytes (limit: views stay inside their record)")
+
+
+def mapped_views(path: Path, storage_offsets: Mapping[str, int],
+                 refs: Mapping[Any, TensorRef]) -> dict[Any, torch.Tensor]:
+    """The tensors `refs` describe, as views of one private mapping of the file: pages are read when a view is
+    used, nothing is copied whole. Each ref was checked to lie inside its record (read)."""
+    if not refs:
+        return {}
+    fd, _ = input_tree.open_input(path)
+    try:  # private and writable: torch.frombuffer wants a writable buffer; the file is never written
+        mapped = mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    views = {}
+    for key, ref in refs.items():
+        dtype = ref.storage.dtype
+        count = ref.bytes_needed(dtype.itemsize) // dtype.itemsize
+        start = storage_offsets[ref.storage.key]
+        storage = torch.frombuffer(mapped, dtype=dtype, offset=start, count=count) if count else torch.empty(0, dtype)
+        views[key] = storage.as_strided(ref.size, ref.stride, ref.storage_offset)
+    return views
