@@ -4,14 +4,17 @@ sizes, where the saving rank sits on it, which rank saved the file.
 DeviceMesh has no `__reduce__`: torch.save pickles its `__dict__`, whose fields changed across releases.
 The forms below are told apart by the fields present, not by a version number (the pickle carries none):
 
-    form          torch        fields read here
-    mesh tensor   2.4 - 2.9    `mesh`: int tensor of global ranks shaped like the mesh; `mesh_dim_names`
-    cute layout   2.10 - 2.11  `_layout`: _MeshLayout, a pycute Layout with (nested) `shape` and `stride` per
-                               mesh dim; `_rank_map`: 1-D int tensor of global ranks; `_mesh_dim_names`
-    flat axes     2.12 - 2.15  `_layout`: _MeshLayout with `axes`, one _FlatLayout(shape, stride) per mesh
-                               dim; `_rank_map`; `_mesh_dim_names`
-    all forms                  `_rank`: the global rank that pickled it (absent before 2.5);
-                               `_coordinate_on_dim`: that rank's coordinates on the mesh (None off the mesh)
+    form          seen in saves of   fields read here
+    mesh tensor   torch 2.6, 2.8     `mesh`: int tensor of global ranks shaped like the mesh; `mesh_dim_names`
+    cute layout   torch 2.11         `_layout`: _MeshLayout, a pycute Layout with (nested) `shape` and `stride`
+                                     per mesh dim; `_rank_map`: 1-D int tensor of global ranks; `_mesh_dim_names`
+    flat axes     torch 2.13, 2.14   `_layout`: _MeshLayout with `axes`, one _FlatLayout(shape, stride) per
+                                     mesh dim; `_rank_map`; `_mesh_dim_names`
+    any form                         `_rank`: the global rank that pickled it (2.11 on; absent in 2.6 and 2.8);
+                                     `_coordinate_on_dim`: that rank's coordinates on the mesh (every release)
+
+(The saves are in tests/data/torch_versions, made by its make_saves.py; releases between them write one of the
+neighbouring forms, which is all the reader needs: it goes by the fields, never by a version.)
 
 A layout's numbers are checked before any rank list is read (at most `world` ranks, no repeated rank, every
 index inside the rank map): a crafted layout cannot make anything large. The saving rank's coordinates are
@@ -29,7 +32,7 @@ from typing import Any
 from distmerge.errors import LayoutError
 from distmerge.formats.torch_private.restricted import TensorRef
 
-KNOWN = "DeviceMesh as torch 2.4 to 2.15 pickle it"
+KNOWN = "DeviceMesh as torch 2.6 to 2.14 pickle it"
 ReadInts = Callable[[TensorRef, int], list[int]]  # a small int tensor's values, at most n of them
 
 
@@ -137,7 +140,17 @@ def _from_mesh_tensor(key: str, state: dict, file_rank: int, world: int, read_in
     found = [c for c, r in zip(product(*map(range, sizes)), ranks, strict=True) if r == file_rank]
     if not found:
         raise LayoutError(f"{key}: saved by rank {file_rank}, which is not in its device mesh {ranks}")
+    coord = _coordinate(key, state, sizes)
+    if coord is not None and coord != found[0]:  # these releases record no `_rank`: the saver's place tells
+        saver = ranks[_index(coord, [([n], [math.prod(sizes[i + 1:])]) for i, n in enumerate(sizes)])]
+        raise _replaced(key, saver, file_rank)
     return Mesh(sizes=tuple(sizes), coordinate=found[0], names=_names(state, "mesh_dim_names", len(sizes)))
+
+
+def _replaced(key: str, saver: int, file_rank: int) -> LayoutError:
+    return LayoutError(f"{key}: this file was saved by rank {saver} (its device mesh says so), not by rank "
+                       f"{file_rank} as its name says: a rank file replaced by another rank's; restore the "
+                       "original files")
 
 
 def _names(state: dict, field: str, n: int) -> tuple[str, ...]:
@@ -160,9 +173,7 @@ def read_mesh(key: str, record: Any, file_rank: int, world: int, read_ints: Read
                           f"a {KNOWN}")
     saver = state.get("_rank")
     if isinstance(saver, int) and not isinstance(saver, bool) and saver != file_rank:
-        raise LayoutError(f"{key}: this file was saved by rank {saver} (its device mesh says so), not by rank "
-                          f"{file_rank} as its name says: a rank file replaced by another rank's; restore the "
-                          "original files")
+        raise _replaced(key, saver, file_rank)
     for field, read in FORMS:
         if field in state:
             return read(key, state, file_rank, world, read_ints)

@@ -68,16 +68,19 @@ class _Refused(Exception):
 
 
 def check(data: bytes, where: str, allowed: Callable[[str, str], bool], *, budget: Budget = DEFAULT,
-          storages: Mapping[str, int] | None = None, itemsize: Callable[[str, str], int | None] | None = None) -> None:
+          storages: Mapping[str, int] | None = None, itemsize: Callable[[str, str], int | None] | None = None,
+          unknown: Callable[[str, str], str] | None = None) -> None:
     """Raise CorruptInputError naming `where` and the limit when `data` breaks a rule above.
 
     `allowed(module, name)`: may the pickle name this global. `storages` (record key -> bytes), when
     given, is what persistent ids may point at; `itemsize(module, name)` gives the element size of the
-    storage type or dtype a persistent id names."""
+    storage type or dtype a persistent id names; `unknown(module, name)`, what to add when a global is refused
+    (a torch class of a release the reader does not know yet, say)."""
     if len(data) > budget.max_bytes:
         raise CorruptInputError(f"{where}: its pickle is {len(data)} bytes, over the limit of {budget.max_bytes} "
                                 "(max_bytes)")
     sim = _Machine(allowed, budget, storages, itemsize, max_nodes=budget.nodes_per_byte * max(len(data), 4096))
+    sim.unknown = unknown
     try:
         for op, arg, _pos in pickletools.genops(data):
             sim.step(op.name, arg)
@@ -91,6 +94,7 @@ class _Machine:
     def __init__(self, allowed, budget: Budget, storages, itemsize, max_nodes: int) -> None:
         self.allowed, self.budget, self.storages, self.itemsize = allowed, budget, storages, itemsize
         self.max_nodes = max_nodes
+        self.unknown: Callable[[str, str], str] | None = None  # why a refused global may be legitimate (check)
         self.stack: list[_Item] = []
         self.marks: list[int] = []
         self.memo: dict[int, _Item] = {}
@@ -302,7 +306,9 @@ class _Machine:
             elif module in _compat_pickle.IMPORT_MAPPING:
                 module = _compat_pickle.IMPORT_MAPPING[module]
         if not self.allowed(module, name):
-            raise _Refused(f"global {module}.{name} is not allowed (distmerge never runs code from checkpoints)")
+            why = self.unknown(module, name) if self.unknown else ""
+            raise _Refused(f"global {module}.{name} is not allowed (distmerge never runs code from checkpoints)"
+                           + (f": {why}" if why else ""))
         return _Item("global", value=(module, name))
 
     def op_GLOBAL(self, arg) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import _compat_pickle
 import io
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -235,14 +236,15 @@ def itemsize_of(module: str, name: str) -> int | None:
 
 def loads(data: bytes, allowed: dict[tuple[str, str], Any], inert_modules: tuple[str, ...] = (), *,
           where: str = "pickle", storages: dict[str, int] | None = None,
-          budget: pickle_scan.Budget = pickle_scan.DEFAULT) -> Any:
+          budget: pickle_scan.Budget = pickle_scan.DEFAULT, unknown: Callable[[str, str], str] | None = None) -> Any:
     """Checks the opcode stream against `budget` (pickle_scan), then unpickles with the allow-list.
-    `storages` (record key -> bytes), when known, bounds what each storage's persistent id may declare."""
+    `storages` (record key -> bytes), when known, bounds what each storage's persistent id may declare;
+    `unknown` explains a refused global (pickle_scan.check)."""
     names = set(allowed)
 
     def permitted(module: str, name: str) -> bool:
         return ((module, name) in names or (module == "torch" and (name in DTYPES or name in STORAGE_DTYPES))
                 or is_inert(module, inert_modules))
 
-    pickle_scan.check(data, where, permitted, budget=budget, storages=storages, itemsize=itemsize_of)
+    pickle_scan.check(data, where, permitted, budget=budget, storages=storages, itemsize=itemsize_of, unknown=unknown)
     return Restricted(data, allowed, inert_modules).load()

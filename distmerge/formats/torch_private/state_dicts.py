@@ -88,6 +88,16 @@ RANK_FILE_GLOBALS: dict[tuple[str, str], Any] = {
 }
 
 
+KNOWN_TORCH = "2.6 to 2.14"  # the releases whose saves tests/data holds (tests/test_torch_versions.py)
+
+
+def _unknown_class(module: str, name: str) -> str:
+    if not module.startswith("torch."):
+        return ""
+    return (f"a torch class distmerge does not know; it reads the DTensor, DeviceMesh and ShardedTensor forms of "
+            f"torch {KNOWN_TORCH} saves: a newer torch may pickle a new one, so update distmerge or report it")
+
+
 @dataclass(frozen=True, kw_only=True)
 class RankFile:
     """A rank file's state dict (tensors as TensorRef, DTensors and ShardedTensors as SubclassTensor) and where
@@ -124,7 +134,7 @@ def read_rank_file(path: Path) -> RankFile:
         os.close(fd)
     if empty:
         raise CorruptInputError(f"{path} is empty (0 bytes): the save was interrupted; use another checkpoint")
-    saved = torch_save.read(path, inert_modules=(), allowed=RANK_FILE_GLOBALS)
+    saved = torch_save.read(path, inert_modules=(), allowed=RANK_FILE_GLOBALS, unknown=_unknown_class)
     if not isinstance(saved.value, dict):
         raise CorruptInputError(f"{path} holds a {type(saved.value).__name__}, not a state dict")
     return RankFile(path=path, state=saved.value, storage_offsets=saved.storage_offsets)

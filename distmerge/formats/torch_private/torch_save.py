@@ -15,7 +15,7 @@ from __future__ import annotations
 import mmap
 import os
 import pickle
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,9 +56,11 @@ class SavedObject:
 
 
 def read(path: Path, inert_modules: tuple[str, ...] = TRAINING_MODULES,
-         allowed: Mapping[tuple[str, str], Any] | None = None) -> SavedObject:
+         allowed: Mapping[tuple[str, str], Any] | None = None,
+         unknown: Callable[[str, str], str] | None = None) -> SavedObject:
     """`inert_modules`: the trainer's own modules whose pickled objects become inert records; `allowed`: the
-    globals the pickle may name and their stand-ins (default: tensors and a few builtins). The zip is
+    globals the pickle may name and their stand-ins (default: tensors and a few builtins), `unknown` what a
+    refusal of any other global adds (pickle_scan.check). The zip is
     checked first (zip_records), the pickle is checked against its budget (pickle_scan), and every tensor
     must lie inside its storage record."""
     fd, _ = input_tree.open_input(path)  # a regular file inside the input, never a FIFO or a link out
@@ -68,7 +70,7 @@ def read(path: Path, inert_modules: tuple[str, ...] = TRAINING_MODULES,
         storages = {n[len(prefix) :]: r.size for n, r in found.items() if n.startswith(prefix)}
         names = dict(allowed) if allowed is not None else {**TENSOR_GLOBALS, **SAFE_GLOBALS}
         value = loads(zip_records.read(fd, pkl), names, inert_modules,
-                      where=str(path), storages=storages)
+                      where=str(path), storages=storages, unknown=unknown)
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError) as err:
         raise CorruptInputError(f"{path} cannot be read safely ({err}); distmerge loads no code from "
                                 "checkpoints") from None
