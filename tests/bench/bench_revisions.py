@@ -2,13 +2,15 @@
 
     python tests/bench/bench_revisions.py --input CKPT --revs REV1,REV2[,...] [--nproc 1,2] [--repeats 5]
 
-Checks each revision out (a detached `git worktree` under --work, removed at the end), then for
-every repeat, every N and every revision in turn (the order reversed every other repeat) deletes the previous output
-and syncs, re-reads the inputs and touches the memory the run will get, as the other benchmarks do (common.ready),
-and runs `distmerge merge` from that worktree (PYTHONPATH) with the same venv. Prints each revision's own timer (the
-JSON summary's `seconds`: the merge without start-up) per run and its median, and the median's ratio to the first
-revision's. Outputs of every revision are compared byte for byte. Made for a machine whose speed drifts from minute
-to minute (see docs/benchmarks.md on this VM): only runs interleaved in one session compare.
+Checks each revision out (a detached `git worktree` under --work, removed at the end), then for every repeat, every
+N and every revision in turn (the order reversed every other repeat) deletes the previous output and syncs,
+re-reads the inputs and touches the memory the run will get, as the other benchmarks do (common.ready), and runs
+`distmerge merge` from that worktree (PYTHONPATH) with the same venv. Prints each revision's own timer (the JSON
+summary's `seconds`: the merge without start-up) per run and its median, and the median's ratio to the first
+revision's, and the same for the whole process (wall clock from launch to exit: start-up and imports included,
+which the own timer leaves out). Outputs of every revision are compared byte for byte. Made for a machine whose
+speed drifts from minute to minute (see docs/benchmarks.md on this VM): only runs interleaved in one session
+compare.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from common import PY, ROOT, TORCHRUN, Failed, gb, machine_line, ready, run, warm
@@ -47,8 +50,8 @@ def checkout(rev: str, work: Path) -> tuple[str, Path]:
     return sha, tree
 
 
-def merge(args: argparse.Namespace, tree: Path, n: int, out: Path) -> float:
-    """Own timer of one run from `tree`."""
+def merge(args: argparse.Namespace, tree: Path, n: int, out: Path) -> tuple[float, float]:
+    """(own timer, whole process wall time) of one run from `tree`."""
     run(["rm", "-rf", str(out)], args.work / "logs" / "rm.log")
     run(["sync"], args.work / "logs" / "sync.log")
     ready()
@@ -59,9 +62,11 @@ def merge(args: argparse.Namespace, tree: Path, n: int, out: Path) -> float:
     # common.run puts the repository first on PYTHONPATH; the worktree must come before it, and the cwd must not
     # be the repository (python -m puts the cwd first on sys.path).
     with open(args.work / "logs" / "merge.log", "w") as log:
+        start = time.perf_counter()
         subprocess.run(cmd, cwd=args.work, env={**os.environ, "PYTHONPATH": str(tree)}, check=True,
                        stdout=log, stderr=subprocess.STDOUT)
-    return json.loads(summary.read_text())["seconds"]
+        wall = time.perf_counter() - start
+    return json.loads(summary.read_text())["seconds"], wall
 
 
 def main() -> int:
@@ -81,27 +86,32 @@ def main() -> int:
 def measure(args: argparse.Namespace, revs: list[tuple[str, Path]]) -> int:
     counts = [int(n) for n in args.nproc.split(",")]
     own: dict[tuple[int, str], list[float]] = {}
+    whole: dict[tuple[int, str], list[float]] = {}
     print(f"input {args.input} ({gb(sum(p.stat().st_size for p in args.inputs))}); revisions "
           f"{', '.join(sha for sha, _ in revs)}; N in {counts}; {args.repeats} repeats, interleaved")
     try:
         for rep in range(args.repeats):
             for n in counts:
                 for sha, tree in (revs if rep % 2 == 0 else revs[::-1]):
-                    seconds = merge(args, tree, n, args.work / f"out-{sha}-n{n}")
+                    seconds, wall = merge(args, tree, n, args.work / f"out-{sha}-n{n}")
                     own.setdefault((n, sha), []).append(seconds)
-                    print(f"  repeat {rep + 1} N={n} {sha} own {seconds:6.2f} s", flush=True)
+                    whole.setdefault((n, sha), []).append(wall)
+                    print(f"  repeat {rep + 1} N={n} {sha} own {seconds:6.2f} s, whole process {wall:6.2f} s",
+                          flush=True)
     except (Failed, subprocess.CalledProcessError) as err:
         print(f"FAILED: {err} (log: {args.work / 'logs' / 'merge.log'})", file=sys.stderr)
         return 2
     print(f"\n{machine_line()}\n")
-    print("| N | revision | own timer median s | runs (s) | median / first revision's |")
-    print("|---:|---|---:|---|---:|")
-    for n in counts:
-        first = statistics.median(own[(n, revs[0][0])])
-        for sha, _ in revs:
-            xs = own[(n, sha)]
-            print(f"| {n} | {sha} | {statistics.median(xs):.2f} | {' '.join(f'{x:.2f}' for x in xs)} | "
-                  f"{statistics.median(xs) / first:.2f} |")
+    for what, times in (("own timer", own), ("whole process", whole)):
+        print(f"| N | revision | {what} median s | runs (s) | median / first revision's |")
+        print("|---:|---|---:|---|---:|")
+        for n in counts:
+            first = statistics.median(times[(n, revs[0][0])])
+            for sha, _ in revs:
+                xs = times[(n, sha)]
+                print(f"| {n} | {sha} | {statistics.median(xs):.2f} | {' '.join(f'{x:.2f}' for x in xs)} | "
+                      f"{statistics.median(xs) / first:.2f} |")
+        print()
     ref = revs[0][0]
     problems = [p for n in counts for sha, _ in revs[1:]
                 for p in byte_differences(args.work / f"out-{ref}-n{n}", args.work / f"out-{sha}-n{n}")]
