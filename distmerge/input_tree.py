@@ -16,6 +16,7 @@ never reads past its cap.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -76,7 +77,13 @@ class InputTree:
                     stack.append(path)
 
     def _link(self, path: str, full: str) -> None:
-        target = os.path.realpath(full)
+        try:
+            target = os.path.realpath(full, strict=True)
+        except OSError as err:
+            if err.errno == errno.ELOOP:  # a.pt -> b.pt -> a.pt: refused here, not an OSError at the first stat
+                self.entries[path] = Entry(kind="refused", why="a link loop: it leads back to itself")
+                return
+            target = os.path.realpath(full)  # a dangling link: missing, as the file it names
         rel = os.path.relpath(target, self.root)
         if rel == "." or not _leaves(rel):
             self._links[path] = "" if rel == "." else rel

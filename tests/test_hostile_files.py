@@ -34,7 +34,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-import torch
 
 from distmerge.cli import main as distmerge_main
 from distmerge.errors import InputError
@@ -70,6 +69,10 @@ def bounded(seconds: int = SECONDS, memory: int = MEMORY):
 
 @pytest.fixture
 def outside(tmp_path: Path) -> Path:
+    return make_outside(tmp_path)
+
+
+def make_outside(tmp_path: Path) -> Path:
     """A folder beside the input that links may point to: a secret and a config.json someone else owns."""
     folder = tmp_path / "outside"
     folder.mkdir()
@@ -78,9 +81,10 @@ def outside(tmp_path: Path) -> Path:
     return folder
 
 
-def run(command: str, ckpt: Path, out: Path, outside: Path, capsys, *args: str) -> tuple[int, list[str]]:
+def run(command: str, ckpt: Path, out: Path, outside: Path, capsys, *args: str,
+        bounds: tuple[int, int] = (SECONDS, MEMORY)) -> tuple[int, list[str]]:
     before = tree_digest(outside)
-    with input_untouched(ckpt), bounded():  # hashing the input before and after is outside the bound
+    with input_untouched(ckpt), bounded(*bounds):  # hashing the input before and after is outside the bound
         if command == "merge":
             code = distmerge_main(["merge", "--quiet", "--input", str(ckpt), "--output", str(out), *args])
         else:

@@ -94,6 +94,10 @@ class TorchtitanFormat(FormatDefaults):
             steps = saved_steps(folder)
             if not steps:
                 return f"{folder} has step-N folders but none with .metadata: is the save complete?"
+            try:  # a .metadata that cannot be read (a link out, a bomb) is the first thing to fix
+                own_names(folder / f"step-{max(steps)}")
+            except InputError as err:
+                return str(err)
             return (f"{folder}/step-{max(steps)} does not use torchtitan's names: pass the step folder itself "
                     "(--format dcp)")
         return None

@@ -102,12 +102,30 @@ def read_metadata(path: Path) -> DcpMetadata:
     try:
         md = loads(raw, _METADATA_GLOBALS, where=str(path), storages={}, budget=budget)
         tensors = {_text(fqn): m for fqn, m in md.state_dict_metadata.items() if hasattr(m, "chunks")}
+        _check_counts(path, tensors, md.storage_data)
         where = {(_text(i.fqn), _ints(getattr(i, "offset", None) or ())): s for i, s in md.storage_data.items()}
         chunks = [_chunk(fqn, meta, c, where) for fqn, meta in tensors.items() for c in meta.chunks]
     except (pickle.UnpicklingError, AttributeError, KeyError, TypeError, EOFError, ValueError) as err:
         raise CorruptInputError(f"{path} is not a DCP metadata file distmerge can read safely ({err})") from None
     non_tensors = tuple(sorted(set(map(_text, md.state_dict_metadata)) - set(tensors)))
     return DcpMetadata(chunks=tuple(chunks), non_tensors=non_tensors)
+
+
+def _check_counts(path: Path, tensors: dict[str, Any], storage_data: Any) -> None:
+    """Each chunk has its own entry in storage_data (where its bytes are): more chunks declared than entries is
+    a list that repeats one object, refused before a record is built per chunk (10^7 references to one chunk
+    cost 20 MB of pickle and would cost gigabytes of records)."""
+    if not isinstance(storage_data, dict):
+        raise TypeError("storage_data is not a dict")
+    declared = 0
+    for fqn, meta in tensors.items():
+        if not isinstance(meta.chunks, list):
+            raise TypeError(f"the chunks of {fqn} are not a list")
+        declared += len(meta.chunks)
+    if declared > len(storage_data):
+        raise CorruptInputError(f"{path} declares {declared:,} chunks but says where {len(storage_data):,} of them "
+                                "are: a list repeating one chunk, not metadata torch writes (limit: one storage "
+                                "entry per chunk)")
 
 
 def _chunk(fqn: str, meta: Any, c: Any, where: dict) -> Chunk:

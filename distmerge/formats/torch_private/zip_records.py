@@ -108,6 +108,9 @@ def _check_end_record(fd: int, where: str, start: int, length: int) -> int:
     if count > MAX_RECORDS or size > MAX_DIRECTORY:
         raise CorruptInputError(f"{where}: its zip directory lists {count} records in {size} bytes, over the limits "
                                 f"of {MAX_RECORDS} records (max_records) and {MAX_DIRECTORY} bytes")
+    if offset + size > length - (tail_len - at):  # the directory lies before its end record, inside the archive
+        raise CorruptInputError(f"{where}: its zip directory is said to lie at bytes {offset:,}-{offset + size:,}, "
+                                f"past the end of its {length:,}-byte archive: truncated or corrupt")
     return offset
 
 
@@ -124,6 +127,9 @@ def _zip64_end(fd: int, where: str, start: int, length: int, tail: bytes, at: in
 
 
 def _data_start(fd: int, where: str, start: int, info: zipfile.ZipInfo) -> int:
+    if info.header_offset < 0:  # zipfile shifts every offset by where it found the directory
+        raise CorruptInputError(f"{where}: record {info.filename} is said to start before the archive: the file "
+                                "is damaged")
     header = os.pread(fd, 30 + len(info.orig_filename.encode()), start + info.header_offset)
     if len(header) < 30 or header[:4] != LOCAL_HEADER:
         raise CorruptInputError(f"{where}: record {info.filename} has no local header: the file is damaged")
