@@ -11,8 +11,10 @@ Call order (every rank makes every call, in the same order):
 from __future__ import annotations
 
 import os
+import pickle
 import sys
 import traceback
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -25,6 +27,7 @@ from distmerge import errors
 from distmerge.errors import DistmergeError, InputError
 
 T = TypeVar("T")
+KEPT_COLLECTIVES = 16  # object collectives whose tensors Comm holds (_keep): a worker thread lags a few behind
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,6 +50,8 @@ class Comm:
         self.rank = int(os.environ.get("RANK", "0"))
         self.device = torch.device(device)
         self._data = self._control = None
+        self._kept: deque[tuple[torch.Tensor, ...]] = deque(maxlen=KEPT_COLLECTIVES)
+        self._kept_data: tuple[torch.Tensor, ...] = ()
         if self.device.type == "cuda":
             # Before any CUDA work and before NCCL starts: each process's tensors, and its NCCL communicator,
             # live on its own GPU (cuda:0 for every rank otherwise).
@@ -77,12 +82,8 @@ class Comm:
 
     # -- collectives -------------------------------------------------------------------------------
     def root_only(self, work: Callable[[], T]) -> T:
-        box: list[Any] = [self._attempt(work) if self.rank == 0 else None]
-        if self.world > 1:
-            import torch.distributed as dist
-
-            dist.broadcast_object_list(box, src=0, group=self._control)
-        return self._unwrap([box[0]])[0]
+        mine = self._attempt(work) if self.rank == 0 else None
+        return self._unwrap([self._broadcast(mine) if self.world > 1 else mine])[0]
 
     def agree(self, work: Callable[[], T]) -> T:
         """Run `work` here; if any rank failed, raise the lowest failing rank's error on every rank."""
@@ -95,14 +96,44 @@ class Comm:
         """Like agree, but every rank also gets every rank's (small, picklable) result."""
         return self._unwrap(self._all_gather(self._attempt(work)))
 
+    def _broadcast(self, obj: Any) -> Any:
+        """Rank 0's object on every rank: its pickle's length, then its bytes (torch's broadcast_object_list,
+        with the tensors kept: see _keep)."""
+        import torch.distributed as dist
+
+        data = pickle.dumps(obj) if self.rank == 0 else b""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        dist.broadcast(size, src=0, group=self._control)
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 else torch.empty(int(size),
+                                                                                                      dtype=torch.uint8)
+        dist.broadcast(buf, src=0, group=self._control)
+        self._keep(size, buf)
+        return pickle.loads(buf.numpy().tobytes())
+
     def _all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's object on every rank (torch's all_gather_object, with the tensors kept: see _keep)."""
         if self.world == 1:
             return [obj]
         import torch.distributed as dist
 
-        every: list[Any] = [None] * self.world
-        dist.all_gather_object(every, obj, group=self._control)
-        return every
+        data = pickle.dumps(obj)
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        sizes = [torch.empty(1, dtype=torch.int64) for _ in range(self.world)]
+        dist.all_gather(sizes, size, group=self._control)
+        longest = max(int(s) for s in sizes)
+        buf = torch.zeros(longest, dtype=torch.uint8)
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
+        every = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world)]
+        dist.all_gather(every, buf, group=self._control)
+        self._keep(size, *sizes, buf, *every)
+        return [pickle.loads(b[: int(n)].numpy().tobytes()) for b, n in zip(every, sizes, strict=True)]
+
+    def _keep(self, *tensors: torch.Tensor) -> None:
+        """Hold the tensors of the last few collectives until the group is destroyed. A gloo worker thread
+        frees a finished collective's work, and with it the last reference to a tensor Python made, which
+        needs the GIL; destroying the group joins those threads while holding the GIL. With torch 2.6 the two
+        met at exit in 4 runs of 6 (a hang, not an error); a tensor Python still holds is freed by Python."""
+        self._kept.append(tensors)
 
     def all_to_all_async(
         self, recv: torch.Tensor, send: torch.Tensor, send_splits: list[int], recv_splits: list[int]
@@ -112,6 +143,7 @@ class Comm:
             return None
         import torch.distributed as dist
 
+        self._kept_data = (recv, send)  # the last exchange's buffers, for the reason _keep gives
         return dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self._data, async_op=True)
 
     def close(self) -> None:
@@ -128,6 +160,8 @@ class Comm:
             if dist.is_initialized():
                 dist.destroy_process_group()
         self._data = self._control = None
+        self._kept.clear()  # after the worker threads are gone (_keep)
+        self._kept_data = ()
 
     # -- error transport ---------------------------------------------------------------------------
     def _attempt(self, work: Callable[[], T]) -> T | Failure:
