@@ -143,6 +143,16 @@ def test_verl_and_native_spelling_of_one_option_is_refused(fsdp_ckpts, tmp_path,
     assert "--local_dir and --input both given" in capsys.readouterr().err
 
 
+def test_every_verl_flag_is_in_docs_verl_md():
+    """docs/verl.md's table has a row for each row of verl_cli.FLAGS, and no row for a flag it lacks."""
+    from distmerge.verl_cli import FLAGS
+    from tests.conftest import REPO
+
+    text = (REPO / "docs" / "verl.md").read_text()
+    rows = {line.split("`")[1].split()[0] for line in text.splitlines() if line.startswith("| `--")}
+    assert rows == {f.spelling for f in FLAGS}
+
+
 def test_help_shows_the_native_options_only():
     parsers = build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
     text = build_parser().format_help() + parsers["merge"].format_help()
