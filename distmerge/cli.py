@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from distmerge import __version__
+from distmerge import __version__, verl_cli
 from distmerge.cli_options import (
     add_input_options,
     add_output_options,
@@ -183,8 +183,11 @@ def _start_up(program: bool):
 def main(argv: list[str] | None = None) -> int:
     with _start_up(program=argv is None):
         parser = build_parser()
-    args = parser.parse_args(argv)
+    native, verl = verl_cli.translate(sys.argv[1:] if argv is None else list(argv), parser)  # verl's spelling
+    args = parser.parse_args(native)
+    args.verl = verl
     _interrupt_on_sigterm()
+    verl_cli.say_notes(verl, _rank())
     try:
         if args.command == "inspect":
             from distmerge.inspect import run_inspect
@@ -193,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "verify":
             from distmerge.verify import run_verify
 
-            return run_verify(args)
+            return (verl_cli.run_test if verl else run_verify)(args)
         return _run_merge(args)
     except DistmergeError as err:
         _report_error(err, args.debug)
@@ -229,6 +232,7 @@ def _run_merge(args: argparse.Namespace) -> int:
         base_model=base_model_dir(args),
         resume=args.resume, checksum=args.checksum,
     )
+    opts = verl_cli.merge_options(opts, args.verl)
     if args.verify_against is not None and not args.verify_against.exists():  # before hours of merging
         err = InputError(f"--verify-against {args.verify_against} does not exist: pass the reference model")
         err.before_group = True
@@ -240,9 +244,10 @@ def _run_merge(args: argparse.Namespace) -> int:
                 print_summary(result)
             if args.json_summary:
                 args.json_summary.write_text(summary_json(result))
-        if args.verify_against is not None:
-            return _verify_after_merge(args, comm)
-        return 0
+        status = _verify_after_merge(args, comm) if args.verify_against is not None else 0
+    if status == 0:
+        verl_cli.after_merge(args.verl, args.output, _rank(), args.quiet)
+    return status
 
 
 def _verify_after_merge(args: argparse.Namespace, comm) -> int:

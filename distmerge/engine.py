@@ -29,12 +29,13 @@ from pathlib import Path
 from typing import Any
 
 from distmerge import discover as disc
-from distmerge import input_tree, inventory, replicas, resume, unwritten
+from distmerge import expect, input_tree, inventory, replicas, resume, unwritten
 from distmerge import plan as planning
 from distmerge.assemble import UnitBuild
 from distmerge.comm import Comm
 from distmerge.errors import CorruptInputError
 from distmerge.exchange import Exchanger, Pending
+from distmerge.expect import Claim
 from distmerge.finalize import finalize
 from distmerge.formats import registry
 from distmerge.plan import Plan
@@ -63,6 +64,7 @@ class MergeOptions:
     overwrite: bool = False
     resume: bool = False
     checksum: bool = False
+    claims: tuple[Claim, ...] = ()  # what the user says the checkpoint is, checked with the plan (expect.py)
 
 
 def merge(opts: MergeOptions, comm: Comm, progress: Progress) -> MergeResult:
@@ -78,8 +80,8 @@ def merge(opts: MergeOptions, comm: Comm, progress: Progress) -> MergeResult:
         # inventories travel as columns (inventory.py says why), with the host of each rank (spread.py)
         gathered = comm.gather(lambda: (_host(out), inventory.pack(reader.open(mine))))
         hosts = _host_numbers([host for host, _ in gathered])
-        prepared = comm.agree(lambda: prepare_merge(found, inventory.unpack([part for _, part in gathered]),
-                                                    comm.world, opts.settings, hosts=hosts))
+        prepared = comm.agree(lambda: _prepare(opts, found, inventory.unpack([part for _, part in gathered]),
+                                               comm.world, hosts))
         plan = prepared.plan
         checked = unwritten.check(plan, prepared.left_out, prepared.must_equal, comm, reader)
         plan = replace(plan, notes=(*plan.notes, *replicas.check(plan, comm, reader), *checked))
@@ -149,6 +151,12 @@ def _rounds(todo: Plan, opts: MergeOptions, run: resume.RunRecord, comm: Comm, r
 def _test_fault(k: int, rank: int) -> None:
     if f"{rank}:{k}" == FAIL_AT:
         raise CorruptInputError(f"test fault (DISTMERGE_TEST_FAIL_AT) on rank {rank} in round {k}")
+
+
+def _prepare(opts: MergeOptions, found: disc.Discovery, fragments, world: int, hosts: tuple[int, ...]):
+    prepared = prepare_merge(found, fragments, world, opts.settings, hosts=hosts)
+    expect.check(opts.claims, found.config, prepared.plan)
+    return prepared
 
 
 def _discover(opts: MergeOptions) -> disc.Discovery:

@@ -184,3 +184,37 @@ def test_with_zero_bias_adds_a_zero_bias_and_keeps_the_weight():
     assert torch.equal(out_weight, weight) and bias.dtype == weight.dtype and torch.equal(bias, torch.zeros(1))
     x = torch.randn(3, 8, dtype=torch.bfloat16)
     assert torch.equal(torch.nn.functional.linear(x, out_weight, bias), x @ weight.T)
+
+
+# -- a critic whose own config.json names its head class (what --is-value-model users pass) --------------------------
+@pytest.mark.parametrize("case", CASES)
+def test_critic_with_a_token_classification_config(case, critic_ckpts, tmp_path):
+    """The critic's own config.json (save_pretrained of the ...ForTokenClassification: architectures
+    Qwen2ForTokenClassification / LlamaForTokenClassification, one label) maps through its family on every format:
+    the same tensors and the same config.json. Shown to fail: without base.body_class in table_for the Megatron
+    cases stop at "config.json's architecture 'Qwen2ForTokenClassification' has no Megatron mapping"."""
+    ckpt = critic_ckpts[case]
+    own = tmp_path / "critic_config"
+    own.mkdir()
+    shutil.copy(reference_dir(ckpt) / "config.json", own / "config.json")
+    assert json.loads((own / "config.json").read_text())["architectures"][0].endswith("ForTokenClassification")
+    assert merge_inproc("--input", ckpt, "--hf-config", own, "--output", tmp_path / "out") == 0
+    assert_exact(load_merged(tmp_path / "out"), load_reference(ckpt))
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    saved = json.loads((reference_dir(ckpt) / "config.json").read_text())
+    for key in ("architectures", "id2label", "label2id"):
+        assert written[key] == saved[key], key
+
+
+def test_a_value_model_config_over_a_language_model_is_refused(megatron_ckpts, tmp_path, capsys):
+    """A Megatron actor (vocabulary output layer) with a config.json that names Qwen2ForTokenClassification: one
+    line, no model that loads as neither. Shown to fail: without refuse_head_config the merge writes lm_head.weight
+    under a token-classification config."""
+    ckpt = megatron_ckpts["megatron_qwen2_tp2"]
+    config = json.loads((reference_dir(ckpt) / "huggingface" / "config.json").read_text())
+    own = tmp_path / "config"
+    own.mkdir()
+    (own / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen2ForTokenClassification"]}))
+    assert merge_inproc("--input", ckpt, "--hf-config", own, "--output", tmp_path / "out") == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "names Qwen2ForTokenClassification, a value model, but the checkpoint has" in err[0]

@@ -14,9 +14,9 @@ LAYERS = {
     1: ("formats", "comm", "transforms"),
     2: ("families",),
     3: ("plan", "spread", "reader", "writer", "discover", "inventory"),
-    4: ("prepare", "exchange", "assemble", "replicas", "unwritten", "resume", "finalize", "report"),
-    5: ("engine", "inspect", "verify", "cli_options"),
-    6: ("cli", "__main__"),
+    4: ("prepare", "exchange", "assemble", "replicas", "unwritten", "resume", "finalize", "report", "expect"),
+    5: ("engine", "inspect", "verify", "cli_options", "hub"),
+    6: ("cli", "__main__", "verl_cli"),
 }
 ENGINE = ("plan", "spread", "reader", "writer", "writeback", "discover", "prepare", "exchange", "assemble", "replicas",
           "unwritten", "resume", "finalize", "engine", "inspect", "inventory")

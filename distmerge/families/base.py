@@ -135,10 +135,25 @@ CAUSAL_LM = ModelTraits(tied_heads=(("lm_head.weight", "model.embed_tokens.weigh
 IMAGE_TEXT_LM = replace(CAUSAL_LM, auto_class="AutoModelForImageTextToText")
 
 
-def table_for(config: dict[str, Any], tables: Collection[str], model_types: dict[str, str], layout: str) -> str:
-    """The architecture whose table maps this model: config.json's `architectures`, else its `model_type`."""
+# transformers' classes of a causal LM's body under another head, by suffix: Qwen2ForTokenClassification is
+# Qwen2ForCausalLM's body with a value head (what a PPO critic's own config.json names). A layout whose family
+# handles that head (value_head.py) maps it through the causal LM's table.
+HEAD_CLASSES = ("ForTokenClassification",)
+CAUSAL_CLASS = "ForCausalLM"
+
+
+def body_class(arch: str) -> str:
+    """Qwen2ForTokenClassification -> Qwen2ForCausalLM; any other name as it is."""
+    head = next((h for h in HEAD_CLASSES if arch.endswith(h)), None)
+    return arch[: -len(head)] + CAUSAL_CLASS if head else arch
+
+
+def table_for(config: dict[str, Any], tables: Collection[str], model_types: dict[str, str], layout: str,
+              heads: bool = False) -> str:
+    """The architecture whose table maps this model: config.json's `architectures`, else its `model_type`.
+    `heads`: the layout's family writes value heads, so a head class maps through its family's causal LM."""
     archs = config.get("architectures") or [model_types.get(config.get("model_type", ""), "")]
-    arch = next((a for a in archs if a in tables), None)
+    arch = next((a for a in (body_class(a) if heads else a for a in archs) if a in tables), None)
     if arch is None:
         raise ConfigError(f"config.json's architecture {archs[0] or config.get('model_type')!r} has no {layout} "
                           f"mapping; supported: {', '.join(tables)}")

@@ -26,6 +26,7 @@ def units(sources: dict[str, SourceMeta], ctx: FamilyContext) -> FamilyResult:
     refuse_vision_language(sources, ctx.config)
     head = value_head.megatron_head(sources)  # a critic's one-row output layer: written as a value head
     if not head:
+        refuse_head_config(sources, ctx.config)
         return _units(sources, ctx, lm_head=True)
     body = _units({n: s for n, s in sources.items() if n not in head}, ctx, lm_head=False)
     hidden = base.CAUSAL_LM.sizes(ctx.config).get("hidden_size")
@@ -41,6 +42,17 @@ def refuse_vision_language(sources: dict[str, SourceMeta], config: dict[str, Any
         what = f"its vision tower ({tower[0]}, ...)" if tower else "config.json's vision_config"
         raise InputError(f"a Megatron vision-language save ({what}): distmerge has no mapping for Megatron's "
                          "vision tower and projector yet (Megatron-Bridge's export converts it)")
+
+
+def refuse_head_config(sources: dict[str, SourceMeta], config: dict[str, Any]) -> None:
+    """A config.json that names a value model (Qwen2ForTokenClassification) over a language model's weights:
+    the written model would not load as either."""
+    arch = (config.get("architectures") or [""])[0]
+    if base.body_class(arch) != arch:
+        out = sources.get(value_head.MEGATRON_WEIGHT)
+        what = f"an output layer of {out.shape[0]} rows" if out else "no output layer (tied embeddings)"
+        raise LayoutError(f"config.json names {arch}, a value model, but the checkpoint has {what}: a language "
+                          "model's; pass the actor's config.json with --hf-config")
 
 
 def _units(sources: dict[str, SourceMeta], ctx: FamilyContext, lm_head: bool) -> FamilyResult:
@@ -83,7 +95,7 @@ def _units(sources: dict[str, SourceMeta], ctx: FamilyContext, lm_head: bool) ->
 
 
 def architecture(config: dict[str, Any]) -> str:
-    return base.table_for(config, FAMILIES, MODEL_TYPES, "Megatron")
+    return base.table_for(config, FAMILIES, MODEL_TYPES, "Megatron", heads=True)
 
 
 @cache

@@ -44,12 +44,16 @@ def options() -> list[tuple[FormatOption, list[str]]]:
     return list(found.values())
 
 
+def detect(root: Path) -> InputFormat | None:
+    """The format auto-detection picks for `root`, or None (then `pick` explains why)."""
+    return next((fmt for fmt in all_formats() if fmt.detect(root)), None)
+
+
 def pick(root: Path, requested: str = "auto") -> InputFormat:
     if requested != "auto":
         return get(requested)
-    for fmt in all_formats():
-        if fmt.detect(root):
-            return fmt
+    if found := detect(root):
+        return found
     for fmt in all_formats():
         if hint := fmt.explain(root):
             raise InputError(hint)

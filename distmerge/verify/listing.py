@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from distmerge import families  # noqa: F401  (imports every family module, which registers itself)
 from distmerge.errors import ConfigError
@@ -13,6 +14,7 @@ from distmerge.families import hub_names, mtp
 from distmerge.families.base import ModelTraits, claim
 from distmerge.formats.base import Hints
 from distmerge.plan import natural_key
+from distmerge.prepare import OutputSettings
 from distmerge.verify.report import Check, Criteria
 from distmerge.verify.sides import Side, open_side
 
@@ -25,7 +27,11 @@ class VerifyOptions:
     logits: bool = False
     json: Path | None = None
     quiet: bool = False
-
+    # `merged` may be a checkpoint (not yet merged): read as a merge reads it (issue 24 item 2)
+    format: str = "auto"
+    hf_config: Path | None = None
+    format_options: dict[str, Any] = field(default_factory=dict)
+    settings: OutputSettings = field(default_factory=OutputSettings)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -93,8 +93,7 @@ def check(data: bytes, where: str, allowed: Callable[[str, str], bool], *, budge
 class _Machine:
     def __init__(self, allowed, budget: Budget, storages, itemsize, max_nodes: int) -> None:
         self.allowed, self.budget, self.storages, self.itemsize = allowed, budget, storages, itemsize
-        self.max_nodes = max_nodes
-        self.unknown: Callable[[str, str], str] | None = None  # why a refused global may be legitimate (check)
+        self.max_nodes, self.unknown = max_nodes, None  # unknown: why a refused global may be legitimate (check)
         self.stack: list[_Item] = []
         self.marks: list[int] = []
         self.memo: dict[int, _Item] = {}
