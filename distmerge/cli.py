@@ -41,8 +41,28 @@ config.json, tokenizer and generation config, as save_pretrained writes them. Ru
 torchrun: the processes share the reading, assembling and writing; the result is the same for any number."""
 
 
+# A rank other than 0 holding the error rank 0 prints (argparse's, or one every rank agreed on) stays silent, and
+# waits this long before it exits: torchrun stops the whole job when the first worker exits, so a silent rank that
+# exits first could kill rank 0 before its one line is out (seen under CPU load). Rank 0's exit ends the wait (its
+# SIGTERM), so this costs nothing when rank 0 gets to say it.
+SILENT_RANK_WAIT_S = 60.0
+# Test aid: rank 0 pauses this long before it prints an error, as a loaded machine may make it.
+RANK_0_ERROR_DELAY_S = float(os.environ.get("DISTMERGE_TEST_RANK0_ERROR_DELAY", "0"))
+
+
 def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
+
+
+def let_rank_0_speak() -> None:
+    """On a silent rank under torchrun: wait for rank 0 to print the error and exit (torchrun then ends us)."""
+    if _rank() == 0:
+        time.sleep(RANK_0_ERROR_DELAY_S)
+        return
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return
+    with contextlib.suppress(KeyboardInterrupt):  # torchrun's SIGTERM, once rank 0 has exited (_interrupt_on_sigterm)
+        time.sleep(SILENT_RANK_WAIT_S)
 
 
 def tell_torchrun(line: str) -> None:
@@ -63,6 +83,7 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         tell_torchrun(f"{self.prog}: error: {message}")
+        let_rank_0_speak()
         super().error(message)
 
 
@@ -266,6 +287,8 @@ def _report_error(err: DistmergeError, debug: bool) -> None:
     # Every rank holds the same error (agreed through a collective, or found by every rank alike before
     # the group exists): rank 0 speaks for all.
     shared = hasattr(err, "origin_rank") or getattr(err, "before_group", False)
+    if shared:
+        let_rank_0_speak()  # at once on rank 0 (but for the test aid)
     if shared and _rank() != 0:
         return
     if debug:
