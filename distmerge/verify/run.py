@@ -12,6 +12,7 @@ Every rank makes the same calls in this order (with one process the collectives 
              files it owns (plan.assign_owners over file sizes) and
              computes figures on comm.device; sends small records
     logits   --logits only: rank 0 loads both models with transformers  broadcast   (comm.root_only)
+    memory   each rank's peak RSS                                       all_gather  (comm.gather)
     report   rank 0 prints the table and the verdict, writes --json     broadcast   (comm.root_only)
 
 Neither side is ever loaded whole by one process: safetensors files are opened with `safe_open` and
@@ -21,6 +22,7 @@ read one tensor at a time, pytorch_model*.bin with `torch.load(mmap=True, weight
 from __future__ import annotations
 
 import argparse
+import resource
 import sys
 import time
 from dataclasses import dataclass
@@ -42,6 +44,7 @@ class VerifyResult:
     per_rank: list[int]  # tensors each rank compared
     device: str
     seconds: float
+    peak_rss: tuple[int, ...] = ()  # bytes, per rank, at the end
     format: str | None = None  # the checkpoint's format when `merged` was one, merged in memory
     notes: tuple[str, ...] = ()  # what its merge said (a tied head's copy checked, tensors left out)
 
@@ -61,7 +64,8 @@ def verify(opts: VerifyOptions, comm: Comm) -> VerifyResult:
         got = verify_checkpoint(opts, comm)
         return VerifyResult(checks=sorted(got.checks, key=lambda c: natural_key(c.name)), logits=None,
                             processes=comm.world, per_rank=got.per_rank, device=str(comm.device),
-                            seconds=time.perf_counter() - start, format=got.format, notes=got.notes)
+                            seconds=time.perf_counter() - start, peak_rss=_peak_rss(comm), format=got.format,
+                            notes=got.notes)
     listing = comm.root_only(lambda: make_listing(opts))
     per_rank = comm.gather(lambda: check_mine(listing, opts.criteria, comm))
     checks = sorted([*listing.settled, *(c for mine in per_rank for c in mine)],
@@ -72,7 +76,12 @@ def verify(opts: VerifyOptions, comm: Comm) -> VerifyResult:
 
         logits = comm.root_only(lambda: compare_logits(listing, opts, comm.device))
     return VerifyResult(checks=checks, logits=logits, processes=comm.world, per_rank=[len(c) for c in per_rank],
-                        device=str(comm.device), seconds=time.perf_counter() - start)
+                        device=str(comm.device), seconds=time.perf_counter() - start, peak_rss=_peak_rss(comm))
+
+
+def _peak_rss(comm: Comm) -> tuple[int, ...]:
+    """Collective: each rank's peak resident memory so far, in bytes (what --budget bounds)."""
+    return tuple(comm.gather(lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
 
 
 def verify_and_report(opts: VerifyOptions, comm: Comm) -> int:
@@ -98,7 +107,7 @@ def verify_and_report(opts: VerifyOptions, comm: Comm) -> int:
 
 def _run_record(result: VerifyResult) -> dict:
     run = {"processes": result.processes, "compared_per_rank": result.per_rank, "device": result.device,
-           "seconds": round(result.seconds, 3)}
+           "seconds": round(result.seconds, 3), "peak_rss_per_rank": list(result.peak_rss)}
     if result.format is not None:  # merged in memory: from which format, and what its merge said
         run["checkpoint"] = {"format": result.format, "notes": list(result.notes)}
     return run
