@@ -34,7 +34,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-import torch
 
 from distmerge.cli import main as distmerge_main
 from distmerge.errors import InputError
