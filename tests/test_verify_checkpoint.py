@@ -174,7 +174,7 @@ def test_options_that_do_not_apply_are_refused(fsdp_ckpts, tmp_path, capsys):
     assert "--logits runs the merged model" in one_error(capsys)
     assert merge_inproc("--input", ckpt, "--output", tmp_path / "m") == 0
     assert verify("--merged", tmp_path / "m", "--reference", ref, "--dtype", "bf16", "--budget", "1MiB") == 1
-    assert "is a merged model, and --dtype, --budget only shape the merge" in one_error(capsys)
+    assert "is a merged model; --dtype, --budget: options of the merge of a training checkpoint" in one_error(capsys)
 
 
 def settled(rep: dict) -> dict:

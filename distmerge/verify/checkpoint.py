@@ -78,8 +78,8 @@ def merges_in_memory(opts: VerifyOptions) -> bool:
                          "--verify-against runs verify after the merge), then verify the merged folder with --logits")
     given = _merge_options_given(opts)
     if given and not checkpoint:
-        raise InputError(f"{path} is a merged model, and {', '.join(given)} only shape the merge of a training "
-                         "checkpoint: leave them out (or pass the checkpoint as --merged)")
+        raise InputError(f"{path} is a merged model; {', '.join(given)}: options of the merge of a training "
+                         "checkpoint, leave them out (or pass the checkpoint as --merged)")
     return checkpoint
 
 

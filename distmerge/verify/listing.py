@@ -45,6 +45,11 @@ class VerifyOptions:
     base_model: Path | None = None
     settings: OutputSettings = field(default_factory=OutputSettings)
 
+    def __post_init__(self) -> None:
+        for name in ("merged", "reference", "json", "hf_config", "base_model"):  # a caller's str works too
+            if isinstance(getattr(self, name), str):
+                object.__setattr__(self, name, Path(getattr(self, name)))
+
 
 @dataclass(frozen=True, kw_only=True)
 class Pair:

@@ -218,6 +218,11 @@ def print_report(checks: list[Check], logits: LogitsCheck | None, *, quiet: bool
                  notes: tuple[str, ...] = ()) -> None:
     """`merged_from`: the checkpoint's format when it was merged in memory, `notes` what that merge said."""
     console = Console(width=max(120, Console().width))
+    if merged_from and not quiet:
+        console.print(f"{merged_from} checkpoint merged in memory, nothing written"
+                      + ("; merge's notes:" if notes else ""), markup=False, soft_wrap=True)
+        for note in notes:
+            console.print(f"note: {note}", markup=False, soft_wrap=True)
     rows = worst(checks)
     if rows and not quiet:
         shown = table(rows)
@@ -230,11 +235,6 @@ def print_report(checks: list[Check], logits: LogitsCheck | None, *, quiet: bool
         console.print(f"{_outputs_word(logits)}: {logits.input_shape[0]}x{logits.input_shape[1]} tokens in "
                       f"{logits.dtype}: max abs {fmt(f.max_abs)}, cosine {f.cosine:.6f}{_kl_part(logits)}; "
                       f"{logits.note}", markup=False, soft_wrap=True)
-    if merged_from and not quiet:
-        console.print(f"merged in memory from a {merged_from} checkpoint, nothing written"
-                      + ("; merge's notes:" if notes else ""), markup=False, soft_wrap=True)
-        for note in notes:
-            console.print(f"note: {note}", markup=False, soft_wrap=True)
     failed = [c for c in checks if not c.passed]
     if len(failed) > VERDICT_NAMES:
         for c in failed:
