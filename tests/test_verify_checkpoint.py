@@ -111,6 +111,23 @@ def test_one_changed_element_fails_and_is_named(case, request, tmp_path, capsys)
     assert [t["name"] for t in failed] == [name] and failed[0]["figures"]["outside"] == 1
 
 
+def test_names_and_shapes_are_settled_from_the_plan(fsdp_ckpts, tmp_path, capsys):
+    """Missing, extra and transposed: decided from the plan's targets and the reference's headers, worded as
+    verify of a merged folder words them; those tensors are never assembled."""
+    ckpt = fsdp_ckpts["fsdp2_llama_w4"]
+    state = load_file(reference_dir(ckpt) / "model.safetensors")
+    state.pop("model.layers.1.mlp.up_proj.weight")
+    state["model.extra.bias"] = torch.zeros(3)
+    state["model.layers.0.mlp.gate_proj.weight"] = state["model.layers.0.mlp.gate_proj.weight"].T.contiguous()
+    save_file(state, tmp_path / "ref.safetensors")
+    assert verify("--merged", ckpt, "--reference", tmp_path / "ref.safetensors", "--json", tmp_path / "r.json") == 1
+    assert verdict(capsys) == (
+        "verify: FAIL 3 of 22 tensors: model.extra.bias (missing in merged), model.layers.0.mlp.gate_proj.weight "
+        "(shape [138, 64], reference [64, 138] (transposed)), model.layers.1.mlp.up_proj.weight (extra in merged)")
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert sum(rep["run"]["compared_per_rank"]) == 19 and rep["counts"]["bit_exact"] == 19
+
+
 def test_dtype_bf16_against_a_bf16_reference(fsdp_ckpts, tmp_path, capsys):
     ckpt = fsdp_ckpts["fsdp2_llama_w4"]
     state = load_file(reference_dir(ckpt) / "model.safetensors")
