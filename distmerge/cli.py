@@ -21,6 +21,7 @@ from distmerge.cli_options import (
     base_model_dir,
     format_options,
     output_settings,
+    parse_size,  # noqa: F401  (re-exported: distmerge.cli.parse_size, as before --budget moved to cli_options)
 )
 from distmerge.errors import DistmergeError, InputError
 
