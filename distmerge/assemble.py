@@ -1,17 +1,22 @@
-"""Assemble: put every fragment of a unit where it belongs, then write the unit's targets.
+"""Assemble: put every fragment of a unit where it belongs, then hand the unit's targets to its output.
 
 Two ways, chosen per unit:
 - direct: an identity (or row-trimming) unit without a cast whose fragments are each one contiguous run
-  of the source (FSDP's Shard(0), plain tensors, Megatron's vocabulary-parallel embeddings). Its output
-  file is the preallocated target: local fragments are copied from the input file into it through one
-  reused 1 MiB buffer (reader.copy_to), received ones written from the receive buffer; rows beyond a trimmed
-  target are never copied. No tensor is built.
+  of the source (FSDP's Shard(0), plain tensors, Megatron's vocabulary-parallel embeddings), when its
+  output takes bytes at their place (a file: `TargetOut.takes_bytes`). Its output file is the preallocated
+  target: local fragments are copied from the input file into it through one reused 1 MiB buffer
+  (reader.copy_to), received ones written from the receive buffer; rows beyond a trimmed target are never
+  copied. No tensor is built.
 - tensor: the source tensors are preallocated (on the GPU when there is one), fragments are copied in
   by offset (a local fragment that is one run of a CPU source is read straight into it), then the
-  unit's transform and the output dtype are applied and the targets written.
+  unit's transform and the output dtype are applied and the targets handed to the output (written into a
+  file by merge, compared with a reference by verify).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -21,16 +26,34 @@ from distmerge.families.base import Unit
 from distmerge.formats.base import Fragment
 from distmerge.plan import Plan
 from distmerge.reader import Reader
-from distmerge.writer import ShardWriter
 
 # Transforms that keep a prefix of the source's bytes, in order: a direct unit may apply them by clipping.
 PREFIX_TRANSFORMS = ("identity", "trim_rows")
 
 
+class TargetOut(Protocol):
+    """Where a unit's targets go (engine.Sink.output): writer.ShardWriter, or verify's comparison.
+
+    `write` takes each whole target as it will be written (its output dtype, on the process group's device).
+    An output with `takes_bytes` also takes a direct unit's bytes at their place, without a tensor being built:
+    `offset`, `copy_in` and `write_bytes` are called on it only then (writer.ShardWriter says what they do).
+    """
+
+    takes_bytes: bool
+
+    def write(self, name: str, tensor: torch.Tensor) -> int: ...
+
+    def offset(self, name: str, start: int = 0) -> int: ...
+
+    def copy_in(self, copy: Callable[[Callable[[memoryview, int], None]], None], nbytes: int) -> None: ...
+
+    def write_bytes(self, buf: memoryview, offset: int) -> int: ...
+
+
 class UnitBuild:
     """One unit on its owner: `place` each fragment (local or received), then `finish`."""
 
-    def __init__(self, unit: Unit, plan: Plan, writer: ShardWriter, device: torch.device) -> None:
+    def __init__(self, unit: Unit, plan: Plan, writer: TargetOut, device: torch.device) -> None:
         self.unit, self.plan, self.writer, self.device = unit, plan, writer, device
         self.sources = [plan.sources[s] for s in unit.sources]
         self.direct = self._is_direct()
@@ -41,7 +64,7 @@ class UnitBuild:
                 self.tensors[src.meta.name] = torch.empty(src.meta.shape, dtype=dtype, device=device)
 
     def _is_direct(self) -> bool:
-        if self.unit.transform not in PREFIX_TRANSFORMS or len(self.sources) != 1:
+        if not self.writer.takes_bytes or self.unit.transform not in PREFIX_TRANSFORMS or len(self.sources) != 1:
             return False
         src, target = self.sources[0], self.unit.targets[0]
         if target.dtype != src.meta.dtype:

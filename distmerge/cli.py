@@ -14,13 +14,14 @@ from pathlib import Path
 
 from distmerge import __version__, verl_cli
 from distmerge.cli_options import (
+    add_budget_option,
     add_input_options,
     add_output_options,
     add_run_options,
     base_model_dir,
     format_options,
     output_settings,
-    parse_size,
+    parse_size,  # noqa: F401  (re-exported: distmerge.cli.parse_size, as before --budget moved to cli_options)
 )
 from distmerge.errors import DistmergeError, InputError
 
@@ -110,9 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="after the merge, run `verify --reference HF_DIR` in the same processes "
                              "(bit-exact; a --dtype cast is accepted); exit 1 if it fails")
     run = add_run_options(merge)
-    run.add_argument("--budget", type=parse_size, default=parse_size("128MiB"), metavar="SIZE",
-                     help="bytes each process assembles per round (two rounds are in flight); bounds memory "
-                     "(default 128MiB)")
+    add_budget_option(run)
     run.add_argument("--json-summary", type=Path, metavar="PATH", help="also write the summary as JSON")
 
     inspect = sub.add_parser("inspect", help="describe a checkpoint and the files a merge would write",
@@ -134,12 +133,17 @@ Without tolerances every tensor must be bit-exact and of the reference's dtype. 
 --rtol, --min-cosine, a tensor passes when it is within them, and a dtype other than the reference's is
 accepted: the reference is cast to the merged dtype before comparing (the report says so per tensor).
 A tied lm_head.weight present on one side only is accepted when the merged config.json ties embeddings
-and it equals the embedding on the other side."""
+and it equals the embedding on the other side.
+
+--merged may also be a training checkpoint, anything `merge` reads: it is then merged in memory, as
+`merge` with the same options would (--format, --dtype, --lora, --budget ...), and each tensor compared
+as it is assembled; nothing is written. A --dtype cast is accepted (values must equal the cast reference)."""
 
 VERIFY_EPILOG = """examples:
   torchrun --nproc-per-node 8 -m distmerge verify --merged merged/ --reference hf_model/
   python -m distmerge verify --merged merged/ --reference full_state_dict.safetensors --json verify.json
   python -m distmerge verify --merged merged/ --reference hf_model/ --atol 1e-3 --min-cosine 0.9999 --logits
+  torchrun --nproc-per-node 8 -m distmerge verify --merged ckpts/global_step_1000/actor --reference hf_model/
 
 Each process checks the tensors of the merged files it owns (read one tensor at a time on both sides);
 rank 0 prints the worst tensors and one verdict line. Exit 0 only when every tensor passes.
@@ -153,7 +157,8 @@ def add_verify_parser(sub) -> None:
         description=VERIFY_DESCRIPTION,
     )
     verify.add_argument("--merged", type=Path, required=True, metavar="DIR",
-                        help="merged model folder (model.safetensors.index.json or model.safetensors)")
+                        help="merged model folder (model.safetensors.index.json or model.safetensors), or a "
+                             "training checkpoint to merge in memory (nothing written)")
     verify.add_argument("--reference", type=Path, required=True, metavar="PATH",
                         help="reference: a Hugging Face folder (safetensors or pytorch_model*.bin, sharded or "
                              "not) or one .safetensors / .bin / .index.json file")
@@ -163,7 +168,9 @@ def add_verify_parser(sub) -> None:
     verify.add_argument("--logits", action="store_true",
                         help="also run both models (transformers, rank 0) on fixed token ids; compare logits")
     verify.add_argument("--json", type=Path, metavar="PATH", help="write every tensor's figures as JSON")
-    add_run_options(verify)
+    add_input_options(verify, with_input=False, title="when --merged is a checkpoint: how to read it")
+    add_output_options(verify, with_folder=False, title="when --merged is a checkpoint: the merge to check")
+    add_budget_option(add_run_options(verify))
 
 
 INTERRUPTED = {

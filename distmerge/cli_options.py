@@ -29,14 +29,16 @@ def parse_size(text: str) -> int:
 CAST_NAMES = ["keep", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32"]
 
 
-def add_input_options(parser: argparse.ArgumentParser, *, positional: bool = False) -> None:
-    """The input and how to read it (merge, inspect): the format and the format's own options."""
+def add_input_options(parser: argparse.ArgumentParser, *, positional: bool = False, with_input: bool = True,
+                      title: str = "input") -> None:
+    """The input and how to read it (merge, inspect, verify): the format and the format's own options.
+    `with_input` False: the command names the checkpoint its own way (verify's --merged)."""
     from distmerge.formats import registry
 
-    group = parser.add_argument_group("input")
-    if positional:
+    group = parser.add_argument_group(title)
+    if with_input and positional:
         group.add_argument("input", type=Path, help="checkpoint folder (e.g. .../actor)")
-    else:
+    elif with_input:
         group.add_argument("--input", "-i", type=Path, required=True, help="checkpoint folder (e.g. .../actor)")
     group.add_argument("--format", default="auto", choices=registry.choices(), metavar="FORMAT",
                        help=registry.help_text())
@@ -47,9 +49,10 @@ def add_input_options(parser: argparse.ArgumentParser, *, positional: bool = Fal
                            help=f"{opt.help} [{', '.join(names)}]")
 
 
-def add_output_options(parser: argparse.ArgumentParser, *, with_folder: bool = True) -> argparse._ArgumentGroup:
-    """What the merged model looks like (merge, inspect). Returns the group, for merge's own options."""
-    group = parser.add_argument_group("output")
+def add_output_options(parser: argparse.ArgumentParser, *, with_folder: bool = True,
+                       title: str = "output") -> argparse._ArgumentGroup:
+    """What the merged model looks like (merge, inspect, verify). Returns the group, for merge's own options."""
+    group = parser.add_argument_group(title)
     if with_folder:
         group.add_argument("--output", "-o", type=Path, required=True, help="folder for the merged model")
     group.add_argument("--dtype", choices=CAST_NAMES, default="keep",
@@ -77,6 +80,13 @@ def add_run_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     group.add_argument("--quiet", "-q", action="store_true", help="no progress and no summary")
     group.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     return group
+
+
+def add_budget_option(group: argparse._ArgumentGroup) -> None:
+    """--budget (merge, verify of a checkpoint: both run the merge's rounds)."""
+    group.add_argument("--budget", type=parse_size, default=parse_size("128MiB"), metavar="SIZE",
+                       help="bytes each process assembles per round (two rounds are in flight); bounds memory "
+                       "(default 128MiB)")
 
 
 def format_options(args: argparse.Namespace) -> dict:

@@ -17,6 +17,11 @@
     commit     owners rename their shared files   all_gather of the ranks' figures (always)
     finalize   rank 0: config, tokenizer, index   broadcast (comm.root_only); none when --resume found the
                                                   merge already complete
+
+discover (less the output checks), plan, checks and the rounds are shared with `verify` of a checkpoint
+(verify/checkpoint.py), through `plan_checkpoint` and `run_rounds`: the rounds hand each assembled target to a
+sink (sink.py), which for merge writes it into its output file (sink.FileSink) and for verify compares it with
+the reference. The engine knows neither formats and families nor what verify compares.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import os
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -43,6 +49,7 @@ from distmerge.prepare import OutputSettings, prepare_merge
 from distmerge.reader import Reader
 from distmerge.report import Progress
 from distmerge.results import MergeResult, RankStats
+from distmerge.sink import FileSink, Sink
 from distmerge.writer import ShardWriter
 
 # Fault-injection aid for tests that kill a rank mid-merge: a pause after every round. Zero otherwise.
@@ -73,18 +80,9 @@ def merge(opts: MergeOptions, comm: Comm, progress: Progress) -> MergeResult:
     found = comm.root_only(lambda: _discover(opts))
     scan = found.scan
     reader = Reader(scan, registry.get(scan.format))
-    readers = planning.assign_readers(scan.files, comm.world)
-    writers: dict[int, ShardWriter] = {}
+    sink = None
     try:
-        mine = [i for i, r in enumerate(readers) if r == comm.rank]
-        # inventories travel as columns (inventory.py says why), with the host of each rank (spread.py)
-        gathered = comm.gather(lambda: (_host(out), inventory.pack(reader.open(mine))))
-        hosts = _host_numbers([host for host, _ in gathered])
-        prepared = comm.agree(lambda: _prepare(opts, found, inventory.unpack([part for _, part in gathered]),
-                                               comm.world, hosts))
-        plan = prepared.plan
-        checked = unwritten.check(plan, prepared.left_out, prepared.must_equal, comm, reader)
-        plan = replace(plan, notes=(*plan.notes, *replicas.check(plan, comm, reader), *checked))
+        plan = plan_checkpoint(found, reader, comm, opts.settings, host=lambda: _host(out), claims=opts.claims)
         run = resume.describe(plan, scan.files, resume.output_options(opts.settings, scan.format,
                                                                       opts.format_options, found.config))
         begun = resume.start(out, plan, run, comm, resuming=opts.resume, checksum=opts.checksum)
@@ -92,16 +90,16 @@ def merge(opts: MergeOptions, comm: Comm, progress: Progress) -> MergeResult:
         todo = planning.without_files(plan, list(begun.kept))
         if not begun.complete:  # progress counts only what this run writes
             progress.start(plan.total_bytes - _kept_bytes(plan, begun), len(plan.files), kept=len(begun.kept))
-        _create_shared(plan, begun.kept, opts, comm, writers)
-        _rounds(todo, opts, run, comm, reader, writers, progress)
+        sink = FileSink(plan, out, run, comm.rank, checksum=opts.checksum)
+        sink.create_shared(begun.kept, comm)
+        run_rounds(todo, comm, reader, sink, progress)
         progress.stop()
-        ranks = comm.gather(lambda: _commit_shared(plan, opts, run, comm.rank, writers)
-                            or _stats(comm.rank, reader, writers))
+        ranks = comm.gather(lambda: sink.commit_shared() or _stats(comm.rank, reader, sink.writers))
         copied = [] if begun.complete else comm.root_only(
             lambda: finalize(out, plan, found.config, Path(found.hf_dir), scan.not_model_files))
     except BaseException:
-        for w in writers.values():
-            w.abort()
+        if sink is not None:
+            sink.abort()
         progress.stop()
         raise
     finally:
@@ -125,9 +123,35 @@ def merge(opts: MergeOptions, comm: Comm, progress: Progress) -> MergeResult:
     )
 
 
-def _rounds(todo: Plan, opts: MergeOptions, run: resume.RunRecord, comm: Comm, reader: Reader, writers,
-            progress) -> None:
-    """Exchange one round ahead: round k+1 travels (its readers pack it) while round k is written."""
+def plan_checkpoint(found: disc.Discovery, reader: Reader, comm: Comm, settings: OutputSettings,
+                    host: Callable[[], str], claims: tuple[Claim, ...] = ()) -> Plan:
+    """Collective, after discovery, before any round (merge, and verify of a checkpoint): each rank opens the input
+    files it reads and the inventories are gathered; every rank plans the same; the checks of small replicas and
+    of the sources the family wrote into no unit run. Returns the plan with their notes, the same on every rank.
+    `host()`: this rank's machine, as spread.py groups ranks that may write one file; `claims`: what the user
+    says the checkpoint is, checked against the plan (expect.py)."""
+    readers = planning.assign_readers(found.scan.files, comm.world)
+    mine = [i for i, r in enumerate(readers) if r == comm.rank]
+    # inventories travel as columns (inventory.py says why), with the host of each rank (spread.py)
+    gathered = comm.gather(lambda: (host(), inventory.pack(reader.open(mine))))
+    hosts = _host_numbers([name for name, _ in gathered])
+    prepared = comm.agree(lambda: _prepare(found, inventory.unpack([part for _, part in gathered]), comm.world,
+                                           settings, hosts, claims))
+    plan = prepared.plan
+    checked = unwritten.check(plan, prepared.left_out, prepared.must_equal, comm, reader)
+    return replace(plan, notes=(*plan.notes, *replicas.check(plan, comm, reader), *checked))
+
+
+def _prepare(found: disc.Discovery, fragments, world: int, settings: OutputSettings, hosts: tuple[int, ...],
+             claims: tuple[Claim, ...]):
+    prepared = prepare_merge(found, fragments, world, settings, hosts=hosts)
+    expect.check(claims, found.config, prepared.plan)
+    return prepared
+
+
+def run_rounds(todo: Plan, comm: Comm, reader: Reader, sink: Sink, progress: Progress) -> None:
+    """Collective: the rounds of `todo`, each unit's targets into `sink` on its owner. Exchange one round ahead:
+    round k+1 travels (its readers pack it) while round k is assembled."""
     exchanger = Exchanger(todo, comm, reader)
     rounds = todo.rounds
     pending = exchanger.start(rounds[0], 0) if rounds else None
@@ -136,7 +160,7 @@ def _rounds(todo: Plan, opts: MergeOptions, run: resume.RunRecord, comm: Comm, r
         for k, units in enumerate(rounds):
             ahead = exchanger.start(rounds[k + 1], (k + 1) % 2) if k + 1 < len(rounds) else None
             done = comm.gather(lambda u=units, p=pending, k=k: _test_fault(k, comm.rank)
-                               or _build(todo, u, p, opts, run, comm, reader, writers))
+                               or _build(todo, u, p, comm, reader, sink))
             progress.advance(sum(done))
             pending, ahead = ahead, None
             time.sleep(ROUND_DELAY_S)
@@ -151,12 +175,6 @@ def _rounds(todo: Plan, opts: MergeOptions, run: resume.RunRecord, comm: Comm, r
 def _test_fault(k: int, rank: int) -> None:
     if f"{rank}:{k}" == FAIL_AT:
         raise CorruptInputError(f"test fault (DISTMERGE_TEST_FAIL_AT) on rank {rank} in round {k}")
-
-
-def _prepare(opts: MergeOptions, found: disc.Discovery, fragments, world: int, hosts: tuple[int, ...]):
-    prepared = prepare_merge(found, fragments, world, opts.settings, hosts=hosts)
-    expect.check(opts.claims, found.config, prepared.plan)
-    return prepared
 
 
 def _discover(opts: MergeOptions) -> disc.Discovery:
@@ -179,69 +197,29 @@ def _host_numbers(names: list[str]) -> tuple[int, ...]:
     return tuple(first.setdefault(name, rank) for rank, name in enumerate(names))
 
 
-def _writer(plan: Plan, f: int, opts: MergeOptions, rank: int, *, create: bool) -> ShardWriter:
-    file = plan.files[f]
-    part = sum(t.nbytes for i in file.units if plan.owner_of_unit[i] == rank for t in plan.units[i].targets)
-    return ShardWriter(Path(opts.output), file.name, file.targets, part=part if file.shared else None,
-                       create=create)
-
-
-def _create_shared(plan: Plan, kept: tuple[int, ...], opts: MergeOptions, comm: Comm, writers) -> None:
-    """Owners create the shared files they own before any other writer opens them. Collective only when the
-    plan has shared files to write (the same plan on every rank, so all ranks agree to call it or not)."""
-    shared = [f for f, file in enumerate(plan.files) if file.shared and f not in kept]
-    if not shared:
-        return
-
-    def create() -> None:
-        for f in shared:
-            if plan.files[f].owner == comm.rank:
-                writers[f] = _writer(plan, f, opts, comm.rank, create=True)
-    comm.agree(create)
-
-
-def _commit_shared(plan: Plan, opts: MergeOptions, run: resume.RunRecord, rank: int, writers) -> None:
-    """After the last round every writer's part is durable (each fsyncs its part inside a round's gather, and
-    that gather has returned on every rank): owners rename their shared files and record them."""
-    for f, writer in writers.items():
-        if writer.shared and plan.files[f].owner == rank:
-            writer.commit()
-            resume.record_done(Path(opts.output), plan.files[f], run, opts.checksum)
-
-
 def _kept_bytes(plan: Plan, begun: resume.Resumption) -> int:
     return sum(plan.files[i].nbytes for i in begun.kept)
 
 
-def _build(plan: Plan, units, pending: Pending, opts: MergeOptions, run: resume.RunRecord, comm: Comm, reader: Reader,
-           writers) -> int:
-    """Place this rank's fragments for the round's units (local ones while the exchange is in flight),
-    write the targets, finish the files that are complete. Returns the bytes of target written."""
+def _build(plan: Plan, units, pending: Pending, comm: Comm, reader: Reader, sink: Sink) -> int:
+    """Place this rank's fragments for the round's units (local ones while the exchange is in flight), hand the
+    targets to the sink, let it complete what it can. Returns the bytes of target built."""
     me = comm.rank
-    builds = []
-    for i in (i for i in units if plan.owner_of_unit[i] == me):
-        f = plan.file_of_unit[i]
-        if f not in writers:  # a shared file was created by its owner before the first round
-            writers[f] = _writer(plan, f, opts, me, create=not plan.files[f].shared)
-        builds.append((writers[f], UnitBuild(plan.units[i], plan, writers[f], comm.device)))
+    builds = [UnitBuild(plan.units[i], plan, sink.output(i), comm.device) for i in units if plan.owner_of_unit[i] == me]
     try:
-        for _, build in builds:
+        for build in builds:
             for source, frag in build.fragments():
                 if plan.readers[frag.file_index] == me:
                     build.place_local(source, frag, reader)
     finally:
         received = pending.wait()  # the collective completes even when local work failed
-    for _, build in builds:
+    for build in builds:
         for source, frag in build.fragments():
             if plan.readers[frag.file_index] != me:
                 build.place_received(source, frag, received[frag])
         build.finish()
-    for f, writer in writers.items():
-        if writer.complete and writer.fd >= 0:
-            writer.finish()
-            if not writer.shared:  # a shared file is renamed and recorded by its owner after the last round
-                resume.record_done(Path(opts.output), plan.files[f], run, opts.checksum)
-    return sum(t.nbytes for _, build in builds for t in build.unit.targets)
+    sink.round_done()
+    return sum(t.nbytes for build in builds for t in build.unit.targets)
 
 
 def _stats(rank: int, reader: Reader, writers: dict[int, ShardWriter]) -> RankStats:

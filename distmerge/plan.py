@@ -344,5 +344,10 @@ def without_files(plan: Plan, done: list[int]) -> Plan:
     if not done:
         return plan
     skip = set(done)
-    kept = (tuple(i for i in units if plan.file_of_unit[i] not in skip) for units in plan.rounds)
+    return only_units(plan, {i for i in range(len(plan.units)) if plan.file_of_unit[i] not in skip})
+
+
+def only_units(plan: Plan, keep: set[int]) -> Plan:
+    """The same plan doing the work of the units in `keep` only, in the same rounds (empty ones dropped)."""
+    kept = (tuple(i for i in units if i in keep) for units in plan.rounds)
     return replace(plan, rounds=tuple(r for r in kept if r))

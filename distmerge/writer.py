@@ -44,6 +44,8 @@ def header_bytes(targets: tuple[Target, ...]) -> tuple[bytes, dict[str, tuple[in
 
 
 class ShardWriter:
+    takes_bytes = True  # a direct unit's bytes go straight to their place in the file (assemble.TargetOut)
+
     def __init__(self, out_dir: Path, name: str, targets: tuple[Target, ...], *, part: int | None = None,
                  create: bool = True) -> None:
         """`part`: the bytes of a shared file this rank writes (None: the whole file, renamed by `finish`).

@@ -71,7 +71,7 @@ def test_every_choice_is_in_its_row():
 
 def test_the_table_lists_no_option_that_does_not_exist():
     """A row for a removed option, or one that names a command lacking it, misleads. Shown to fail: with
-    `verify` added to the --budget row's commands."""
+    `inspect` added to the --budget row's commands."""
     known = parser_options()
     wrong = [(command, name) for names, commands, _ in readme_rows((REPO / "README.md").read_text())
              for name in names for command in commands if (command, name) not in known]

@@ -14,12 +14,12 @@ LAYERS = {
     1: ("formats", "comm", "transforms"),
     2: ("families",),
     3: ("plan", "spread", "reader", "writer", "discover", "inventory"),
-    4: ("prepare", "exchange", "assemble", "replicas", "unwritten", "resume", "finalize", "report", "expect"),
+    4: ("prepare", "exchange", "assemble", "replicas", "unwritten", "resume", "finalize", "report", "expect", "sink"),
     5: ("engine", "inspect", "verify", "cli_options", "hub"),
     6: ("cli", "__main__", "verl_cli"),
 }
 ENGINE = ("plan", "spread", "reader", "writer", "writeback", "discover", "prepare", "exchange", "assemble", "replicas",
-          "unwritten", "resume", "finalize", "engine", "inspect", "inventory")
+          "unwritten", "resume", "finalize", "engine", "inspect", "inventory", "sink")
 
 
 def modules() -> dict[str, Path]:

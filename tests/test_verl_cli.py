@@ -160,10 +160,8 @@ def test_help_shows_the_native_options_only():
 
 
 # -- verl's `test`: the checkpoint against a Hugging Face model, no model written ------------------------------------
-NEEDS_VERIFY = pytest.mark.xfail(strict=False, reason="needs verify of a checkpoint (issue 24 item 2)")
 
 
-@NEEDS_VERIFY
 def test_test_passes_on_the_checkpoint_and_writes_nothing(fsdp_ckpts, tmp_path, monkeypatch):
     ckpt = fsdp_ckpts["fsdp2_llama_w4"]
     monkeypatch.chdir(tmp_path)
@@ -172,7 +170,6 @@ def test_test_passes_on_the_checkpoint_and_writes_nothing(fsdp_ckpts, tmp_path, 
     assert list(tmp_path.iterdir()) == []
 
 
-@NEEDS_VERIFY
 def test_test_names_the_tensor_that_differs(fsdp_ckpts, tmp_path, capsys, monkeypatch):
     import torch
     from safetensors.torch import load_file, save_file

@@ -21,17 +21,34 @@ from distmerge.verify.sides import Side, open_side
 
 @dataclass(frozen=True, kw_only=True)
 class VerifyOptions:
+    """What `verify` compares (the API of verify.run.verify and verify_and_report, kept stable for callers).
+
+    `merged` is either a finished Hugging Face model (a folder holding model.safetensors.index.json or
+    model.safetensors, or one weights file), compared as it is, or any checkpoint `merge` reads (FSDP rank files,
+    DCP, Megatron, DeepSpeed, torchtitan, LoRA runs): that one is merged in memory, as `merge` with the options
+    below would, and each tensor compared with the reference; nothing is written (verify/checkpoint.py).
+    `reference`: a Hugging Face folder or file. The fields from `format` on are engine.MergeOptions's and apply
+    to a checkpoint only (given with a finished model they are an error): `format_options` are the format's own
+    (Megatron's iteration, DeepSpeed's tag, torchtitan's step), `base_model` a second input root (a LoRA-only
+    save's base folder), `settings` --dtype, --lora, --budget and the rest.
+    """
+
     merged: Path
     reference: Path
     criteria: Criteria = field(default_factory=Criteria)
     logits: bool = False
     json: Path | None = None
     quiet: bool = False
-    # `merged` may be a checkpoint (not yet merged): read as a merge reads it (issue 24 item 2)
     format: str = "auto"
     hf_config: Path | None = None
     format_options: dict[str, Any] = field(default_factory=dict)
+    base_model: Path | None = None
     settings: OutputSettings = field(default_factory=OutputSettings)
+
+    def __post_init__(self) -> None:
+        for name in ("merged", "reference", "json", "hf_config", "base_model"):  # a caller's str works too
+            if isinstance(getattr(self, name), str):
+                object.__setattr__(self, name, Path(getattr(self, name)))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,11 +72,15 @@ class Listing:
     settled: tuple[Check, ...]  # decided from the headers alone (missing, extra, shape)
 
 
-
 def make_listing(opts: VerifyOptions) -> Listing:
     merged = open_side(opts.merged, role="merged model", allow_torch=False)
     reference = open_side(opts.reference, role="reference", allow_torch=True)
     config = _merged_config(opts.merged / "config.json" if opts.merged.is_dir() else opts.merged.parent / "config.json")
+    return pair_sides(merged, reference, config)
+
+
+def pair_sides(merged: Side, reference: Side, config: dict | None) -> Listing:
+    """`config`: the merged model's config.json (None: there is none, so nothing says a head is tied)."""
     traits = claim(list(merged.tensors), config or {}, Hints()).traits(config or {})
     ties = config is not None and traits.ties(config)  # no config.json: nothing says the head is tied
     # Both sides under the names save_pretrained writes (a reference saved with the module's names of a

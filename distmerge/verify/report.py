@@ -214,8 +214,15 @@ def _escape(text: str) -> str:
     return text.replace("[", r"\[")
 
 
-def print_report(checks: list[Check], logits: LogitsCheck | None, *, quiet: bool) -> None:
+def print_report(checks: list[Check], logits: LogitsCheck | None, *, quiet: bool, merged_from: str | None = None,
+                 notes: tuple[str, ...] = ()) -> None:
+    """`merged_from`: the checkpoint's format when it was merged in memory, `notes` what that merge said."""
     console = Console(width=max(120, Console().width))
+    if merged_from and not quiet:
+        console.print(f"{merged_from} checkpoint merged in memory, nothing written"
+                      + ("; merge's notes:" if notes else ""), markup=False, soft_wrap=True)
+        for note in notes:
+            console.print(f"note: {note}", markup=False, soft_wrap=True)
     rows = worst(checks)
     if rows and not quiet:
         shown = table(rows)

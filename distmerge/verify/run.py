@@ -3,12 +3,16 @@
 Every rank makes the same calls in this order (with one process the collectives are no-ops):
 
     phase    who works                                                  collective
+    kind     rank 0: a finished model, or a checkpoint to merge in      broadcast   (comm.root_only)
+             memory (then verify/checkpoint.py's phases instead of
+             list and compare)
     list     rank 0 reads both sides' indexes and (validated) headers,  broadcast   (comm.root_only)
              pairs the names, settles missing / extra / shape
     compare  each rank reads both sides of the tensors in the merged    all_gather  (comm.gather)
              files it owns (plan.assign_owners over file sizes) and
              computes figures on comm.device; sends small records
     logits   --logits only: rank 0 loads both models with transformers  broadcast   (comm.root_only)
+    memory   each rank's peak RSS                                       all_gather  (comm.gather)
     report   rank 0 prints the table and the verdict, writes --json     broadcast   (comm.root_only)
 
 Neither side is ever loaded whole by one process: safetensors files are opened with `safe_open` and
@@ -18,12 +22,15 @@ read one tensor at a time, pytorch_model*.bin with `torch.load(mmap=True, weight
 from __future__ import annotations
 
 import argparse
+import resource
 import sys
 import time
 from dataclasses import dataclass
 
+from distmerge.cli_options import base_model_dir, format_options, output_settings
 from distmerge.comm import Comm, process_group, resolve_device
 from distmerge.plan import natural_key
+from distmerge.verify.checkpoint import merges_in_memory, verify_checkpoint
 from distmerge.verify.compare import check_mine
 from distmerge.verify.listing import VerifyOptions, make_listing
 from distmerge.verify.report import Check, Criteria, LogitsCheck, print_report, report_json, write_json
@@ -37,6 +44,9 @@ class VerifyResult:
     per_rank: list[int]  # tensors each rank compared
     device: str
     seconds: float
+    peak_rss: tuple[int, ...] = ()  # bytes, per rank, at the end
+    format: str | None = None  # the checkpoint's format when `merged` was one, merged in memory
+    notes: tuple[str, ...] = ()  # what its merge said (a tied head's copy checked, tensors left out)
 
     @property
     def passed(self) -> bool:
@@ -44,8 +54,18 @@ class VerifyResult:
 
 
 def verify(opts: VerifyOptions, comm: Comm) -> VerifyResult:
-    """Collective: every rank calls it and gets the same result."""
+    """Collective: every rank calls it and gets the same result.
+
+    `opts.merged` a finished model: its files are compared with the reference. A checkpoint (anything `merge`
+    reads): merged in memory with the merge options in `opts` (format, hf_config, format_options, base_model,
+    settings) and compared, nothing written (verify/checkpoint.py). The records are the same either way."""
     start = time.perf_counter()
+    if comm.root_only(lambda: merges_in_memory(opts)):
+        got = verify_checkpoint(opts, comm)
+        return VerifyResult(checks=sorted(got.checks, key=lambda c: natural_key(c.name)), logits=None,
+                            processes=comm.world, per_rank=got.per_rank, device=str(comm.device),
+                            seconds=time.perf_counter() - start, peak_rss=_peak_rss(comm), format=got.format,
+                            notes=got.notes)
     listing = comm.root_only(lambda: make_listing(opts))
     per_rank = comm.gather(lambda: check_mine(listing, opts.criteria, comm))
     checks = sorted([*listing.settled, *(c for mine in per_rank for c in mine)],
@@ -56,30 +76,50 @@ def verify(opts: VerifyOptions, comm: Comm) -> VerifyResult:
 
         logits = comm.root_only(lambda: compare_logits(listing, opts, comm.device))
     return VerifyResult(checks=checks, logits=logits, processes=comm.world, per_rank=[len(c) for c in per_rank],
-                        device=str(comm.device), seconds=time.perf_counter() - start)
+                        device=str(comm.device), seconds=time.perf_counter() - start, peak_rss=_peak_rss(comm))
+
+
+def _peak_rss(comm: Comm) -> tuple[int, ...]:
+    """Collective: each rank's peak resident memory so far, in bytes (what --budget bounds)."""
+    return tuple(comm.gather(lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
 
 
 def verify_and_report(opts: VerifyOptions, comm: Comm) -> int:
-    """Collective: verify, then rank 0 prints and writes the report. Returns the exit status (same on all)."""
+    """Collective: verify, then rank 0 prints and writes the report. Returns the exit status (same on all).
+
+    The entry point for other commands and programs (e.g. a verl-style `test` command): build VerifyOptions
+    (listing.py: `merged` a finished model or any checkpoint `merge` reads, `reference` a Hugging Face folder or
+    file, plus the merge options a checkpoint needs) and call it inside comm.process_group. Exit status 0 when
+    every tensor passes, else 1; errors are raised as DistmergeError on every rank."""
     result = verify(opts, comm)
 
     def report() -> None:
-        print_report(result.checks, result.logits, quiet=opts.quiet)
+        print_report(result.checks, result.logits, quiet=opts.quiet, merged_from=result.format, notes=result.notes)
         if opts.json is not None:
-            run = {"processes": result.processes, "compared_per_rank": result.per_rank, "device": result.device,
-                   "seconds": round(result.seconds, 3)}
             write_json(opts.json, report_json(merged=str(opts.merged), reference=str(opts.reference),
-                                              crit=opts.criteria, checks=result.checks, logits=result.logits, run=run))
+                                              crit=opts.criteria, checks=result.checks, logits=result.logits,
+                                              run=_run_record(result)))
         sys.stdout.flush()  # before the other ranks go on: torchrun stops rank 0 when another rank exits 1
 
     comm.root_only(report)
     return 0 if result.passed else 1
 
 
+def _run_record(result: VerifyResult) -> dict:
+    run = {"processes": result.processes, "compared_per_rank": result.per_rank, "device": result.device,
+           "seconds": round(result.seconds, 3), "peak_rss_per_rank": list(result.peak_rss)}
+    if result.format is not None:  # merged in memory: from which format, and what its merge said
+        run["checkpoint"] = {"format": result.format, "notes": list(result.notes)}
+    return run
+
+
 def run_verify(args: argparse.Namespace) -> int:
     """`distmerge verify`: under torchrun or alone."""
-    crit = Criteria(atol=args.atol, rtol=args.rtol, min_cosine=args.min_cosine)
+    # --dtype asks for the cast: values must equal the reference cast the same way (as merge --verify-against)
+    crit = Criteria(atol=args.atol, rtol=args.rtol, min_cosine=args.min_cosine, accept_cast=args.dtype != "keep")
     opts = VerifyOptions(merged=args.merged, reference=args.reference, criteria=crit, logits=args.logits,
-                         json=args.json, quiet=args.quiet)
+                         json=args.json, quiet=args.quiet, format=args.format, hf_config=args.hf_config,
+                         format_options=format_options(args), base_model=base_model_dir(args),
+                         settings=output_settings(args))
     with process_group(device=resolve_device(args.device), timeout_s=args.timeout) as comm:
         return verify_and_report(opts, comm)
