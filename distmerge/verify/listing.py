@@ -31,9 +31,8 @@ class VerifyOptions:
     config.json from `reference_hf_config` when it has none of its own): both are then merged in memory with the
     same `settings` and compared (verify/two_checkpoints.py). The fields from `format` on are engine.MergeOptions's
     and apply to a checkpoint only (given with a finished model they are an error): `format_options` are the
-    format's own
-    (Megatron's iteration, DeepSpeed's tag, torchtitan's step), `base_model` a second input root (a LoRA-only
-    save's base folder), `settings` --dtype, --lora, --budget and the rest.
+    format's own (Megatron's iteration, DeepSpeed's tag, torchtitan's step), `base_model` a second input root (a
+    LoRA-only save's base folder), `settings` --dtype, --lora, --budget and the rest.
     """
 
     merged: Path
