@@ -155,3 +155,17 @@ def test_two_processes_name_the_misinterleaved_layer(twin_ckpts, megatron_ckpts,
     lines = [line for line in run.stdout.splitlines() if line.startswith("verify:")]
     assert len(lines) == 1 and lines[0].startswith("verify: FAIL 3 of 21 tensors: "), run.stdout
     assert all(f"{name} (values differ" in lines[0] for name in QKV), lines[0]
+
+
+@pytest.mark.torchrun
+def test_an_error_on_rank_1_in_a_later_round_is_raised_by_every_rank(twin_ckpts, megatron_ckpts, tmp_path):
+    """Both sides' exchanges of the next round are in flight when rank 1 fails in round 2 (the engine's test hook):
+    every rank raises the same line and the job ends (the in-flight exchanges of both sides are drained)."""
+    logs = tmp_path / "logs"
+    args = pair_args(twin_ckpts["fsdp2_from_megatron_w2"], megatron_ckpts["megatron_tp2pp2"])
+    run = torchrun(2, "verify", *args, "--device", "cpu", "--budget", "16KiB", launcher=("--log-dir", str(logs)),
+                   env={"DISTMERGE_TEST_FAIL_AT": "1:2"})
+    assert run.returncode != 0
+    raised = {int(p.parent.name): json.loads(p.read_text())["message"] for p in logs.glob("*/attempt_0/*/error.json")}
+    line = "distmerge: error: test fault (DISTMERGE_TEST_FAIL_AT) on rank 1 in round 2"
+    assert raised == {0: line, 1: line}, raised
