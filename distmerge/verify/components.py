@@ -35,7 +35,7 @@ def comparison_plans(a: Plan, b: Plan, pairs: Iterable[tuple[str, str]], world: 
     owners = assign_owners(sizes, world)
     rounds = _rounds([sum(_source_bytes(a if s == 0 else b, i) for s, i in comp) for comp in comps], owners,
                      world, budget)
-    return tuple(_imposed(p, side, comps, owners, rounds) for side, p in enumerate((a, b)))  # type: ignore[return-value]
+    return _imposed(a, 0, comps, owners, rounds), _imposed(b, 1, comps, owners, rounds)
 
 
 def components(a: Plan, b: Plan, pairs: Iterable[tuple[str, str]]) -> list[list[tuple[int, int]]]:
