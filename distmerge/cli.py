@@ -137,13 +137,17 @@ and it equals the embedding on the other side.
 
 --merged may also be a training checkpoint, anything `merge` reads: it is then merged in memory, as
 `merge` with the same options would (--format, --dtype, --lora, --budget ...), and each tensor compared
-as it is assembled; nothing is written. A --dtype cast is accepted (values must equal the cast reference)."""
+as it is assembled; nothing is written. A --dtype cast is accepted (values must equal the cast reference).
+--reference may then be a checkpoint too (say a Megatron save of the model an FSDP --merged was trained as):
+both are merged in memory with the same --dtype, --lora and --budget, and compared, nothing written."""
 
 VERIFY_EPILOG = """examples:
   torchrun --nproc-per-node 8 -m distmerge verify --merged merged/ --reference hf_model/
   python -m distmerge verify --merged merged/ --reference full_state_dict.safetensors --json verify.json
   python -m distmerge verify --merged merged/ --reference hf_model/ --atol 1e-3 --min-cosine 0.9999 --logits
   torchrun --nproc-per-node 8 -m distmerge verify --merged ckpts/global_step_1000/actor --reference hf_model/
+  torchrun --nproc-per-node 8 -m distmerge verify --merged fsdp_ckpt/ --reference megatron_ckpt/ \\
+      --reference-hf-config hf_model/
 
 Each process checks the tensors of the merged files it owns (read one tensor at a time on both sides);
 rank 0 prints the worst tensors and one verdict line. Exit 0 only when every tensor passes.
@@ -161,7 +165,11 @@ def add_verify_parser(sub) -> None:
                              "training checkpoint to merge in memory (nothing written)")
     verify.add_argument("--reference", type=Path, required=True, metavar="PATH",
                         help="reference: a Hugging Face folder (safetensors or pytorch_model*.bin, sharded or "
-                             "not) or one .safetensors / .bin / .index.json file")
+                             "not) or one .safetensors / .bin / .index.json file; or, when --merged is a "
+                             "checkpoint, another checkpoint (format detected), merged in memory too")
+    verify.add_argument("--reference-hf-config", type=Path, metavar="DIR",
+                        help="when --reference is a checkpoint: folder with its config.json (default: its own, "
+                             "as --hf-config for --merged)")
     verify.add_argument("--atol", type=float, metavar="A", help="absolute tolerance (allclose per element)")
     verify.add_argument("--rtol", type=float, metavar="R", help="relative tolerance, times |reference|")
     verify.add_argument("--min-cosine", type=float, metavar="C", help="least cosine similarity per tensor")

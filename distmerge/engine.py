@@ -152,24 +152,46 @@ def _prepare(found: disc.Discovery, fragments, world: int, settings: OutputSetti
 def run_rounds(todo: Plan, comm: Comm, reader: Reader, sink: Sink, progress: Progress) -> None:
     """Collective: the rounds of `todo`, each unit's targets into `sink` on its owner. Exchange one round ahead:
     round k+1 travels (its readers pack it) while round k is assembled."""
-    exchanger = Exchanger(todo, comm, reader)
-    rounds = todo.rounds
-    pending = exchanger.start(rounds[0], 0) if rounds else None
-    ahead = None
+    run_in_lockstep((Work(todo=todo, reader=reader, sink=sink),), comm, progress)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Work:
+    """One input's rounds: its plan (owners and rounds), the reader of its files, where its targets go."""
+
+    todo: Plan
+    reader: Reader
+    sink: Sink
+
+
+def run_in_lockstep(works: tuple[Work, ...], comm: Comm, progress: Progress) -> None:
+    """Collective: round k of every work, in order, inside one gather (verify of two checkpoints: round k of one
+    side, then round k of the other, so that an owner holds both sides' targets of a round together). Each
+    work's exchange of round k+1 travels while round k is assembled; a work with fewer rounds idles."""
+    exchangers = [Exchanger(w.todo, comm, w.reader) for w in works]
+    depth = max((len(w.todo.rounds) for w in works), default=0)
+
+    def start(k: int) -> list[Pending]:
+        return [x.start(_round(w.todo, k), k % 2) for x, w in zip(exchangers, works, strict=True)]
+
+    pending, ahead = start(0) if depth else [], []
     try:
-        for k, units in enumerate(rounds):
-            ahead = exchanger.start(rounds[k + 1], (k + 1) % 2) if k + 1 < len(rounds) else None
-            done = comm.gather(lambda u=units, p=pending, k=k: _test_fault(k, comm.rank)
-                               or _build(todo, u, p, comm, reader, sink))
+        for k in range(depth):
+            ahead = start(k + 1) if k + 1 < depth else []
+            done = comm.gather(lambda p=pending, k=k: _test_fault(k, comm.rank) or sum(
+                _build(w.todo, _round(w.todo, k), pk, comm, w.reader, w.sink) for w, pk in zip(works, p, strict=True)))
             progress.advance(sum(done))
-            pending, ahead = ahead, None
+            pending, ahead = ahead, []
             time.sleep(ROUND_DELAY_S)
     except BaseException as err:
         if hasattr(err, "origin_rank"):  # every rank agreed on the error, so in-flight exchanges complete
-            for work in (pending, ahead):
-                if work is not None:
-                    work.drain()
+            for work in (*pending, *ahead):
+                work.drain()
         raise
+
+
+def _round(todo: Plan, k: int) -> tuple[int, ...]:
+    return todo.rounds[k] if k < len(todo.rounds) else ()
 
 
 def _test_fault(k: int, rank: int) -> None:

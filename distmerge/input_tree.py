@@ -225,9 +225,11 @@ def record(folder: Path | str, paths: Iterable[Path | str]) -> Walked | None:
 _ADOPTED: list[Walked] = []  # the record this process's reader opens by (ranks other than 0 have no tree)
 
 
-def adopt(walked: Walked | None) -> None:
-    """Open the scan's files by the walk's record from now on (None: forget it)."""
-    _ADOPTED.clear()
+def adopt(walked: Walked | None, *, also: bool = False) -> None:
+    """Open the scan's files by the walk's record from now on (None: forget every record). `also`: keep the
+    records adopted before (two inputs read in one run: verify of one checkpoint against another)."""
+    if not also:
+        _ADOPTED.clear()
     if walked is not None:
         _ADOPTED.append(walked)
 

@@ -26,7 +26,8 @@ BOUNCE = 1 << 20
 
 
 class Reader:
-    def __init__(self, scan: Scan, fmt: InputFormat) -> None:
+    def __init__(self, scan: Scan, fmt: InputFormat, *, second: bool = False) -> None:
+        """`second`: a second input read in the same run (verify of two checkpoints): the first's record stays."""
         self.scan = scan
         self.root = Path(scan.root)
         self.fmt = fmt
@@ -35,7 +36,7 @@ class Reader:
         self._fds: dict[int, int] = {}
         self.bytes_read = 0
         self._bounce = memoryview(bytearray(BOUNCE))
-        input_tree.adopt(scan.walked)  # files are opened by the walk's record, on every rank
+        input_tree.adopt(scan.walked, also=second)  # files are opened by the walk's record, on every rank
 
     def open(self, indices: list[int]) -> list[Fragment]:
         """Discover: open the assigned files, return their fragments (the rank's inventory)."""

@@ -88,6 +88,16 @@ def mla_ckpts(tmp_path_factory) -> dict[str, Path]:
     return built_once("mla", build_mla_fixtures, tmp_path_factory)
 
 
+@pytest.fixture(scope="session")
+def twin_ckpts(megatron_ckpts, tmp_path_factory) -> dict[str, Path]:
+    """FSDP2 and DCP saves of the weights megatron_tp2pp2 (and every Megatron llama case) was made from
+    (tests/fixtures/make_twins.py): one model saved under two strategies; references beside them."""
+    from tests.fixtures.make_twins import build_twin_fixtures
+
+    source = reference_dir(megatron_ckpts["megatron_tp2pp2"])
+    return built_once("twins", lambda root: build_twin_fixtures(root, source), tmp_path_factory)
+
+
 # The scripts each fixture family is made by: a change to any of them rebuilds that family's cached saves.
 FIXTURE_SOURCES = {
     "fsdp": ("build.py", "make_fsdp.py", "make_lora.py"),
@@ -99,6 +109,7 @@ FIXTURE_SOURCES = {
     "vl": ("make_vl.py", "make_fsdp.py"),
     "mla": ("build.py", "make_megatron_mla.py", "make_fsdp.py", "make_megatron.py", "megatron_models.py",
             "megatron_moe.py"),
+    "twins": ("make_twins.py", "build.py", "make_megatron.py", "megatron_models.py", "megatron_moe.py"),
     "critic": ("build.py", "make_critic.py", "make_fsdp.py", "make_megatron.py", "megatron_models.py",
                "megatron_moe.py"),
 }

@@ -64,6 +64,8 @@ class Compared:
     per_rank: list[int]  # tensors each rank compared
     format: str
     notes: tuple[str, ...]  # the merge's notes (scan and plan): what a merge would have said
+    reference_format: str | None = None  # the reference's format when it is a checkpoint too (two_checkpoints.py)
+    reference_notes: tuple[str, ...] = ()  # what the reference's merge would have said
 
 
 def merges_in_memory(opts: VerifyOptions) -> bool:
@@ -84,7 +86,7 @@ def merges_in_memory(opts: VerifyOptions) -> bool:
 
 
 def _merge_options_given(opts: VerifyOptions) -> list[str]:
-    default = VerifyOptions(merged=opts.merged, reference=opts.reference)
+    default = VerifyOptions(merged=opts.merged, reference=opts.reference, reference_hf_config=opts.reference_hf_config)
     given = [flag for name, flag in MERGE_FLAGS.items() if getattr(opts, name) != getattr(default, name)]
     return given + [flag for f in fields(OutputSettings) if (flag := SETTING_FLAGS.get(f.name))
                     and getattr(opts.settings, f.name) != getattr(default.settings, f.name)]

@@ -27,10 +27,12 @@ class VerifyOptions:
     model.safetensors, or one weights file), compared as it is, or any checkpoint `merge` reads (FSDP rank files,
     DCP, Megatron, DeepSpeed, torchtitan, LoRA runs): that one is merged in memory, as `merge` with the options
     below would, and each tensor compared with the reference; nothing is written (verify/checkpoint.py).
-    `reference`: a Hugging Face folder or file. The fields from `format` on are engine.MergeOptions's and apply
-    to a checkpoint only (given with a finished model they are an error): `format_options` are the format's own
-    (Megatron's iteration, DeepSpeed's tag, torchtitan's step), `base_model` a second input root (a LoRA-only
-    save's base folder), `settings` --dtype, --lora, --budget and the rest.
+    `reference`: a Hugging Face folder or file, or, when `merged` is a checkpoint, a checkpoint too (detected; its
+    config.json from `reference_hf_config` when it has none of its own): both are then merged in memory with the
+    same `settings` and compared (verify/two_checkpoints.py). The fields from `format` on are engine.MergeOptions's
+    and apply to a checkpoint only (given with a finished model they are an error): `format_options` are the
+    format's own (Megatron's iteration, DeepSpeed's tag, torchtitan's step), `base_model` a second input root (a
+    LoRA-only save's base folder), `settings` --dtype, --lora, --budget and the rest.
     """
 
     merged: Path
@@ -44,9 +46,11 @@ class VerifyOptions:
     format_options: dict[str, Any] = field(default_factory=dict)
     base_model: Path | None = None
     settings: OutputSettings = field(default_factory=OutputSettings)
+    reference_hf_config: Path | None = None  # the config of a reference that is a checkpoint too
 
     def __post_init__(self) -> None:
-        for name in ("merged", "reference", "json", "hf_config", "base_model"):  # a caller's str works too
+        # a caller's str works too
+        for name in ("merged", "reference", "json", "hf_config", "base_model", "reference_hf_config"):
             if isinstance(getattr(self, name), str):
                 object.__setattr__(self, name, Path(getattr(self, name)))
 

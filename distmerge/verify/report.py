@@ -215,12 +215,16 @@ def _escape(text: str) -> str:
 
 
 def print_report(checks: list[Check], logits: LogitsCheck | None, *, quiet: bool, merged_from: str | None = None,
-                 notes: tuple[str, ...] = ()) -> None:
-    """`merged_from`: the checkpoint's format when it was merged in memory, `notes` what that merge said."""
+                 notes: tuple[str, ...] = (), reference_from: str | None = None,
+                 reference_notes: tuple[str, ...] = ()) -> None:
+    """`merged_from`: the checkpoint's format when it was merged in memory, `notes` what that merge said;
+    `reference_from`, `reference_notes`: the same of the reference when it was a checkpoint too."""
     console = Console(width=max(120, Console().width))
     if merged_from and not quiet:
-        console.print(f"{merged_from} checkpoint merged in memory, nothing written"
-                      + ("; merge's notes:" if notes else ""), markup=False, soft_wrap=True)
+        what = f"{merged_from} checkpoint" + (f" and {reference_from} reference checkpoint" if reference_from else "")
+        notes = (*notes, *(f"reference: {n}" for n in reference_notes))
+        console.print(f"{what} merged in memory, nothing written" + ("; merge's notes:" if notes else ""),
+                      markup=False, soft_wrap=True)
         for note in notes:
             console.print(f"note: {note}", markup=False, soft_wrap=True)
     rows = worst(checks)

@@ -34,6 +34,7 @@ from distmerge.verify.checkpoint import merges_in_memory, verify_checkpoint
 from distmerge.verify.compare import check_mine
 from distmerge.verify.listing import VerifyOptions, make_listing
 from distmerge.verify.report import Check, Criteria, LogitsCheck, print_report, report_json, write_json
+from distmerge.verify.two_checkpoints import reference_in_memory, verify_two_checkpoints
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,6 +48,8 @@ class VerifyResult:
     peak_rss: tuple[int, ...] = ()  # bytes, per rank, at the end
     format: str | None = None  # the checkpoint's format when `merged` was one, merged in memory
     notes: tuple[str, ...] = ()  # what its merge said (a tied head's copy checked, tensors left out)
+    reference_format: str | None = None  # the reference's format when it was a checkpoint too
+    reference_notes: tuple[str, ...] = ()
 
     @property
     def passed(self) -> bool:
@@ -60,12 +63,14 @@ def verify(opts: VerifyOptions, comm: Comm) -> VerifyResult:
     reads): merged in memory with the merge options in `opts` (format, hf_config, format_options, base_model,
     settings) and compared, nothing written (verify/checkpoint.py). The records are the same either way."""
     start = time.perf_counter()
-    if comm.root_only(lambda: merges_in_memory(opts)):
-        got = verify_checkpoint(opts, comm)
+    merged_ckpt, reference_ckpt = comm.root_only(lambda: _kinds(opts))
+    if merged_ckpt:
+        got = verify_two_checkpoints(opts, comm) if reference_ckpt else verify_checkpoint(opts, comm)
         return VerifyResult(checks=sorted(got.checks, key=lambda c: natural_key(c.name)), logits=None,
                             processes=comm.world, per_rank=got.per_rank, device=str(comm.device),
                             seconds=time.perf_counter() - start, peak_rss=_peak_rss(comm), format=got.format,
-                            notes=got.notes)
+                            notes=got.notes, reference_format=got.reference_format,
+                            reference_notes=got.reference_notes)
     listing = comm.root_only(lambda: make_listing(opts))
     per_rank = comm.gather(lambda: check_mine(listing, opts.criteria, comm))
     checks = sorted([*listing.settled, *(c for mine in per_rank for c in mine)],
@@ -77,6 +82,12 @@ def verify(opts: VerifyOptions, comm: Comm) -> VerifyResult:
         logits = comm.root_only(lambda: compare_logits(listing, opts, comm.device))
     return VerifyResult(checks=checks, logits=logits, processes=comm.world, per_rank=[len(c) for c in per_rank],
                         device=str(comm.device), seconds=time.perf_counter() - start, peak_rss=_peak_rss(comm))
+
+
+def _kinds(opts: VerifyOptions) -> tuple[bool, bool]:
+    """Rank 0: is each side a checkpoint (merged in memory)?"""
+    merged = merges_in_memory(opts)
+    return merged, reference_in_memory(opts, merged)
 
 
 def _peak_rss(comm: Comm) -> tuple[int, ...]:
@@ -94,7 +105,8 @@ def verify_and_report(opts: VerifyOptions, comm: Comm) -> int:
     result = verify(opts, comm)
 
     def report() -> None:
-        print_report(result.checks, result.logits, quiet=opts.quiet, merged_from=result.format, notes=result.notes)
+        print_report(result.checks, result.logits, quiet=opts.quiet, merged_from=result.format, notes=result.notes,
+                     reference_from=result.reference_format, reference_notes=result.reference_notes)
         if opts.json is not None:
             write_json(opts.json, report_json(merged=str(opts.merged), reference=str(opts.reference),
                                               crit=opts.criteria, checks=result.checks, logits=result.logits,
@@ -110,6 +122,8 @@ def _run_record(result: VerifyResult) -> dict:
            "seconds": round(result.seconds, 3), "peak_rss_per_rank": list(result.peak_rss)}
     if result.format is not None:  # merged in memory: from which format, and what its merge said
         run["checkpoint"] = {"format": result.format, "notes": list(result.notes)}
+    if result.reference_format is not None:
+        run["reference_checkpoint"] = {"format": result.reference_format, "notes": list(result.reference_notes)}
     return run
 
 
@@ -120,6 +134,6 @@ def run_verify(args: argparse.Namespace) -> int:
     opts = VerifyOptions(merged=args.merged, reference=args.reference, criteria=crit, logits=args.logits,
                          json=args.json, quiet=args.quiet, format=args.format, hf_config=args.hf_config,
                          format_options=format_options(args), base_model=base_model_dir(args),
-                         settings=output_settings(args))
+                         settings=output_settings(args), reference_hf_config=args.reference_hf_config)
     with process_group(device=resolve_device(args.device), timeout_s=args.timeout) as comm:
         return verify_and_report(opts, comm)

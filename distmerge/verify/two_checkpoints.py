@@ -1,0 +1,148 @@
+"""`verify --merged CHECKPOINT --reference CHECKPOINT`: two training checkpoints of one model (say an FSDP save
+and a Megatron save, trained under two strategies) merged in memory side by side and compared, nothing written.
+
+Every rank makes the same calls in this order (run.py decides, on rank 0, that both sides are checkpoints):
+
+    phase     who works                                                     collective
+    discover  rank 0: each side's format, files and config, as merge        broadcast, twice (comm.root_only)
+              (--merged with the input options, --reference detected, its
+              config from --reference-hf-config or its own)
+    plan      every rank, each side as merge would (engine.plan_checkpoint) all_gathers, as merge's, per side
+              with the same --dtype, --lora, --budget: both plans' targets
+              carry Hugging Face names
+    pair      rank 0: both plans' targets paired as verify pairs two         broadcast (comm.root_only)
+              folders (listing.pair_sides: hub names, tied heads; missing,
+              extra and shape settled from the plans)
+    group     every rank: units joined by the pairs into components, one    all_gather of status (comm.agree)
+              owner and round each (components.py), imposed on both plans
+    rounds    both plans' rounds in lockstep (engine.run_in_lockstep):       per round: two all_to_all_single,
+              round k of --merged, held by its owner (HoldSink), then        one all_gather
+              round k of --reference, each target compared with the held
+              ones of the same names (PairedSink); both dropped at the
+              round's end
+    collect   every rank's records                                          all_gather (comm.gather)
+
+Memory per rank: the two rounds in flight of each side, bounded by --budget together (a component's source bytes
+count both sides), plus the held targets of one round.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from distmerge import discover as disc
+from distmerge.comm import Comm
+from distmerge.engine import Work, plan_checkpoint, run_in_lockstep
+from distmerge.errors import InputError
+from distmerge.formats import registry
+from distmerge.plan import Plan
+from distmerge.reader import Reader
+from distmerge.report import Progress
+from distmerge.verify.checkpoint import Compared, planned_side
+from distmerge.verify.compare import compare_tensors
+from distmerge.verify.components import comparison_plans
+from distmerge.verify.listing import Listing, VerifyOptions, pair_sides
+from distmerge.verify.report import Check, Criteria
+
+
+def reference_in_memory(opts: VerifyOptions, merged_is_checkpoint: bool) -> bool:
+    """Rank 0: is `reference` a training checkpoint (a folder a format detects)? Refuses the combinations that
+    cannot run: a checkpoint against a finished model's side, --reference-hf-config for a Hugging Face reference."""
+    path = Path(opts.reference)
+    checkpoint = path.is_dir() and any(f.detect(path) for f in registry.all_formats())
+    if checkpoint and not merged_is_checkpoint:
+        raise InputError(f"--reference {path} is a training checkpoint and --merged {opts.merged} a merged model: "
+                         "compare two checkpoints, or a model with a Hugging Face reference (swap them: --merged "
+                         "takes a checkpoint)")
+    if not checkpoint and opts.reference_hf_config is not None:
+        raise InputError(f"--reference-hf-config: {path} is not a training checkpoint (a Hugging Face reference "
+                         "brings its own names); leave the option out")
+    return checkpoint
+
+
+def verify_two_checkpoints(opts: VerifyOptions, comm: Comm) -> Compared:
+    """Collective (see the module docstring): every rank calls it and gets the same records."""
+    found_a = comm.root_only(lambda: disc.discover(disc.check_input(opts.merged), opts.format, opts.hf_config,
+                                                   opts.format_options, opts.base_model))
+    found_b = comm.root_only(lambda: disc.discover(disc.check_input(opts.reference), "auto", opts.reference_hf_config,
+                                                   {}))
+    reader_a = Reader(found_a.scan, registry.get(found_a.scan.format))
+    reader_b = Reader(found_b.scan, registry.get(found_b.scan.format), second=True)
+    try:
+        plan_a = plan_checkpoint(found_a, reader_a, comm, opts.settings, host=lambda: "")
+        plan_b = plan_checkpoint(found_b, reader_b, comm, opts.settings, host=lambda: "")
+        listing = comm.root_only(lambda: _pair(plan_a, plan_b, {**found_a.config, **plan_a.config_updates}, opts))
+        pairs = [(p.merged_name, p.reference_name) for p in listing.pairs]
+        todo_a, todo_b = comm.agree(lambda: comparison_plans(plan_a, plan_b, pairs, comm.world,
+                                                             opts.settings.budget_bytes))
+        held = HoldSink()
+        sink = PairedSink(listing, opts.criteria, comm.device, held)
+        run_in_lockstep((Work(todo=todo_a, reader=reader_a, sink=held), Work(todo=todo_b, reader=reader_b, sink=sink)),
+                        comm, Progress(enabled=False))
+        per_rank = comm.gather(lambda: sink.checks)
+    finally:
+        reader_b.close()
+        reader_a.close()
+    return Compared(checks=[*listing.settled, *(c for mine in per_rank for c in mine)],
+                    per_rank=[len(c) for c in per_rank], format=found_a.scan.format,
+                    notes=(*found_a.scan.notes, *plan_a.notes), reference_format=found_b.scan.format,
+                    reference_notes=(*found_b.scan.notes, *plan_b.notes))
+
+
+def _pair(plan_a: Plan, plan_b: Plan, config: dict, opts: VerifyOptions) -> Listing:
+    """Rank 0: both sides as their plans describe them (the files merge would write), paired by name."""
+    for plan, path in ((plan_a, opts.merged), (plan_b, opts.reference)):
+        if not plan.model_files:
+            raise InputError(f"{path} holds a LoRA adapter only: verify compares model weights; compare a save "
+                             "that holds the model (or merge it with --base-model first)")
+    return pair_sides(planned_side(plan_a, Path(opts.merged)), planned_side(plan_b, Path(opts.reference)), config)
+
+
+class HoldSink:
+    """The --merged side's sink (sink.Sink): each target its owner builds is kept until the reference's targets of
+    the same round arrive (PairedSink drops them at the round's end)."""
+
+    takes_bytes = False  # every target is built as a tensor (assemble.TargetOut)
+
+    def __init__(self) -> None:
+        self.held: dict[str, torch.Tensor] = {}
+
+    def output(self, unit: int) -> HoldSink:
+        return self
+
+    def round_done(self) -> None:
+        """Nothing yet: the reference's half of the round follows."""
+
+    def write(self, name: str, tensor: torch.Tensor) -> int:
+        self.held[name] = tensor
+        return tensor.numel() * tensor.element_size()
+
+
+class PairedSink:
+    """The --reference side's sink: each target built is compared with the held merged targets paired with it
+    (two when one side ties its head to the embedding), then dropped; the held ones at the round's end."""
+
+    takes_bytes = False
+
+    def __init__(self, listing: Listing, crit: Criteria, device: torch.device, held: HoldSink) -> None:
+        self.side, self.crit, self.device, self.held = listing.merged, crit, device, held
+        self.pairs = defaultdict(list)
+        for pair in listing.pairs:
+            self.pairs[pair.reference_name].append(pair)
+        self.checks: list[Check] = []
+
+    def output(self, unit: int) -> PairedSink:
+        return self
+
+    def round_done(self) -> None:
+        self.held.held.clear()
+
+    def write(self, name: str, tensor: torch.Tensor) -> int:
+        for pair in self.pairs.get(name, ()):
+            file = self.side.files[self.side.tensors[pair.merged_name].file]
+            merged = self.held.held[pair.merged_name]
+            self.checks.append(compare_tensors(pair, merged, tensor, file, self.crit, self.device))
+        return tensor.numel() * tensor.element_size()
