@@ -1,5 +1,5 @@
 """`verify --plot PATH` (rank 0, after the comparison): a PNG of how far each layer's tensors are from the
-reference, one series per kind (totals.KINDS), layer numbers from the names (model.layers.N...) on the x axis.
+reference, one series per kind (totals.py's KINDS), layer numbers from the names (model.layers.N...) on the x axis.
 
     top     max rel diff: max over the elements of |merged - ref| / |ref| (where ref != 0), the worst tensor of
             that kind in that layer: the --rtol that layer would need
@@ -19,15 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from distmerge.errors import DistmergeError
-from distmerge.verify import totals as tot
 from distmerge.verify.report import Check, Criteria
+from distmerge.verify.totals import KIND_NAMES, OTHER, kind_of, layer_of, percent, totals
 
 FLOOR = 1e-10
 SIZE = (10.0, 6.4)  # inches, at DPI: a 1000 x 640 PNG
 DPI = 100
 DODGE = 0.06  # kinds side by side around each x, so that equal points (a clean merge: all on the floor) all show
 COLORS = {"attention": "tab:blue", "MLP": "tab:orange", "norms": "tab:green", "embeddings/head": "tab:red",
-          tot.OTHER: "tab:gray"}
+          OTHER: "tab:gray"}
 AT_START = r"embed|(^|\.)(wte|wpe)\."  # a tensor without a layer number drawn left of layer 0; the rest right
 
 
@@ -54,13 +54,13 @@ class Point:
 def points(checks: list[Check]) -> tuple[list[Point], int]:
     """The worst figures per (position, kind), and the position of "final" (one past the last layer)."""
     compared = [c for c in checks if c.figures is not None]
-    layers = [n for n in map(tot.layer_of, (c.name for c in compared)) if n is not None]
+    layers = [n for n in map(layer_of, (c.name for c in compared)) if n is not None]
     final = max(layers, default=-1) + 1
     worst: dict[tuple[int, str], Point] = {}
     for c in compared:
-        layer = tot.layer_of(c.name)
+        layer = layer_of(c.name)
         x = layer if layer is not None else (-1 if re.search(AT_START, c.name) else final)
-        kind = tot.kind_of(c.name)
+        kind = kind_of(c.name)
         new = Point(x=x, kind=kind, max_rel=c.figures.max_rel, gap=1.0 - c.figures.cosine)
         old = worst.get((x, kind))
         worst[(x, kind)] = new if old is None else Point(x=x, kind=kind, max_rel=_worse(old.max_rel, new.max_rel),
@@ -90,10 +90,10 @@ def write_plot(path: Path, checks: list[Check], crit: Criteria, *, title: str) -
                        label=f"--min-cosine {crit.min_cosine:g}")
         bottom.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     _x_axis(bottom, final)
-    t = tot.totals(checks, crit)
+    t = totals(checks, crit)
     least = "-" if t.least is None else f"{t.least.cosine:.6f}"
-    fig.suptitle(f"{title}\n{t.compared} tensors compared; names: {tot.percent(t.coverage.reference_in_merged)} "
-                 f"of the reference's in merged, {tot.percent(t.coverage.merged_in_reference)} of merged's in the "
+    fig.suptitle(f"{title}\n{t.compared} tensors compared; names: {percent(t.coverage.reference_in_merged)} "
+                 f"of the reference's in merged, {percent(t.coverage.merged_in_reference)} of merged's in the "
                  f"reference; least cosine {least}", fontsize=10)
     top.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     try:
@@ -106,7 +106,7 @@ def write_plot(path: Path, checks: list[Check], crit: Criteria, *, title: str) -
 def _panel(ax, pts: list[Point], final: int, field: str, label: str) -> None:
     """One series per kind: a line through the layers, the ends ("embed", "final") as dots of its colour."""
     top = max([getattr(p, field) for p in pts if math.isfinite(getattr(p, field))] + [FLOOR * 10]) * 10
-    kinds = (*tot.KIND_NAMES, tot.OTHER)
+    kinds = (*KIND_NAMES, OTHER)
     for i, kind in enumerate(kinds):
         shift = (i - (len(kinds) - 1) / 2) * DODGE
         mine = [(p.x + shift, getattr(p, field)) for p in pts if p.kind == kind]

@@ -12,8 +12,6 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
-from distmerge.verify import totals
-
 TABLE_ROWS = 15
 VERDICT_NAMES = 10  # failing tensors named in the verdict line; the rest are listed above it
 CAST_HINT = ("hint: to accept a dtype change, give a tolerance (--atol 0 compares exactly after casting the "
@@ -217,9 +215,9 @@ def _escape(text: str) -> str:
 
 
 def print_report(checks: list[Check], logits: LogitsCheck | None, *, quiet: bool, merged_from: str | None = None,
-                 notes: tuple[str, ...] = (), crit: Criteria | None = None) -> None:
-    """`merged_from`: the checkpoint's format when it was merged in memory, `notes` what that merge said; `crit`
-    given: the totals' lines (names both ways, least cosine) above the verdict."""
+                 notes: tuple[str, ...] = (), totals: tuple[str, ...] = ()) -> None:
+    """`merged_from`: the checkpoint's format when it was merged in memory, `notes` what that merge said; `totals`:
+    the summary lines printed above the verdict (totals.py: names both ways, least cosine)."""
     console = Console(width=max(120, Console().width))
     if merged_from and not quiet:
         console.print(f"{merged_from} checkpoint merged in memory, nothing written"
@@ -244,17 +242,16 @@ def print_report(checks: list[Check], logits: LogitsCheck | None, *, quiet: bool
             console.print(f"fail: {c.name}: {c.reason}", markup=False, soft_wrap=True)
     if any(c.outcome == "dtype" for c in failed):
         console.print(CAST_HINT, markup=False, soft_wrap=True)
-    if crit is not None and not quiet:
-        for line in totals.lines(totals.totals(checks, crit)):
-            console.print(line, markup=False, soft_wrap=True)
+    for line in () if quiet else totals:
+        console.print(line, markup=False, soft_wrap=True)
     console.print(verdict(checks, logits), markup=False, soft_wrap=True)
 
 
 # -- JSON ----------------------------------------------------------------------------------------------
 def report_json(*, merged: str, reference: str, crit: Criteria, checks: list[Check], logits: LogitsCheck | None,
-                run: dict) -> str:
-    """Every tensor's figures. `run` (processes, device, seconds) is the only part that depends on how
-    verify was launched."""
+                run: dict, totals: dict | None = None) -> str:
+    """Every tensor's figures, and `totals` (totals.py's totals_json) when given. `run` (processes, device,
+    seconds) is the only part that depends on how verify was launched."""
     data = {
         "verdict": "PASS" if all(c.passed for c in checks) and (logits is None or logits.passed) else "FAIL",
         "summary": verdict(checks, logits),
@@ -262,7 +259,7 @@ def report_json(*, merged: str, reference: str, crit: Criteria, checks: list[Che
         "reference": reference,
         "criteria": asdict(crit),
         "counts": tally(checks),
-        "totals": totals.as_json(totals.totals(checks, crit)),
+        **({"totals": totals} if totals is not None else {}),
         "tensors": [asdict(c) for c in checks],
         "logits": asdict(logits) if logits else None,
         "run": run,

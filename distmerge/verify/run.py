@@ -36,6 +36,7 @@ from distmerge.verify.checkpoint import merges_in_memory, verify_checkpoint
 from distmerge.verify.compare import check_mine
 from distmerge.verify.listing import VerifyOptions, make_listing
 from distmerge.verify.report import Check, Criteria, LogitsCheck, print_report, report_json, write_json
+from distmerge.verify.totals import totals, totals_json, totals_lines
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,12 +102,13 @@ def verify_and_report(opts: VerifyOptions, comm: Comm, *, plot: Path | None = No
     result = verify(opts, comm)
 
     def report() -> None:
+        summary = totals(result.checks, opts.criteria)
         print_report(result.checks, result.logits, quiet=opts.quiet, merged_from=result.format, notes=result.notes,
-                     crit=opts.criteria)
+                     totals=tuple(totals_lines(summary)))
         if opts.json is not None:
             write_json(opts.json, report_json(merged=str(opts.merged), reference=str(opts.reference),
                                               crit=opts.criteria, checks=result.checks, logits=result.logits,
-                                              run=_run_record(result)))
+                                              run=_run_record(result), totals=totals_json(summary)))
         if plot is not None:
             write_plot(plot, result.checks, opts.criteria, title=f"distmerge verify: {opts.merged.name or opts.merged}"
                        f" vs {opts.reference.name or opts.reference}")

@@ -9,10 +9,8 @@ import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # report.py imports this module
-    from distmerge.verify.report import Check, Criteria
+from distmerge.verify.report import Check, Criteria
 
 # verl's merger guide: "more than 99% of names matched" (both ways, here).
 COVERAGE_CRITERION = 0.99
@@ -123,7 +121,7 @@ def percent(share: float) -> str:
     return ">99.99%" if share < 1 and text == "100.00%" else text
 
 
-def lines(t: Totals) -> list[str]:
+def totals_lines(t: Totals) -> list[str]:
     """The summary lines of the printed report (above the verdict line)."""
     cov = t.coverage
     names = (f"names: {cov.matched} of {cov.reference_names} reference names in merged "
@@ -140,7 +138,7 @@ def lines(t: Totals) -> list[str]:
     return [names, cosine]
 
 
-def as_json(t: Totals) -> dict:
+def totals_json(t: Totals) -> dict:
     cov = t.coverage
     return {
         "tensors_compared": t.compared,
