@@ -145,12 +145,14 @@ VERIFY_EPILOG = """examples:
   torchrun --nproc-per-node 8 -m distmerge verify --merged merged/ --reference hf_model/
   python -m distmerge verify --merged merged/ --reference full_state_dict.safetensors --json verify.json
   python -m distmerge verify --merged merged/ --reference hf_model/ --atol 1e-3 --min-cosine 0.9999 --logits
+  python -m distmerge verify --merged merged/ --reference hf_model/ --plot verify.png
   torchrun --nproc-per-node 8 -m distmerge verify --merged ckpts/global_step_1000/actor --reference hf_model/
   torchrun --nproc-per-node 8 -m distmerge verify --merged fsdp_ckpt/ --reference megatron_ckpt/ \\
       --reference-hf-config hf_model/
 
 Each process checks the tensors of the merged files it owns (read one tensor at a time on both sides);
-rank 0 prints the worst tensors and one verdict line. Exit 0 only when every tensor passes.
+rank 0 prints the worst tensors, the totals (names matched both ways, least cosine per kind of layer) and one
+verdict line. Exit 0 only when every tensor passes.
 """
 
 
@@ -176,6 +178,9 @@ def add_verify_parser(sub) -> None:
     verify.add_argument("--logits", action="store_true",
                         help="also run both models (transformers, rank 0) on fixed token ids; compare logits")
     verify.add_argument("--json", type=Path, metavar="PATH", help="write every tensor's figures as JSON")
+    verify.add_argument("--plot", type=Path, metavar="PATH",
+                        help="write a PNG of max rel diff and cosine by layer and kind (attention, MLP, norms, "
+                             "embeddings/head); needs matplotlib: pip install 'distmerge[plot]'")
     add_input_options(verify, with_input=False, title="when --merged is a checkpoint: how to read it")
     add_output_options(verify, with_folder=False, title="when --merged is a checkpoint: the merge to check")
     add_budget_option(add_run_options(verify))

@@ -5,6 +5,8 @@
     compare.py  each rank computes the figures of the merged files it owns
     logits.py   --logits: both models run in one process (the only import of transformers)
     report.py   the table, the verdict line, the JSON
+    totals.py   the totals: names matched both ways, least cosine per kind of layer (the KINDS table)
+    plot.py     --plot: a PNG of the figures by layer and kind (the only import of matplotlib)
     run.py      the phases and the command
 """
 

@@ -216,9 +216,10 @@ def _escape(text: str) -> str:
 
 def print_report(checks: list[Check], logits: LogitsCheck | None, *, quiet: bool, merged_from: str | None = None,
                  notes: tuple[str, ...] = (), reference_from: str | None = None,
-                 reference_notes: tuple[str, ...] = ()) -> None:
+                 reference_notes: tuple[str, ...] = (), totals: tuple[str, ...] = ()) -> None:
     """`merged_from`: the checkpoint's format when it was merged in memory, `notes` what that merge said;
-    `reference_from`, `reference_notes`: the same of the reference when it was a checkpoint too."""
+    `reference_from`, `reference_notes`: the same of the reference when it was a checkpoint too; `totals`: the
+    summary lines printed above the verdict (totals.py: names both ways, least cosine)."""
     console = Console(width=max(120, Console().width))
     if merged_from and not quiet:
         what = f"{merged_from} checkpoint" + (f" and {reference_from} reference checkpoint" if reference_from else "")
@@ -245,14 +246,16 @@ def print_report(checks: list[Check], logits: LogitsCheck | None, *, quiet: bool
             console.print(f"fail: {c.name}: {c.reason}", markup=False, soft_wrap=True)
     if any(c.outcome == "dtype" for c in failed):
         console.print(CAST_HINT, markup=False, soft_wrap=True)
+    for line in () if quiet else totals:
+        console.print(line, markup=False, soft_wrap=True)
     console.print(verdict(checks, logits), markup=False, soft_wrap=True)
 
 
 # -- JSON ----------------------------------------------------------------------------------------------
 def report_json(*, merged: str, reference: str, crit: Criteria, checks: list[Check], logits: LogitsCheck | None,
-                run: dict) -> str:
-    """Every tensor's figures. `run` (processes, device, seconds) is the only part that depends on how
-    verify was launched."""
+                run: dict, totals: dict | None = None) -> str:
+    """Every tensor's figures, and `totals` (totals.py's totals_json) when given. `run` (processes, device,
+    seconds) is the only part that depends on how verify was launched."""
     data = {
         "verdict": "PASS" if all(c.passed for c in checks) and (logits is None or logits.passed) else "FAIL",
         "summary": verdict(checks, logits),
@@ -260,6 +263,7 @@ def report_json(*, merged: str, reference: str, crit: Criteria, checks: list[Che
         "reference": reference,
         "criteria": asdict(crit),
         "counts": tally(checks),
+        **({"totals": totals} if totals is not None else {}),
         "tensors": [asdict(c) for c in checks],
         "logits": asdict(logits) if logits else None,
         "run": run,

@@ -13,7 +13,8 @@ Every rank makes the same calls in this order (with one process the collectives 
              computes figures on comm.device; sends small records
     logits   --logits only: rank 0 loads both models with transformers  broadcast   (comm.root_only)
     memory   each rank's peak RSS                                       all_gather  (comm.gather)
-    report   rank 0 prints the table and the verdict, writes --json     broadcast   (comm.root_only)
+    report   rank 0 prints the table, the totals and the verdict,       broadcast   (comm.root_only)
+             writes --json and --plot
 
 Neither side is ever loaded whole by one process: safetensors files are opened with `safe_open` and
 read one tensor at a time, pytorch_model*.bin with `torch.load(mmap=True, weights_only=True)`.
@@ -26,6 +27,7 @@ import resource
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from distmerge.cli_options import base_model_dir, format_options, output_settings
 from distmerge.comm import Comm, process_group, resolve_device
@@ -34,6 +36,7 @@ from distmerge.verify.checkpoint import merges_in_memory, verify_checkpoint
 from distmerge.verify.compare import check_mine
 from distmerge.verify.listing import VerifyOptions, make_listing
 from distmerge.verify.report import Check, Criteria, LogitsCheck, print_report, report_json, write_json
+from distmerge.verify.totals import totals, totals_json, totals_lines
 from distmerge.verify.two_checkpoints import reference_in_memory, verify_two_checkpoints
 
 
@@ -95,22 +98,32 @@ def _peak_rss(comm: Comm) -> tuple[int, ...]:
     return tuple(comm.gather(lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
 
 
-def verify_and_report(opts: VerifyOptions, comm: Comm) -> int:
+def verify_and_report(opts: VerifyOptions, comm: Comm, *, plot: Path | None = None) -> int:
     """Collective: verify, then rank 0 prints and writes the report. Returns the exit status (same on all).
 
     The entry point for other commands and programs (e.g. a verl-style `test` command): build VerifyOptions
     (listing.py: `merged` a finished model or any checkpoint `merge` reads, `reference` a Hugging Face folder or
     file, plus the merge options a checkpoint needs) and call it inside comm.process_group. Exit status 0 when
-    every tensor passes, else 1; errors are raised as DistmergeError on every rank."""
+    every tensor passes, else 1; errors are raised as DistmergeError on every rank. `plot`: a PNG of the
+    figures by layer and kind (verify/plot.py; matplotlib, checked for before the comparison)."""
+    if plot is not None:
+        from distmerge.verify.plot import require_matplotlib, write_plot
+
+        comm.root_only(require_matplotlib)
     result = verify(opts, comm)
 
     def report() -> None:
+        summary = totals(result.checks, opts.criteria)
         print_report(result.checks, result.logits, quiet=opts.quiet, merged_from=result.format, notes=result.notes,
-                     reference_from=result.reference_format, reference_notes=result.reference_notes)
+                     reference_from=result.reference_format, reference_notes=result.reference_notes,
+                     totals=tuple(totals_lines(summary)))
         if opts.json is not None:
             write_json(opts.json, report_json(merged=str(opts.merged), reference=str(opts.reference),
                                               crit=opts.criteria, checks=result.checks, logits=result.logits,
-                                              run=_run_record(result)))
+                                              run=_run_record(result), totals=totals_json(summary)))
+        if plot is not None:
+            write_plot(plot, result.checks, opts.criteria, title=f"distmerge verify: {opts.merged.name or opts.merged}"
+                       f" vs {opts.reference.name or opts.reference}")
         sys.stdout.flush()  # before the other ranks go on: torchrun stops rank 0 when another rank exits 1
 
     comm.root_only(report)
@@ -136,4 +149,4 @@ def run_verify(args: argparse.Namespace) -> int:
                          format_options=format_options(args), base_model=base_model_dir(args),
                          settings=output_settings(args), reference_hf_config=args.reference_hf_config)
     with process_group(device=resolve_device(args.device), timeout_s=args.timeout) as comm:
-        return verify_and_report(opts, comm)
+        return verify_and_report(opts, comm, plot=args.plot)
