@@ -219,4 +219,4 @@ def run_test(args: argparse.Namespace) -> int:
     with process_group(device=resolve_device(args.device), timeout_s=args.timeout) as comm:
         if verl.claims:
             comm.root_only(lambda: expect.check_checkpoint(verl.claims, args.merged, fmt, verl.hf_config, {}))
-        return verify_and_report(opts, comm)
+        return verify_and_report(opts, comm, plot=args.plot)
