@@ -60,8 +60,8 @@ def let_rank_0_speak() -> None:
     if _rank() == 0:
         time.sleep(RANK_0_ERROR_DELAY_S)
         return
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        return
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return  # alone, or under a launcher other than torchrun (which one stops the job is its own rule)
     with contextlib.suppress(KeyboardInterrupt):  # torchrun's SIGTERM, once rank 0 has exited (_interrupt_on_sigterm)
         time.sleep(SILENT_RANK_WAIT_S)
 
