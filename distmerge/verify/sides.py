@@ -8,13 +8,14 @@ allow-list, no torch.load), their tensors views of one mapping of the file.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from distmerge import dtypes
+from distmerge import dtypes, input_tree
 from distmerge.errors import CorruptInputError, InputError
 from distmerge.formats.safetensors_header import read_header
 from distmerge.formats.torch_private import torch_save
@@ -136,7 +137,9 @@ def load_torch(path: Path) -> dict[str, torch.Tensor]:
 
 
 class TensorFiles:
-    """Reads one side's tensors by name, keeping each file open (memory-mapped) once it is used."""
+    """Reads one side's tensors by name, one at a time. safetensors tensors are read with `pread` into memory the
+    caller frees when it drops the tensor: a mapping (safe_open) kept every page it had touched resident, so a
+    process that compared a whole model held the whole model (1.9 GB of RSS for the 0.78 GB bench model)."""
 
     def __init__(self, side: Side) -> None:
         self.side = side
@@ -147,14 +150,30 @@ class TensorFiles:
         if loc.file not in self._open:
             path = Path(self.side.files[loc.file])
             if self.side.kind == "safetensors":
-                from safetensors import safe_open
-
-                self._open[loc.file] = safe_open(path, framework="pt", device="cpu")
+                self._open[loc.file] = (input_tree.open_input(path)[0], read_header(path))
             else:
                 self._open[loc.file] = load_torch(path)
         handle = self._open[loc.file]
-        return handle.get_tensor(name) if self.side.kind == "safetensors" else handle[name]
+        return _pread_tensor(*handle, name, self.side.files[loc.file]) if self.side.kind == "safetensors" \
+            else handle[name]
 
     def close(self) -> None:
-        self._open.clear()  # safe_open handles and mmaps close when dropped
+        for handle in self._open.values():
+            if isinstance(handle, tuple):
+                os.close(handle[0])
+        self._open.clear()  # .bin mappings close when dropped
 
+
+def _pread_tensor(fd: int, header: Any, name: str, path: str) -> torch.Tensor:
+    entry = header.entries[name]
+    dtype, nbytes = dtypes.torch_dtype(entry.dtype), entry.nbytes
+    data = bytearray(nbytes)
+    view, done = memoryview(data), 0
+    while done < nbytes:
+        got = os.preadv(fd, [view[done:]], entry.start + done)
+        if got == 0:
+            raise CorruptInputError(f"{path} ends inside {name}: the file is truncated")
+        done += got
+    if not nbytes:
+        return torch.empty(entry.shape, dtype=dtype)
+    return torch.frombuffer(data, dtype=dtype).view(entry.shape)
