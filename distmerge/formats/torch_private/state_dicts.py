@@ -209,8 +209,8 @@ def _dtensor_block(key: str, value: SubclassTensor, meshes: MeshCache) -> Block:
     placements = vars(spec).get("placements")
     if not isinstance(placements, tuple) or len(placements) != len(mesh.sizes):
         raise LayoutError(f"{key}: {len(placements or ())} placements on a {len(mesh.sizes)}-dimensional mesh")
-    shape = list(_global_shape(key, value))
-    offsets = [0] * len(shape)
+    whole = _global_shape(key, value)
+    shape, offsets = list(whole), [0] * len(whole)
     for placement, parts, index in zip(placements, mesh.sizes, mesh.coordinate, strict=True):
         dim = placement_of(key, placement, len(shape))
         if dim is None:
@@ -221,7 +221,7 @@ def _dtensor_block(key: str, value: SubclassTensor, meshes: MeshCache) -> Block:
         offsets[dim] += start
     if tuple(shape) != local.size:
         raise LayoutError(f"{key}: local shape {local.size} does not match its placements (expected {tuple(shape)})")
-    return Block(local, _global_shape(key, value), tuple(offsets))
+    return Block(local, whole, tuple(offsets))
 
 
 def _sharded_blocks(key: str, value: SubclassTensor) -> list[Block]:
