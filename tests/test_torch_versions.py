@@ -143,3 +143,20 @@ def test_merging_rank_files_imports_no_dtensor(tmp_path):
     args = [sys.executable, "-c", script, str(DATA / "torch-2.11.0" / "hsdp_2x2"), str(tmp_path / "out")]
     run = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert run.stdout.split() == ["0", "False", "False"], run.stdout + run.stderr[-2000:]
+
+
+def test_a_non_contiguous_local_tensor_is_read_through_its_strides(fsdp_ckpts, tmp_path, capsys):
+    """torch.save keeps a view's strides: such a local tensor has no single byte run in the file and is read
+    through a mapped view of its storage record (torch_save.mapped_views), equal to the contiguous original."""
+    import torch
+    import torch.distributed.tensor  # noqa: F401 - torch.load rebuilds DTensors only once it is imported
+
+    ckpt = Path(shutil.copytree(fsdp_ckpts["fsdp2_llama_w1"], tmp_path / "ckpt"))
+    rank_file = ckpt / "model_world_size_1_rank_0.pt"
+    state = torch.load(rank_file, weights_only=True)
+    value = state["model.layers.0.mlp.up_proj.weight"]
+    value._local_tensor = value._local_tensor.t().contiguous().t()  # the same values, column-major
+    assert not value._local_tensor.is_contiguous()
+    torch.save(state, rank_file)
+    assert merge_inproc("--input", ckpt, "--output", tmp_path / "out") == 0
+    assert_exact(load_merged(tmp_path / "out"), load_reference(fsdp_ckpts["fsdp2_llama_w1"]))
