@@ -5,7 +5,11 @@ Call order (every rank makes every call, in the same order):
     agree       every rank does its part; any rank's error is raised on all ranks   (all_gather)
     gather      the same, and every rank gets every rank's small result             (all_gather)
     all_to_all  fragment bytes from readers to owners, asynchronous                 (all_to_all_single)
-    close       destroy the group, on success and on failure
+    close       destroy the group, on success and on failure (a borrowed group is left as it was)
+
+A Comm either starts its own group (a command, under torchrun: `Comm(...)`) or borrows a running job's
+(`Comm.borrow(group)`, the API called inside training): data and control collectives then both go through that
+group, on the CPU, and close() drops distmerge's references but never destroys it.
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ class Comm:
         self._data = self._control = None
         self._kept: deque[tuple[torch.Tensor, ...]] = deque(maxlen=KEPT_COLLECTIVES)
         self._kept_data: tuple[torch.Tensor, ...] = ()
+        self._root = 0  # the global rank of the group's rank 0 (the source of broadcasts)
+        self._borrowed = False
         if self.device.type == "cuda":
             # Before any CUDA work and before NCCL starts: each process's tensors, and its NCCL communicator,
             # live on its own GPU (cuda:0 for every rank otherwise).
@@ -59,6 +65,27 @@ class Comm:
             torch.cuda.set_device(self.device)
         if self.world > 1:
             self._start_group(timedelta(seconds=timeout_s))
+
+    @classmethod
+    def borrow(cls, group: Any = None) -> Comm:
+        """A Comm over a group the caller started (None: the default group) and still owns: tensors stay on the
+        CPU, so the group must run gloo. close() leaves the group alone."""
+        import torch.distributed as dist
+
+        group = group if group is not None else dist.group.WORLD
+        backend = str(dist.get_backend(group))
+        if "gloo" not in backend:
+            raise InputError(f"the job's process group runs {backend}: distmerge in a running job needs a gloo "
+                             "group (dist.new_group(backend='gloo')) passed as group=")
+        comm = cls.__new__(cls)
+        comm.world, comm.rank = dist.get_world_size(group), dist.get_rank(group)
+        comm.device = torch.device("cpu")
+        comm._data = comm._control = group
+        comm._kept = deque(maxlen=KEPT_COLLECTIVES)
+        comm._kept_data = ()
+        comm._root = dist.get_global_rank(group, 0) if comm.world > 1 else 0
+        comm._borrowed = True
+        return comm
 
     def _start_group(self, timeout: timedelta) -> None:
         import torch.distributed as dist
@@ -103,10 +130,10 @@ class Comm:
 
         data = pickle.dumps(obj) if self.rank == 0 else b""
         size = torch.tensor([len(data)], dtype=torch.int64)
-        dist.broadcast(size, src=0, group=self._control)
+        dist.broadcast(size, src=self._root, group=self._control)
         buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 else torch.empty(int(size),
                                                                                                       dtype=torch.uint8)
-        dist.broadcast(buf, src=0, group=self._control)
+        dist.broadcast(buf, src=self._root, group=self._control)
         self._keep(size, buf)
         return pickle.loads(buf.numpy().tobytes())
 
@@ -153,8 +180,10 @@ class Comm:
         by anything still pointing at this Comm) is destroyed at interpreter exit with its worker threads
         running, and the C++ runtime aborts ("terminate called without an active exception", SIGABRT),
         which hid distmerge's own error under torchrun in a third of failed runs.
+
+        A borrowed group (borrow) is the caller's: it stays up, and only our references go.
         """
-        if self.world > 1:
+        if self.world > 1 and not self._borrowed:
             import torch.distributed as dist
 
             if dist.is_initialized():
@@ -186,12 +215,13 @@ class Comm:
 
 
 @contextmanager
-def process_group(*, device: str, timeout_s: float) -> Iterator[Comm]:
+def process_group(*, device: str, timeout_s: float, borrow: bool = False, group: Any = None) -> Iterator[Comm]:
     """A Comm for one command. An unexpected exception (a peer died, a collective timed out) becomes
-    this rank's one-line error; the group is destroyed and stdout flushed on success and on failure."""
+    this rank's one-line error; the group is destroyed and stdout flushed on success and on failure.
+    `borrow`: use the running job's `group` (None: its default group) instead, and leave it up (Comm.borrow)."""
     comm = None
-    try:
-        comm = Comm(device=device, timeout_s=timeout_s)  # inside: a group that cannot start is one line too
+    try:  # inside: a group that cannot start is one line too
+        comm = Comm.borrow(group) if borrow else Comm(device=device, timeout_s=timeout_s)
         yield comm
     except DistmergeError:
         raise

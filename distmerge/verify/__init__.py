@@ -10,7 +10,23 @@
     run.py      the phases and the command
 """
 
+import sys
+import types
+
 from distmerge.verify.listing import VerifyOptions
 from distmerge.verify.run import VerifyResult, run_verify, verify, verify_and_report
 
 __all__ = ["VerifyOptions", "VerifyResult", "run_verify", "verify", "verify_and_report"]
+
+
+class _Package(types.ModuleType):
+    """`distmerge.verify` is both this package and the API's function (distmerge.api.verify): Python binds the
+    package to the name once it is imported, so the package itself takes the call."""
+
+    def __call__(self, merged, reference, **options):
+        from distmerge.api import verify as api_verify
+
+        return api_verify(merged, reference, **options)
+
+
+sys.modules[__name__].__class__ = _Package

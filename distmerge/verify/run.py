@@ -106,6 +106,12 @@ def verify_and_report(opts: VerifyOptions, comm: Comm, *, plot: Path | None = No
     file, plus the merge options a checkpoint needs) and call it inside comm.process_group. Exit status 0 when
     every tensor passes, else 1; errors are raised as DistmergeError on every rank. `plot`: a PNG of the
     figures by layer and kind (verify/plot.py; matplotlib, checked for before the comparison)."""
+    return 0 if verify_and_write(opts, comm, plot=plot, show=True).passed else 1
+
+
+def verify_and_write(opts: VerifyOptions, comm: Comm, *, plot: Path | None, show: bool) -> VerifyResult:
+    """Collective: verify; rank 0 writes opts.json and `plot` and, when `show`, prints the report (distmerge.verify
+    of the API: show only with progress=True). The result on every rank."""
     if plot is not None:
         from distmerge.verify.plot import require_matplotlib, write_plot
 
@@ -114,9 +120,10 @@ def verify_and_report(opts: VerifyOptions, comm: Comm, *, plot: Path | None = No
 
     def report() -> None:
         summary = totals(result.checks, opts.criteria)
-        print_report(result.checks, result.logits, quiet=opts.quiet, merged_from=result.format, notes=result.notes,
-                     reference_from=result.reference_format, reference_notes=result.reference_notes,
-                     totals=tuple(totals_lines(summary)))
+        if show:
+            print_report(result.checks, result.logits, quiet=opts.quiet, merged_from=result.format,
+                         notes=result.notes, reference_from=result.reference_format,
+                         reference_notes=result.reference_notes, totals=tuple(totals_lines(summary)))
         if opts.json is not None:
             write_json(opts.json, report_json(merged=str(opts.merged), reference=str(opts.reference),
                                               crit=opts.criteria, checks=result.checks, logits=result.logits,
@@ -127,7 +134,7 @@ def verify_and_report(opts: VerifyOptions, comm: Comm, *, plot: Path | None = No
         sys.stdout.flush()  # before the other ranks go on: torchrun stops rank 0 when another rank exits 1
 
     comm.root_only(report)
-    return 0 if result.passed else 1
+    return result
 
 
 def _run_record(result: VerifyResult) -> dict:

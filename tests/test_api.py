@@ -1,0 +1,84 @@
+"""distmerge.merge() / distmerge.verify(): the CLI's options, its bytes, typed errors, silence, and a real
+training-like torchrun job calling the API on every rank (tests/jobs/api_in_job.py)."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+import distmerge
+from distmerge import api
+from distmerge.cli import build_parser
+from distmerge.errors import InputError
+from tests.conftest import REPO, free_port, input_untouched, merge_inproc, tree_bytes
+
+# CLI options the API spells otherwise, or leaves to the caller, on purpose
+NOT_IN_API = {
+    "quiet": "progress=False is the API's default (progress=True prints)",
+    "debug": "the caller has the exception and its traceback",
+    "json_summary": "the caller has the MergeResult (report.summary_json)",
+    "verify_against": "call distmerge.verify() after distmerge.merge()",
+    "help": "argparse's",
+}
+
+
+def _dests(command: str) -> set[str]:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices[command]
+    return {a.dest for a in sub._actions}
+
+
+@pytest.mark.parametrize("command", ["merge", "verify"])
+def test_api_takes_every_cli_option(command):
+    func = getattr(api, command)
+    params = inspect.signature(func).parameters
+    names = set(params)
+    missing = _dests(command) - names - set(NOT_IN_API)
+    assert missing == set(), f"distmerge.{command}() lacks {sorted(missing)}"
+    positional = [n for n, p in params.items() if p.kind is not p.KEYWORD_ONLY]
+    assert positional == {"merge": ["input", "output"], "verify": ["merged", "reference"]}[command]
+
+
+def test_merge_in_process_is_the_cli_bytes_and_silent(fsdp_ckpts, tmp_path, capsys):
+    ckpt = fsdp_ckpts["fsdp2_llama_w4"]
+    assert merge_inproc("--input", ckpt, "--output", tmp_path / "cli") == 0
+    capsys.readouterr()
+    with input_untouched(ckpt):
+        result = distmerge.merge(ckpt, tmp_path / "api")
+    assert capsys.readouterr() == ("", "")
+    assert result.processes == 1 and result.tensors > 0
+    assert tree_bytes(tmp_path / "api") == tree_bytes(tmp_path / "cli")
+    checked = distmerge.verify(tmp_path / "api", tmp_path / "cli")
+    assert checked.passed
+    assert capsys.readouterr() == ("", "")
+
+
+def test_errors_are_raised_typed_not_exited(tmp_path, capsys):
+    with pytest.raises(InputError, match="missing"):
+        distmerge.merge(tmp_path / "missing", tmp_path / "out")
+    with pytest.raises(InputError, match="dtype"):
+        distmerge.merge(tmp_path, tmp_path / "out", dtype="fp8")
+    with pytest.raises(InputError, match="max_shard_size"):
+        distmerge.merge(tmp_path, tmp_path / "out", max_shard_size="lots")
+    assert capsys.readouterr() == ("", "")
+
+
+def test_a_running_job_calls_the_api_on_every_rank(fsdp_ckpts, tmp_path):
+    ckpt = fsdp_ckpts["fsdp2_llama_w4"]
+    assert merge_inproc("--input", ckpt, "--output", tmp_path / "cli") == 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--nnodes", "1",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(REPO / "tests/jobs/api_in_job.py"),
+           str(ckpt), str(tmp_path / "job")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
+    with input_untouched(ckpt):
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=REPO)
+    assert done.returncode == 0, done.stdout + done.stderr
+    said = re.findall(r"rank (\d): merged \d+ tensors into \d+ file\(s\) with 2 processes; all_reduce after: 2",
+                      done.stdout)  # the two ranks' lines may interleave
+    assert sorted(said) == ["0", "1"], done.stdout
+    assert tree_bytes(tmp_path / "job") == tree_bytes(tmp_path / "cli")
