@@ -16,7 +16,7 @@ LAYERS = {
     3: ("plan", "spread", "reader", "writer", "discover", "inventory"),
     4: ("prepare", "exchange", "assemble", "replicas", "unwritten", "resume", "finalize", "report", "expect", "sink"),
     5: ("engine", "inspect", "verify", "cli_options", "hub", "api"),
-    6: ("cli", "__main__", "verl_cli"),
+    6: ("cli", "__main__", "verl_cli", "hooks"),
 }
 ENGINE = ("plan", "spread", "reader", "writer", "writeback", "discover", "prepare", "exchange", "assemble", "replicas",
           "unwritten", "resume", "finalize", "engine", "inspect", "inventory", "sink")
