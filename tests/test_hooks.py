@@ -1,11 +1,14 @@
 """Hooks where users already are (distmerge/hooks/, docs/api.md): the Hugging Face Trainer callback in real
-Trainer runs (DeepSpeed ZeRO-3 and ZeRO-2, accelerate FSDP2; tests/jobs/hf_trainer_job.py), each merge byte for
-byte the CLI's merge of the same save."""
+Trainer runs (DeepSpeed ZeRO-3 and ZeRO-2, accelerate FSDP2; tests/jobs/hf_trainer_job.py), and the documented
+post-training steps of verl, torchtitan and Megatron-LM jobs (tests/jobs/post_training.py) on the fixtures' saves;
+each merge byte for byte the CLI's merge of the same save."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -95,3 +98,45 @@ def test_callback_refuses_what_it_cannot_do(tmp_path):
         which_save(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"")
     assert which_save(tmp_path).input is None  # a full save: a Hugging Face model already
+
+
+POST = REPO / "tests" / "jobs" / "post_training.py"
+
+
+def test_post_training_steps_merge_in_the_job_as_the_cli(fsdp_ckpts, tt_ckpts, megatron_ckpts, tmp_path):
+    """docs/api.md's lines for verl, torchtitan and Megatron-LM, run by a 2-process job on the fixtures' saves
+    (made by 4, 2 and 4 ranks): each output byte for byte the CLI's merge of the same save."""
+    from tests.conftest import reference_dir
+
+    verl_root = tmp_path / "verl"  # config.trainer.default_local_dir, holding global_step_{N}/ as verl's does
+    shutil.copytree(fsdp_ckpts["fsdp2_llama_w4"], verl_root / "global_step_4")
+    titan, save = tt_ckpts["tt_qwen3_w2"], megatron_ckpts["megatron_dist_tp2pp2"]
+    out = {name: tmp_path / f"job-{name}" for name in ("verl", "torchtitan", "megatron")}
+    args = ["verl", verl_root, "4", out["verl"],
+            "torchtitan", titan / "checkpoint", "2", titan / "huggingface", out["torchtitan"],
+            "megatron", save, reference_dir(save) / "huggingface", out["megatron"]]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--nnodes", "1", "--master-addr",
+           "127.0.0.1", "--master-port", str(free_port()), str(POST), *map(str, args)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=REPO)
+    assert done.returncode == 0, done.stdout + done.stderr
+    said = re.findall(r"rank (\d): (\w+): merged \d+ tensors \([\w-]+, saved by \d ranks\) with 2 processes; "
+                      r"all_reduce after: 2", done.stdout)
+    assert sorted(said) == sorted((r, n) for r in "01" for n in out), done.stdout
+    cli = {"verl": ["--input", verl_root / "global_step_4"],
+           "torchtitan": ["--input", titan / "checkpoint", "--step", "2", "--hf-config", titan / "huggingface"],
+           "megatron": ["--input", save, "--hf-config", reference_dir(save) / "huggingface"]}
+    for name, given in cli.items():
+        assert merge_inproc(*given, "--output", tmp_path / f"cli-{name}") == 0
+        assert tree_bytes(out[name]) == tree_bytes(tmp_path / f"cli-{name}"), name
+
+
+def test_docs_show_the_post_training_lines_the_job_runs():
+    """Every line of the job's step functions (less docstrings; `return ` dropped) is in docs/api.md."""
+    from tests.jobs import post_training
+
+    docs = (REPO / "docs" / "api.md").read_text()
+    for name, (step, _) in post_training.STEPS.items():
+        body = inspect.getsource(step).split('"""')[2].splitlines()[1:]  # after the docstring
+        for line in filter(None, (raw.strip().removeprefix("return ") for raw in body)):
+            assert line in docs, f"{name}: docs/api.md lacks {line!r}"
