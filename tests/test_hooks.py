@@ -140,3 +140,14 @@ def test_docs_show_the_post_training_lines_the_job_runs():
         body = inspect.getsource(step).split('"""')[2].splitlines()[1:]  # after the docstring
         for line in filter(None, (raw.strip().removeprefix("return ") for raw in body)):
             assert line in docs, f"{name}: docs/api.md lacks {line!r}"
+
+
+def test_nothing_outside_the_hooks_imports_them():
+    """The hooks import their training libraries; the merge path (and everything else in distmerge) never
+    imports a hook, so `distmerge merge` never loads transformers' Trainer."""
+    from tests.test_structure import imports, modules
+
+    mods = modules()
+    users = sorted(m for m, path in mods.items() if not m.startswith("distmerge.hooks")
+                   for i in imports(path, set(mods)) if i.startswith("distmerge.hooks"))
+    assert users == []
