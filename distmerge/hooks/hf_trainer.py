@@ -101,7 +101,7 @@ class DistmergeCallback(TrainerCallback):
         if save.input is None:
             log.info("distmerge: %s is %s already; nothing to merge", checkpoint, save.kind)
             return
-        output = Path(self.output.format(step=step))
+        output = Path(self.output.replace("{step}", str(step)))
         options = dict(self.options)
         config_dir = None
         if save.needs_config and options.get("hf_config") is None:
