@@ -3,7 +3,6 @@ training-like torchrun job calling the API on every rank (tests/jobs/api_in_job.
 
 from __future__ import annotations
 
-import inspect
 import os
 import re
 import subprocess
@@ -12,36 +11,10 @@ import sys
 import pytest
 
 import distmerge
-from distmerge import api
-from distmerge.cli import build_parser
 from distmerge.errors import InputError
 from tests.conftest import REPO, free_port, input_untouched, merge_inproc, tree_bytes
 
-# CLI options the API spells otherwise, or leaves to the caller, on purpose
-NOT_IN_API = {
-    "quiet": "progress=False is the API's default (progress=True prints)",
-    "debug": "the caller has the exception and its traceback",
-    "json_summary": "the caller has the MergeResult (report.summary_json)",
-    "verify_against": "call distmerge.verify() after distmerge.merge()",
-    "help": "argparse's",
-}
-
-
-def _dests(command: str) -> set[str]:
-    parser = build_parser()
-    sub = next(a for a in parser._actions if a.dest == "command").choices[command]
-    return {a.dest for a in sub._actions}
-
-
-@pytest.mark.parametrize("command", ["merge", "verify"])
-def test_api_takes_every_cli_option(command):
-    func = getattr(api, command)
-    params = inspect.signature(func).parameters
-    names = set(params)
-    missing = _dests(command) - names - set(NOT_IN_API)
-    assert missing == set(), f"distmerge.{command}() lacks {sorted(missing)}"
-    positional = [n for n, p in params.items() if p.kind is not p.KEYWORD_ONLY]
-    assert positional == {"merge": ["input", "output"], "verify": ["merged", "reference"]}[command]
+# The API's options against the command line's, --help and the README: tests/test_options_agree.py
 
 
 def test_merge_in_process_is_the_cli_bytes_and_silent(fsdp_ckpts, tmp_path, capsys):
@@ -65,6 +38,12 @@ def test_errors_are_raised_typed_not_exited(tmp_path, capsys):
         distmerge.merge(tmp_path, tmp_path / "out", dtype="fp8")
     with pytest.raises(InputError, match="max_shard_size"):
         distmerge.merge(tmp_path, tmp_path / "out", max_shard_size="lots")
+    with pytest.raises(InputError, match="budget=0"):
+        distmerge.merge(tmp_path, tmp_path / "out", budget=0)
+    with pytest.raises(InputError, match="overwrite='yes'"):
+        distmerge.merge(tmp_path, tmp_path / "out", overwrite="yes")
+    with pytest.raises(TypeError, match="max_shard"):
+        distmerge.merge(tmp_path, tmp_path / "out", max_shard="5GB")
     assert capsys.readouterr() == ("", "")
 
 
