@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import fields
@@ -53,7 +54,7 @@ COMPUTED = frozenset({"dtype", "max_shard_size", "budget", "lora", "lora_alpha",
 def merge(input: str | os.PathLike, output: str | os.PathLike, **kwargs: Any) -> MergeResult:
     values = options.from_keywords("merge", {"input": input, "output": output, **kwargs})
     opts = merge_request(values)
-    with job_group(values) as comm:
+    with as_found(), job_group(values) as comm:
         result = run_merge(opts, comm, show=values["progress"])
     _log_notes(result.notes)
     return result
@@ -64,7 +65,7 @@ def verify(merged: str | os.PathLike, reference: str | os.PathLike, **kwargs: An
 
     values = options.from_keywords("verify", {"merged": merged, "reference": reference, **kwargs})
     opts = verify_request(values)
-    with job_group(values) as comm:
+    with as_found(), job_group(values) as comm:
         result = verify_and_write(opts, comm, plot=values["plot"], show=values["progress"])
     _log_notes(result.notes)
     return result
@@ -136,6 +137,20 @@ def job_group(values: Mapping[str, Any]) -> Iterator[Comm]:
     else:
         with process_group(device=resolve_device(device), timeout_s=timeout) as comm:
             yield comm
+
+
+@contextmanager
+def as_found() -> Iterator[None]:
+    """The process as the call found it, in what a library could change unasked: Python's global `random` state
+X of the input (input_tree.forget)."""
+    from distmerge import input_tree
+
+    state = random.getstate()
+    try:
+        yield
+    finally:
+        random.setstate(state)
+        input_tree.forget()
 
 
 def _initialized() -> bool:
