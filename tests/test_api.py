@@ -69,3 +69,98 @@ def test_a_running_job_calls_the_api_on_every_rank(fsdp_ckpts, tmp_path):
     assert [rank for rank, _ in said] == ["0", "1"], done.stdout
     assert tree_bytes(tmp_path / "job" / "first") == tree_bytes(tmp_path / "job" / "second") == tree_bytes(
         tmp_path / "cli")
+
+
+# -- a borrowed group's layout (comm.Comm.borrow), in one process: what an NCCL job gets, on a CPU ---------------
+
+
+@pytest.fixture
+def job_group():
+    """A running job of one process: the default group, gloo, as a training script starts it."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def runs_nccl(job_group, monkeypatch):
+    """The job's group says it runs NCCL (the backend is what borrow reads); its current GPU is cuda:1, and
+    torch.cuda is counted on."""
+    import torch
+    import torch.distributed as dist
+
+    real = dist.get_backend
+    monkeypatch.setattr(dist, "get_backend", lambda g=None: "nccl" if g is job_group else real(g))
+    asked = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: asked.append(1) or 1)
+    return asked
+
+
+def groups() -> int:
+    from torch.distributed import distributed_c10d
+
+    return len(distributed_c10d._world.pg_map)
+
+
+def test_an_nccl_job_gets_a_gloo_side_group_of_ours(runs_nccl, job_group):
+    """Over NCCL the fragments travel in the job's group on its current GPU (read, never set), the small messages
+    in a gloo group distmerge makes, and close() destroys that one only; with device='cpu' the fragments go in the
+    side group too (NCCL carries no CPU tensor)."""
+    from distmerge.comm import Comm
+
+    start = groups()
+    comm = Comm.borrow(None, device="auto", timeout_s=30)
+    assert str(comm.device) == "cuda:1" and runs_nccl == [1]
+    assert comm._data is job_group and comm._control is comm._side is not None and groups() == start + 1
+    assert comm.gather(lambda: comm.rank) == [0] and comm.root_only(lambda: "rank 0's") == "rank 0's"
+    comm.close()
+    assert groups() == start and comm._side is None
+
+    comm = Comm.borrow(None, device="cpu", timeout_s=30)
+    assert comm.device.type == "cpu" and comm._data is comm._control is comm._side is not None
+    comm.close()
+    assert groups() == start and runs_nccl == [1]  # device='cpu': torch.cuda not asked
+
+
+def test_a_gloo_job_keeps_the_cpu_and_torch_cuda_untouched(job_group, monkeypatch):
+    """A gloo group carries everything on the CPU, in the job's group, no side group; torch.cuda is never asked;
+    device='cuda' there is a clear error."""
+    import torch
+
+    from distmerge.comm import Comm
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: pytest.fail("torch.cuda asked"))
+    start = groups()
+    comm = Comm.borrow(None, device="auto", timeout_s=30)
+    assert comm.device.type == "cpu" and comm._data is comm._control is job_group and comm._side is None
+    comm.close()
+    assert groups() == start
+    with pytest.raises(InputError, match="device='cuda' in a job whose group runs gloo"):
+        Comm.borrow(None, device="cuda", timeout_s=30)
+
+
+def test_an_nccl_group_of_part_of_the_job_is_refused(runs_nccl, job_group, monkeypatch):
+    """The side group must be made by every process of the job: an NCCL group of some of them cannot get one from
+    distmerge alone, and the message says what to pass instead."""
+    import torch.distributed as dist
+
+    from distmerge.comm import Comm
+
+    real = dist.get_world_size
+    monkeypatch.setattr(dist, "get_world_size", lambda g=None: 1 if g is job_group else 4 if g is None else real(g))
+    with pytest.raises(InputError, match=r"runs nccl on 1 of the job's 4 processes.*dist.new_group\(ranks, "
+                                         r"backend='gloo'\).*group="):
+        Comm.borrow(job_group, device="auto", timeout_s=30)
+
+
+def test_the_api_in_a_one_process_job(job_group, fsdp_ckpts, tmp_path):
+    """distmerge.merge in a running (one-process) job: the job's group, left up; the CLI's bytes."""
+    import torch.distributed as dist
+
+    ckpt = fsdp_ckpts["fsdp2_llama_w2"]
+    assert merge_inproc("--input", ckpt, "--output", tmp_path / "cli") == 0
+    result = distmerge.merge(ckpt, tmp_path / "api", group=job_group)
+    assert result.processes == 1 and dist.is_initialized()
+    assert tree_bytes(tmp_path / "api") == tree_bytes(tmp_path / "cli")
