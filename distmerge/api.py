@@ -56,7 +56,10 @@ def merge(input: str | os.PathLike, output: str | os.PathLike, **kwargs: Any) ->
     opts = merge_request(values)
     with as_found(), job_group(values) as comm:
         result = run_merge(opts, comm, show=values["progress"])
-    _log_notes(result.notes)
+        rank = comm.rank
+    if not values["progress"]:  # what the progress would have said (--resume's line), and the notes
+        _log_notes(rank, [result.resume] if result.resume else [])
+    _log_notes(rank, result.notes)
     return result
 
 
@@ -67,7 +70,8 @@ def verify(merged: str | os.PathLike, reference: str | os.PathLike, **kwargs: An
     opts = verify_request(values)
     with as_found(), job_group(values) as comm:
         result = verify_and_write(opts, comm, plot=values["plot"], show=values["progress"])
-    _log_notes(result.notes)
+        rank = comm.rank
+    _log_notes(rank, [*result.notes, *result.reference_notes])
     return result
 
 
@@ -159,6 +163,7 @@ def _initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _log_notes(notes) -> None:
-    for note in notes:
+def _log_notes(rank: int, notes) -> None:
+    """Rank 0's: every rank has the same."""
+    for note in notes if rank == 0 else ():
         log.info("%s", note)

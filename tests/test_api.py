@@ -164,3 +164,55 @@ def test_the_api_in_a_one_process_job(job_group, fsdp_ckpts, tmp_path):
     result = distmerge.merge(ckpt, tmp_path / "api", group=job_group)
     assert result.processes == 1 and dist.is_initialized()
     assert tree_bytes(tmp_path / "api") == tree_bytes(tmp_path / "cli")
+
+
+# -- library manners: nothing printed unless asked; the rest to the `distmerge` logger --------------------------
+
+# The functions that may write to stdout/stderr: the command line's, and the progress, summary and report that
+# the API shows only with progress=True.
+PRINTERS = {
+    "distmerge/cli.py": {"main", "_report_error"},
+    "distmerge/verl_cli.py": {"say_notes", "after_merge"},
+    "distmerge/inspect.py": {"run_inspect"},
+    "distmerge/report.py": {"Progress.say", "Progress.start", "Progress.advance", "print_summary"},
+    "distmerge/verify/report.py": {"print_report"},
+}
+
+
+def printing_functions() -> set[tuple[str, str]]:
+    """(file, function) of every print(...), console.print(...) and sys.stdout/stderr.write(...) in distmerge/."""
+    import ast
+
+    found = set()
+
+    def visit(node, path: str, where: list[str]) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = where + [child.name] if isinstance(child, ast.FunctionDef | ast.ClassDef) else where
+            if isinstance(child, ast.Call):
+                f = child.func
+                name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+                stream = isinstance(f, ast.Attribute) and isinstance(f.value, ast.Attribute) and \
+                    f.value.attr in ("stdout", "stderr")
+                if name == "print" or (name == "write" and stream):
+                    found.add((path, ".".join(where)))
+            visit(child, path, inner)
+
+    for file in sorted((REPO / "distmerge").rglob("*.py")):
+        visit(ast.parse(file.read_text()), str(file.relative_to(REPO)), [])
+    return found
+
+
+def test_only_the_command_line_and_the_progress_print():
+    """Shown to fail: with a print() added to engine.merge, this listed ('distmerge/engine.py', 'merge')."""
+    allowed = {(path, func) for path, funcs in PRINTERS.items() for func in funcs}
+    assert printing_functions() - allowed == set()
+
+
+def test_a_resumed_merge_says_its_line_to_the_logger(fsdp_ckpts, tmp_path, capsys, caplog):
+    ckpt = fsdp_ckpts["fsdp2_llama_w2"]
+    distmerge.merge(ckpt, tmp_path / "out")
+    with caplog.at_level("INFO", logger="distmerge"):
+        distmerge.merge(ckpt, tmp_path / "out", resume=True)
+    assert capsys.readouterr() == ("", "")
+    assert [r.name for r in caplog.records] == ["distmerge"] * len(caplog.records)
+    assert any(r.getMessage().startswith("resume: ") and "already complete" in r.getMessage() for r in caplog.records)
