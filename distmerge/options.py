@@ -16,7 +16,6 @@ Light on purpose: the registry is imported only when the rows are first asked fo
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import re
 from dataclasses import dataclass
@@ -207,8 +206,11 @@ def cli_rows(command: str) -> tuple[Opt, ...]:
 # -- the API: signature, docstring, values --------------------------------------------------------------------
 
 
-def signature(command: str, returns: str) -> inspect.Signature:
-    """distmerge.<command>'s signature: the required options positionally, then every other one by keyword."""
+def signature(command: str, returns: str):
+    """distmerge.<command>'s signature (inspect.Signature): the required options positionally, then every other one
+    by keyword."""
+    import inspect  # the API's alone: the command line starts without it
+
     params = []
     for row in sorted(api_rows(command), key=lambda r: not r.required):  # stable: --help's order otherwise
         annotation = KINDS[row.kind] + (" | None" if row.default is None and not row.required else "")
