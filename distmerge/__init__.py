@@ -17,6 +17,11 @@ def __getattr__(name: str):
         return merge
     if name == "verify":  # the package, which takes the call (distmerge/verify/__init__.py says why)
         import importlib
+        import random
 
-        return importlib.import_module("distmerge.verify")
+        state = random.getstate()  # importing rich draws from it (api.as_found): a job's random stays as it was
+        try:
+            return importlib.import_module("distmerge.verify")
+        finally:
+            random.setstate(state)
     raise AttributeError(f"module 'distmerge' has no attribute {name!r}")

@@ -1,10 +1,19 @@
-"""The library API: `distmerge.merge()` and `distmerge.verify()`, over the functions the CLI runs (engine.merge,
-verify.run).
+"""The library API, `distmerge.merge()` and `distmerge.verify()`, and what the command line shares with it.
+
+    keywords --options.from_keywords--> values --merge_request--> engine.MergeOptions --run_merge--> MergeResult
+    argv     --argparse (cli.py)------> values --verify_request-> verify.VerifyOptions --verify_and_write--> ...
+
+`values` are the options by name, parsed the same way on both paths (options.py: the one table of options, from
+which argparse, these functions' signatures and the README's table come). The command line (cli.py) is a layer
+over this module: it parses, calls job_group and run_merge / verify_and_write, and alone turns errors into a line
+and an exit status, installs signal handlers and freezes the GC.
 
 Where it runs (every rank of a job makes the same call):
 
-    a running torch.distributed job     the job's default group, or `group=` (gloo, CPU): borrowed, never
-    (dist.is_initialized())             destroyed; no signal handler, no GC, dtype, RNG or environment change
+    a running torch.distributed job     the job's default group, or `group=`: borrowed, never destroyed
+    (dist.is_initialized())             (comm.Comm.borrow: a gloo side group of ours beside an NCCL group,
+                                        destroyed at the end); no signal handler, no GC, dtype, RNG, CUDA
+                                        device or environment change
     torchrun's environment, no group    a group of its own, destroyed at the end (as `torchrun -m distmerge`)
     neither                             one process (as `python -m distmerge`)
 
@@ -14,94 +23,138 @@ Errors are the typed exceptions of distmerge.errors, raised on every rank. Nothi
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
-from collections.abc import Iterator
+import random
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from pathlib import Path
-from typing import Any
+from dataclasses import fields
+from typing import TYPE_CHECKING, Any
 
-from distmerge.errors import InputError
-from distmerge.results import MergeResult
+from distmerge import options
+from distmerge.cli_options import base_model_dir, format_options, output_settings
+
+if TYPE_CHECKING:
+    from distmerge.comm import Comm
+    from distmerge.engine import MergeOptions
+    from distmerge.results import MergeResult
+    from distmerge.verify.listing import VerifyOptions
+    from distmerge.verify.run import VerifyResult
 
 log = logging.getLogger("distmerge")
 
-Size = int | str  # bytes, or "5GB" / "512MiB" as on the command line
-Option = int | str | None  # a format's own option (iteration, step, tag, weights): as on the command line
-DEVICES = ("auto", "cpu", "cuda")
-LORA_MODES = ("auto", "adapter", "merge")
+# The options a request does not take under their own name: how the call runs and what it shows (job_group,
+# run_merge, verify_and_write, the command line), and what the request's computed fields are made of.
+RUNNING = frozenset({"device", "timeout", "progress", "group", "quiet", "debug", "json_summary", "verify_against",
+                     "plot"})
+COMPUTED = frozenset({"dtype", "max_shard_size", "budget", "lora", "lora_alpha", "base_model", "atol", "rtol",
+                      "min_cosine"})
 
 
-def merge(input: str | os.PathLike, output: str | os.PathLike, *, format: str = "auto",
-          hf_config: str | os.PathLike | None = None, dtype: str = "keep", max_shard_size: Size = "5GB",
-          budget: Size = "128MiB", lora: str = "auto", lora_alpha: float | None = None,
-          base_model: str | os.PathLike | None = None, overwrite: bool = False, resume: bool = False,
-          checksum: bool = False, iteration: Option = None, step: Option = None, tag: Option = None,
-          weights: Option = None, device: str = "auto", timeout: float = 600.0, progress: bool = False,
-          group: Any = None) -> MergeResult:
-    """Merge the checkpoint `input` into a Hugging Face model in `output`, as `distmerge merge` does; the options
-    are the command's (docs/api.md). Returns the run's figures (the same on every rank)."""
-    from distmerge.engine import MergeOptions
-    from distmerge.engine import merge as run_merge
-    from distmerge.report import Progress, print_summary
-
-    opts = MergeOptions(input=Path(input), output=Path(output), format=_format(format), hf_config=_path(hf_config),
-                        format_options=_format_options(iteration=iteration, step=step, tag=tag, weights=weights),
-                        settings=_settings(output, dtype, max_shard_size, budget, lora, lora_alpha, base_model),
-                        base_model=_base_dir(base_model), overwrite=overwrite, resume=resume, checksum=checksum)
-    with job_group(device, timeout, group) as comm:
-        result = run_merge(opts, comm, Progress(enabled=progress and comm.rank == 0))
-        if progress and comm.rank == 0:
-            print_summary(result)
-    for note in result.notes:
-        log.info("%s", note)
+def merge(input: str | os.PathLike, output: str | os.PathLike, **kwargs: Any) -> MergeResult:
+    values = options.from_keywords("merge", {"input": input, "output": output, **kwargs})
+    opts = merge_request(values)
+    with as_found(), job_group(values) as comm:
+        result = run_merge(opts, comm, show=values["progress"])
+        rank = comm.rank
+    if not values["progress"]:  # what the progress would have said (--resume's line), and the notes
+        _log_notes(rank, [result.resume] if result.resume else [])
+    _log_notes(rank, result.notes)
     return result
 
 
-def verify(merged: str | os.PathLike, reference: str | os.PathLike, *, atol: float | None = None,
-           rtol: float | None = None, min_cosine: float | None = None, logits: bool = False,
-           json: str | os.PathLike | None = None, plot: str | os.PathLike | None = None,
-           reference_hf_config: str | os.PathLike | None = None, format: str = "auto",
-           hf_config: str | os.PathLike | None = None, dtype: str = "keep", max_shard_size: Size = "5GB",
-           budget: Size = "128MiB", lora: str = "auto", lora_alpha: float | None = None,
-           base_model: str | os.PathLike | None = None, iteration: Option = None, step: Option = None,
-           tag: Option = None, weights: Option = None, device: str = "auto", timeout: float = 600.0,
-           progress: bool = False, group: Any = None):
-    """Compare `merged` (a merged model, or a checkpoint merged in memory) with `reference`, as `distmerge verify`
-    does. Returns the VerifyResult (`.passed`, `.checks`); a failed comparison is a result, not an error.
-    `json`, `plot`: written by rank 0; the report is printed only with `progress=True`."""
-    from distmerge.verify.listing import VerifyOptions
-    from distmerge.verify.report import Criteria
+def verify(merged: str | os.PathLike, reference: str | os.PathLike, **kwargs: Any) -> VerifyResult:
     from distmerge.verify.run import verify_and_write
 
-    crit = Criteria(atol=atol, rtol=rtol, min_cosine=min_cosine, accept_cast=dtype != "keep")
-    opts = VerifyOptions(merged=Path(merged), reference=Path(reference), criteria=crit, logits=logits,
-                         json=_path(json), quiet=False, format=_format(format), hf_config=_path(hf_config),
-                         format_options=_format_options(iteration=iteration, step=step, tag=tag, weights=weights),
-                         base_model=_base_dir(base_model), reference_hf_config=_path(reference_hf_config),
-                         settings=_settings(Path(), dtype, max_shard_size, budget, lora, lora_alpha, base_model))
-    with job_group(device, timeout, group) as comm:
-        result = verify_and_write(opts, comm, plot=_path(plot), show=progress)
-    for note in result.notes:
-        log.info("%s", note)
+    values = options.from_keywords("verify", {"merged": merged, "reference": reference, **kwargs})
+    opts = verify_request(values)
+    with as_found(), job_group(values) as comm:
+        result = verify_and_write(opts, comm, plot=values["plot"], show=values["progress"])
+        rank = comm.rank
+    _log_notes(rank, [*result.notes, *result.reference_notes])
+    return result
+
+
+merge.__signature__ = options.signature("merge", "MergeResult")  # type: ignore[attr-defined]
+merge.__doc__ = options.docstring("merge", """Merge the checkpoint `input` into a Hugging Face model in `output`, as
+`distmerge merge` does; the options are the command's (docs/api.md). Returns the run's figures (the same on every
+rank). Errors: distmerge.errors' exceptions, on every rank.""")
+verify.__signature__ = options.signature("verify", "VerifyResult")  # type: ignore[attr-defined]
+verify.__doc__ = options.docstring("verify", """Compare `merged` (a merged model, or a checkpoint merged in memory)
+with `reference`, as `distmerge verify` does. Returns the VerifyResult (`.passed`, `.checks`): a failed comparison
+is a result, not an error. `json`, `plot`: written by rank 0; the report is printed only with `progress=True`.""")
+
+
+# -- what the command line shares ----------------------------------------------------------------------------------
+
+
+def merge_request(values: Mapping[str, Any]) -> MergeOptions:
+    """engine.MergeOptions from the parsed options (each option of its own name goes to its field)."""
+    from distmerge.engine import MergeOptions
+
+    return _fill(MergeOptions, values, format_options=format_options(values), settings=output_settings(values),
+                 base_model=base_model_dir(values))
+
+
+def verify_request(values: Mapping[str, Any]) -> VerifyOptions:
+    """verify.VerifyOptions from the parsed options. A --dtype asks for the cast: values must equal the reference
+    cast the same way (as merge --verify-against)."""
+    from distmerge.verify.listing import VerifyOptions
+    from distmerge.verify.report import Criteria
+
+    crit = Criteria(atol=values["atol"], rtol=values["rtol"], min_cosine=values["min_cosine"],
+                    accept_cast=values["dtype"] != "keep")
+    return _fill(VerifyOptions, values, criteria=crit, format_options=format_options(values),
+                 settings=output_settings(values), base_model=base_model_dir(values))
+
+
+def _fill(cls: type, values: Mapping[str, Any], **computed: Any) -> Any:
+    """`cls` with each value under its own name and the computed fields; a value with no home is a bug (an option
+    added to options.OPTIONS and to no request: tests/test_options_agree.py)."""
+    names = {f.name for f in fields(cls)}
+    homeless = set(values) - names - RUNNING - COMPUTED - set(options.format_option_names())
+    assert not homeless, f"options {sorted(homeless)} reach no field of {cls.__name__}"
+    return cls(**{k: v for k, v in values.items() if k in names and k not in computed}, **computed)
+
+
+def run_merge(opts: MergeOptions, comm: Comm, *, show: bool) -> MergeResult:
+    """Collective: the merge; with `show`, rank 0 prints the progress and the summary."""
+    from distmerge.engine import merge as engine_merge
+    from distmerge.report import Progress, print_summary
+
+    result = engine_merge(opts, comm, Progress(enabled=show and comm.rank == 0))
+    if show and comm.rank == 0:
+        print_summary(result)
     return result
 
 
 @contextmanager
-def job_group(device: str, timeout: float, group: Any = None) -> Iterator[Any]:
-    """The Comm of one call: the running job's group when there is one (borrowed: left up), else a group of
-    our own under torchrun, else one process."""
+def job_group(values: Mapping[str, Any]) -> Iterator[Comm]:
+    """The Comm of one call: the running job's group when there is one (borrowed: left up), else a group of our
+    own under torchrun, else one process."""
     from distmerge.comm import process_group, resolve_device
 
-    _choose("device", device, DEVICES)
-    in_job = group is not None or _initialized()
-    if in_job and device == "cuda":
-        raise InputError("device='cuda' inside a running job is not supported yet: the job's group is used on the "
-                         "CPU (device='cpu' or 'auto')")
-    with process_group(device="cpu" if in_job else resolve_device(device), timeout_s=timeout, borrow=in_job,
-                       group=group) as comm:
-        yield comm
+    group, device, timeout = values.get("group"), values["device"], values["timeout"]
+    if group is not None or _initialized():
+        with process_group(device=device, timeout_s=timeout, borrow=True, group=group) as comm:
+            yield comm
+    else:
+        with process_group(device=resolve_device(device), timeout_s=timeout) as comm:
+            yield comm
+
+
+@contextmanager
+def as_found() -> Iterator[None]:
+    """The process as the call found it, in what a library could change unasked: Python's global `random` state
+X of the input (input_tree.forget)."""
+    from distmerge import input_tree
+
+    state = random.getstate()
+    try:
+        yield
+    finally:
+        random.setstate(state)
+        input_tree.forget()
 
 
 def _initialized() -> bool:
@@ -110,62 +163,7 @@ def _initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _choose(name: str, value: str, choices) -> str:
-    if value not in choices:
-        raise InputError(f"{name}={value!r}: choose one of {', '.join(choices)}")
-    return value
-
-
-def _format(name: str) -> str:
-    from distmerge.formats import registry
-
-    return _choose("format", name, registry.choices())
-
-
-def _path(value: str | os.PathLike | None) -> Path | None:
-    return None if value is None else Path(value)
-
-
-def _base_dir(value: str | os.PathLike | None) -> Path | None:
-    """base_model as a second input root: only when it names a folder (cli_options.base_model_dir)."""
-    return Path(value) if value and Path(value).is_dir() else None
-
-
-def _parsed(name: str, parse, value: Any) -> Any:
-    try:
-        return parse(str(value))
-    except (argparse.ArgumentTypeError, ValueError) as err:
-        raise InputError(f"{name}={value!r}: {err}") from None
-
-
-def _format_options(**given: Option) -> dict[str, Any]:
-    """The formats' own options given (the ones left None are not passed), parsed as the command line parses."""
-    from distmerge.formats import registry
-
-    known = {opt.dest: opt for opt, _ in registry.options()}
-    unknown = sorted(set(given) - set(known))
-    if unknown:  # a format option the API does not name yet: a bug, caught by tests/test_api.py
-        raise InputError(f"no format takes {', '.join(unknown)}")
-    return {name: _parsed(name, known[name].parse, value) for name, value in given.items() if value is not None}
-
-
-def _settings(output, dtype: str, max_shard_size: Size, budget: Size, lora: str, lora_alpha: float | None,
-              base_model) -> Any:
-    from distmerge.cli_options import CAST_NAMES, parse_size
-    from distmerge.families.base import LoraOptions
-    from distmerge.prepare import OutputSettings
-
-    _choose("dtype", dtype, CAST_NAMES)
-    _choose("lora", lora, LORA_MODES)
-
-    def size(name: str, value: Size) -> int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            if value < 1:
-                raise InputError(f"{name}={value}: a size is at least 1 byte")
-            return value
-        return _parsed(name, parse_size, value)
-
-    return OutputSettings(dtype=dtype, max_shard_bytes=size("max_shard_size", max_shard_size),
-                          budget_bytes=size("budget", budget), output=Path(output),
-                          lora=LoraOptions(mode=lora, alpha=lora_alpha,
-                                           base_model=None if base_model is None else str(base_model)))
+def _log_notes(rank: int, notes) -> None:
+    """Rank 0's: every rank has the same."""
+    for note in notes if rank == 0 else ():
+        log.info("%s", note)

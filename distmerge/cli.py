@@ -12,18 +12,10 @@ import sys
 import time
 from pathlib import Path
 
-from distmerge import __version__, verl_cli
-from distmerge.cli_options import (
-    add_budget_option,
-    add_input_options,
-    add_output_options,
-    add_run_options,
-    base_model_dir,
-    format_options,
-    output_settings,
-    parse_size,  # noqa: F401  (re-exported: distmerge.cli.parse_size, as before --budget moved to cli_options)
-)
+from distmerge import __version__, options, verl_cli
+from distmerge.cli_options import add_options
 from distmerge.errors import DistmergeError, InputError
+from distmerge.options import parse_size  # noqa: F401  (re-exported: distmerge.cli.parse_size, as before)
 
 EPILOG = """examples:
   torchrun --nproc-per-node 8 -m distmerge merge --input ckpts/global_step_1000/actor --output merged/
@@ -100,27 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     merge = sub.add_parser("merge", help="merge a checkpoint into safetensors", description=MERGE_DESCRIPTION,
                            epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_input_options(merge)
-    output = add_output_options(merge)
-    output.add_argument("--overwrite", action="store_true", help="replace model files in a non-empty output")
-    output.add_argument("--resume", action="store_true",
-                        help="finish an interrupted merge: keep its completed files, redo the rest")
-    output.add_argument("--checksum", action="store_true",
-                        help="record each file's sha256 in distmerge.manifest.json (about 1 s per GB per process)")
-    output.add_argument("--verify-against", type=Path, metavar="HF_DIR",
-                        help="after the merge, run `verify --reference HF_DIR` in the same processes "
-                             "(bit-exact; a --dtype cast is accepted); exit 1 if it fails")
-    run = add_run_options(merge)
-    add_budget_option(run)
-    run.add_argument("--json-summary", type=Path, metavar="PATH", help="also write the summary as JSON")
-
+    add_options(merge, "merge")
     inspect = sub.add_parser("inspect", help="describe a checkpoint and the files a merge would write",
                              description="What a checkpoint holds and which files `merge` with the same options "
                                          "would write; nothing is written.")
-    add_input_options(inspect, positional=True)
-    add_output_options(inspect, with_folder=False)
-    inspect.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    inspect.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    add_options(inspect, "inspect")
     add_verify_parser(sub)
     return parser
 
@@ -162,28 +138,7 @@ def add_verify_parser(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=VERIFY_DESCRIPTION,
     )
-    verify.add_argument("--merged", type=Path, required=True, metavar="DIR",
-                        help="merged model folder (model.safetensors.index.json or model.safetensors), or a "
-                             "training checkpoint to merge in memory (nothing written)")
-    verify.add_argument("--reference", type=Path, required=True, metavar="PATH",
-                        help="reference: a Hugging Face folder (safetensors or pytorch_model*.bin, sharded or "
-                             "not) or one .safetensors / .bin / .index.json file; or, when --merged is a "
-                             "checkpoint, another checkpoint (format detected), merged in memory too")
-    verify.add_argument("--reference-hf-config", type=Path, metavar="DIR",
-                        help="when --reference is a checkpoint: folder with its config.json (default: its own, "
-                             "as --hf-config for --merged)")
-    verify.add_argument("--atol", type=float, metavar="A", help="absolute tolerance (allclose per element)")
-    verify.add_argument("--rtol", type=float, metavar="R", help="relative tolerance, times |reference|")
-    verify.add_argument("--min-cosine", type=float, metavar="C", help="least cosine similarity per tensor")
-    verify.add_argument("--logits", action="store_true",
-                        help="also run both models (transformers, rank 0) on fixed token ids; compare logits")
-    verify.add_argument("--json", type=Path, metavar="PATH", help="write every tensor's figures as JSON")
-    verify.add_argument("--plot", type=Path, metavar="PATH",
-                        help="write a PNG of max rel diff and cosine by layer and kind (attention, MLP, norms, "
-                             "embeddings/head); needs matplotlib: pip install 'distmerge[plot]'")
-    add_input_options(verify, with_input=False, title="when --merged is a checkpoint: how to read it")
-    add_output_options(verify, with_folder=False, title="when --merged is a checkpoint: the merge to check")
-    add_budget_option(add_run_options(verify))
+    add_options(verify, "verify")
 
 
 INTERRUPTED = {
@@ -235,9 +190,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_inspect(args)
         if args.command == "verify":
-            from distmerge.verify import run_verify
-
-            return (verl_cli.run_test if verl else run_verify)(args)
+            return _run_verify(args)
         return _run_merge(args)
     except DistmergeError as err:
         _report_error(err, args.debug)
@@ -263,32 +216,38 @@ def _internal(err: Exception) -> DistmergeError:
 
 
 def _run_merge(args: argparse.Namespace) -> int:
-    from distmerge.comm import process_group, resolve_device
-    from distmerge.engine import MergeOptions, merge
-    from distmerge.report import Progress, print_summary, summary_json
+    """`distmerge merge`: the API's merge (api.run_merge) in the group api.job_group gives, then what only the
+    command does: --json-summary, --verify-against, verl's upload."""
+    from distmerge import api
+    from distmerge.report import summary_json
 
-    opts = MergeOptions(
-        input=args.input, output=args.output, format=args.format, hf_config=args.hf_config,
-        format_options=format_options(args), settings=output_settings(args), overwrite=args.overwrite,
-        base_model=base_model_dir(args),
-        resume=args.resume, checksum=args.checksum,
-    )
-    opts = verl_cli.merge_options(opts, args.verl)
+    values = options.from_namespace(args, "merge")
+    opts = verl_cli.merge_options(api.merge_request(values), args.verl)
     if args.verify_against is not None and not args.verify_against.exists():  # before hours of merging
         err = InputError(f"--verify-against {args.verify_against} does not exist: pass the reference model")
         err.before_group = True
         raise err
-    with process_group(device=resolve_device(args.device), timeout_s=args.timeout) as comm:
-        result = merge(opts, comm, Progress(enabled=comm.rank == 0 and not args.quiet))
-        if comm.rank == 0:
-            if not args.quiet:
-                print_summary(result)
-            if args.json_summary:
-                args.json_summary.write_text(summary_json(result))
+    with api.job_group(values) as comm:
+        result = api.run_merge(opts, comm, show=not args.quiet)
+        if comm.rank == 0 and args.json_summary:
+            args.json_summary.write_text(summary_json(result))
         status = _verify_after_merge(args, comm) if args.verify_against is not None else 0
     if status == 0:
         verl_cli.after_merge(args.verl, args.output, _rank(), args.quiet)
     return status
+
+
+def _run_verify(args: argparse.Namespace) -> int:
+    """`distmerge verify` (and verl's `test`): the API's verify (verify_and_write) in the group api.job_group
+    gives; the report always (--quiet: the verdict), exit 0 only when every tensor passes."""
+    from distmerge import api
+    from distmerge.verify.run import verify_and_write
+
+    values = verl_cli.test_values(options.from_namespace(args, "verify"), args.verl)
+    opts = api.verify_request(values)
+    with api.job_group(values) as comm:
+        verl_cli.check_claims(args.verl, opts, comm)
+        return 0 if verify_and_write(opts, comm, plot=args.plot, show=True).passed else 1
 
 
 def _verify_after_merge(args: argparse.Namespace, comm) -> int:

@@ -1,112 +1,77 @@
-"""The command-line options merge, inspect and verify share (argparse parents), and their typed form.
+"""The command line's options, made from the one table of options (options.OPTIONS), and their typed form.
 
-The --format choices and each format's own options come from the format registry.
+Each command's options go into --help's sections (TITLES) in the table's order; a section is made where its first
+option is, so the table's order is --help's and the usage line's.
 """
 
 from __future__ import annotations
 
 import argparse
-import re
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
-SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
+from distmerge import options
+from distmerge.options import CAST_NAMES, parse_size  # noqa: F401  (re-exported: the parsers' names, as before)
 
-
-def parse_size(text: str) -> int:
-    """'5GB' (decimal, like Hugging Face), '512MiB' (binary), or a plain number of bytes."""
-    m = SIZE.match(text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 5GB, 500MB, 2GiB)")
-    unit = m[2].upper()
-    base = 1024 if "I" in unit else 1000
-    power = "BKMGT".index(unit[0]) if unit and unit[0] != "B" else 0
-    value = float(m[1]) * base**power
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"size must be at least 1 byte: {text!r}")
-    return int(value)
+# command -> the section each group of options is shown under (None: the command's own "options:" section)
+TITLES: dict[str, dict[str, str | None]] = {
+    "merge": {"": None, "input": "input", "output": "output", "run": "run"},
+    "inspect": {"": None, "input": "input", "output": "output", "run": None},
+    "verify": {"": None, "input": "when --merged is a checkpoint: how to read it",
+               "output": "when --merged is a checkpoint: the merge to check", "run": "run"},
+}
+TYPES = {"path": Path, "size": parse_size, "float": float, "text": None}
 
 
-CAST_NAMES = ["keep", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32"]
+def add_options(parser: argparse.ArgumentParser, command: str) -> None:
+    """Every option of `command` (options.rows), in its section."""
+    sections: dict[str | None, Any] = {None: parser}
+    for row in options.cli_rows(command):
+        title = TITLES[command][row.group]
+        if title not in sections:
+            sections[title] = parser.add_argument_group(title)
+        sections[title].add_argument(*row.flags, **_argparse_keywords(row))
 
 
-def add_input_options(parser: argparse.ArgumentParser, *, positional: bool = False, with_input: bool = True,
-                      title: str = "input") -> None:
-    """The input and how to read it (merge, inspect, verify): the format and the format's own options.
-    `with_input` False: the command names the checkpoint its own way (verify's --merged)."""
-    from distmerge.formats import registry
-
-    group = parser.add_argument_group(title)
-    if with_input and positional:
-        group.add_argument("input", type=Path, help="checkpoint folder (e.g. .../actor)")
-    elif with_input:
-        group.add_argument("--input", "-i", type=Path, required=True, help="checkpoint folder (e.g. .../actor)")
-    group.add_argument("--format", default="auto", choices=registry.choices(), metavar="FORMAT",
-                       help=registry.help_text())
-    group.add_argument("--hf-config", type=Path, metavar="DIR",
-                       help="folder with config.json (default: huggingface/ inside the input, or beside it)")
-    for opt, names in registry.options():
-        group.add_argument(opt.flag, dest=opt.dest, type=opt.parse, metavar=opt.metavar,
-                           help=f"{opt.help} [{', '.join(names)}]")
-
-
-def add_output_options(parser: argparse.ArgumentParser, *, with_folder: bool = True,
-                       title: str = "output") -> argparse._ArgumentGroup:
-    """What the merged model looks like (merge, inspect, verify). Returns the group, for merge's own options."""
-    group = parser.add_argument_group(title)
-    if with_folder:
-        group.add_argument("--output", "-o", type=Path, required=True, help="folder for the merged model")
-    group.add_argument("--dtype", choices=CAST_NAMES, default="keep",
-                       help="cast floating tensors (default: keep the checkpoint's dtype)")
-    group.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"), metavar="SIZE",
-                       help="largest output file (default 5GB; one file is named model.safetensors)")
-    group.add_argument("--lora", choices=["auto", "adapter", "merge"], default="auto",
-                       help="LoRA checkpoints: base model + PEFT adapter (auto, adapter) or fused weights (merge)")
-    group.add_argument("--lora-alpha", type=float, metavar="ALPHA",
-                       help="LoRA alpha when lora_train_meta.json is missing or wrong")
-    group.add_argument("--base-model", metavar="NAME_OR_DIR",
-                       help="LoRA: the base model. A Hugging Face folder (config.json + safetensors): its weights "
-                            "complete a LoRA-only save (base model + adapter, or fused with --lora merge). Any value: "
-                            "base_model_name_or_path in adapter_config.json (default: the config's)")
-    return group
+def _argparse_keywords(row: options.Opt) -> dict[str, Any]:
+    if row.kind == "switch":
+        return {"dest": row.name, "action": "store_true", "help": row.help}
+    kw: dict[str, Any] = {"help": row.help}
+    if row.flags[0].startswith("-"):  # a positional's dest is its name
+        kw["dest"] = row.name
+        if row.required:
+            kw["required"] = True
+    parse = row.parse if row.kind == "value" else TYPES[row.kind]
+    if parse is not None:
+        kw["type"] = parse
+    if row.default is not None:
+        kw["default"] = row.default  # a string default is parsed by `type`, as a value given would be
+    if row.choices is not None:
+        kw["choices"] = row.choices
+    if row.metavar is not None:
+        kw["metavar"] = row.metavar
+    return kw
 
 
-def add_run_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    """How the processes run (merge, verify)."""
-    group = parser.add_argument_group("run")
-    group.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                       help="where tensors are moved and computed (auto: cuda if present)")
-    group.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
-                       help="give up when another process is silent this long (default 600)")
-    group.add_argument("--quiet", "-q", action="store_true", help="no progress and no summary")
-    group.add_argument("--debug", action="store_true", help="show tracebacks on errors")
-    return group
+def format_options(values: Mapping[str, Any]) -> dict:
+    """The format options given (the ones left out are not passed)."""
+    return options.given(dict(values), options.format_option_names())
 
 
-def add_budget_option(group: argparse._ArgumentGroup) -> None:
-    """--budget (merge, verify of a checkpoint: both run the merge's rounds)."""
-    group.add_argument("--budget", type=parse_size, default=parse_size("128MiB"), metavar="SIZE",
-                       help="bytes each process assembles per round (two rounds are in flight); bounds memory "
-                       "(default 128MiB)")
-
-
-def format_options(args: argparse.Namespace) -> dict:
-    """The format options given on the command line (the ones left out are not passed)."""
-    from distmerge.formats import registry
-
-    return {opt.dest: getattr(args, opt.dest) for opt, _ in registry.options() if getattr(args, opt.dest) is not None}
-
-
-def base_model_dir(args: argparse.Namespace) -> Path | None:
+def base_model_dir(values: Mapping[str, Any]) -> Path | None:
     """--base-model as a second input root: only when it names a folder (a hub name only names the base)."""
-    value = getattr(args, "base_model", None)
+    value = values.get("base_model")
     return Path(value) if value and Path(value).is_dir() else None
 
 
-def output_settings(args: argparse.Namespace):
+def output_settings(values: Mapping[str, Any]):
     """The options that shape the output, typed (inspect has no --budget: it plans in one round)."""
     from distmerge.families.base import LoraOptions
     from distmerge.prepare import OutputSettings
 
-    return OutputSettings(dtype=args.dtype, max_shard_bytes=args.max_shard_size,
-                          budget_bytes=getattr(args, "budget", 2**62), output=getattr(args, "output", None) or Path(),
-                          lora=LoraOptions(mode=args.lora, alpha=args.lora_alpha, base_model=args.base_model))
+    base_model = values["base_model"]
+    return OutputSettings(dtype=values["dtype"], max_shard_bytes=values["max_shard_size"],
+                          budget_bytes=values.get("budget", 2**62), output=values.get("output") or Path(),
+                          lora=LoraOptions(mode=values["lora"], alpha=values["lora_alpha"],
+                                           base_model=None if base_model is None else str(base_model)))

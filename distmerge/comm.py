@@ -8,8 +8,9 @@ Call order (every rank makes every call, in the same order):
     close       destroy the group, on success and on failure (a borrowed group is left as it was)
 
 A Comm either starts its own group (a command, under torchrun: `Comm(...)`) or borrows a running job's
-(`Comm.borrow(group)`, the API called inside training): data and control collectives then both go through that
-group, on the CPU, and close() drops distmerge's references but never destroys it.
+(`Comm.borrow(group)`, the API called inside training): fragments then travel in that group (NCCL: on the job's
+current GPU), the small messages in it too when it runs gloo, else in a gloo side group of ours; close() destroys
+the side group and drops distmerge's references, never the job's group.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ from distmerge import errors
 from distmerge.errors import DistmergeError, InputError
 
 T = TypeVar("T")
+# Test aid: a borrowed gloo group gets a gloo side group for the small messages, as an NCCL group does, so that
+# the side group's making and destroying run on a CPU (tests/jobs/api_in_job.py). Unset otherwise.
+SIDE_GROUP = os.environ.get("DISTMERGE_TEST_SIDE_GROUP", "") == "1"
 KEPT_COLLECTIVES = 16  # object collectives whose tensors Comm holds (_keep): a worker thread lags a few behind
 
 
@@ -58,6 +62,7 @@ class Comm:
         self._kept_data: tuple[torch.Tensor, ...] = ()
         self._root = 0  # the global rank of the group's rank 0 (the source of broadcasts)
         self._borrowed = False
+        self._side = None  # a borrowing Comm's gloo group beside the job's NCCL one (borrow)
         if self.device.type == "cuda":
             # Before any CUDA work and before NCCL starts: each process's tensors, and its NCCL communicator,
             # live on its own GPU (cuda:0 for every rank otherwise).
@@ -67,24 +72,30 @@ class Comm:
             self._start_group(timedelta(seconds=timeout_s))
 
     @classmethod
-    def borrow(cls, group: Any = None) -> Comm:
-        """A Comm over a group the caller started (None: the default group) and still owns: tensors stay on the
-        CPU, so the group must run gloo. close() leaves the group alone."""
+    def borrow(cls, group: Any = None, *, device: str = "auto", timeout_s: float = 600.0) -> Comm:
+        """A Comm over a group the caller started (None: the default group) and still owns; close() leaves it up.
+
+        Fragments travel in that group on `device` (auto: the job's current GPU when the group runs NCCL, else the
+        CPU). The small messages need a group that carries CPU tensors: the job's own when it runs gloo, else a
+        gloo side group of ours over the same ranks (`dist.new_group`, made by every process of the job, so the
+        group must be all of them), destroyed by close(). The CUDA current device is read, never set."""
         import torch.distributed as dist
 
         group = group if group is not None else dist.group.WORLD
         backend = str(dist.get_backend(group))
-        if "gloo" not in backend:
-            raise InputError(f"the job's process group runs {backend}: distmerge in a running job needs a gloo "
-                             "group (dist.new_group(backend='gloo')) passed as group=")
         comm = cls.__new__(cls)
         comm.world, comm.rank = dist.get_world_size(group), dist.get_rank(group)
-        comm.device = torch.device("cpu")
-        comm._data = comm._control = group
+        comm.device = _borrowed_device(device, backend)
         comm._kept = deque(maxlen=KEPT_COLLECTIVES)
         comm._kept_data = ()
         comm._root = dist.get_global_rank(group, 0) if comm.world > 1 else 0
         comm._borrowed = True
+        comm._side = None
+        if "gloo" not in backend or SIDE_GROUP:
+            comm._side = _side_group(group, timedelta(seconds=timeout_s))
+        cpu_data = comm.device.type == "cpu" and "gloo" not in backend  # NCCL carries only CUDA tensors
+        comm._control = comm._side if comm._side is not None else group
+        comm._data = comm._side if cpu_data else group
         return comm
 
     def _start_group(self, timeout: timedelta) -> None:
@@ -181,13 +192,19 @@ class Comm:
         running, and the C++ runtime aborts ("terminate called without an active exception", SIGABRT),
         which hid distmerge's own error under torchrun in a third of failed runs.
 
-        A borrowed group (borrow) is the caller's: it stays up, and only our references go.
+        A borrowed group (borrow) is the caller's: it stays up, and only our references go (and the side group
+        we made beside it).
         """
         if self.world > 1 and not self._borrowed:
             import torch.distributed as dist
 
             if dist.is_initialized():
                 dist.destroy_process_group()
+        if self._side is not None:  # ours, beside a borrowed group
+            import torch.distributed as dist
+
+            dist.destroy_process_group(self._side)
+            self._side = None
         self._data = self._control = None
         self._kept.clear()  # after the worker threads are gone (_keep)
         self._kept_data = ()
@@ -218,10 +235,12 @@ class Comm:
 def process_group(*, device: str, timeout_s: float, borrow: bool = False, group: Any = None) -> Iterator[Comm]:
     """A Comm for one command. An unexpected exception (a peer died, a collective timed out) becomes
     this rank's one-line error; the group is destroyed and stdout flushed on success and on failure.
-    `borrow`: use the running job's `group` (None: its default group) instead, and leave it up (Comm.borrow)."""
+    `borrow`: use the running job's `group` (None: its default group) instead, and leave it up (Comm.borrow);
+    `device` is then auto, cpu or cuda, resolved against that group."""
     comm = None
     try:  # inside: a group that cannot start is one line too
-        comm = Comm.borrow(group) if borrow else Comm(device=device, timeout_s=timeout_s)
+        comm = Comm.borrow(group, device=device, timeout_s=timeout_s) if borrow else Comm(device=device,
+                                                                                           timeout_s=timeout_s)
         yield comm
     except DistmergeError:
         raise
@@ -232,6 +251,37 @@ def process_group(*, device: str, timeout_s: float, borrow: bool = False, group:
         if comm is not None:
             comm.close()
         sys.stdout.flush()
+
+
+def _borrowed_device(asked: str, backend: str) -> torch.device:
+    """Where a borrowing Comm's tensors go: the job's current GPU over NCCL; the CPU otherwise (torch.cuda is not
+    touched then)."""
+    if asked not in ("auto", "cpu", "cuda"):
+        raise InputError(f"device={asked!r}: choose one of auto, cpu, cuda")
+    if asked == "auto":
+        asked = "cuda" if "nccl" in backend else "cpu"
+    if asked == "cpu":
+        return torch.device("cpu")
+    if "nccl" not in backend:
+        raise InputError(f"device='cuda' in a job whose group runs {backend}: gloo carries the fragments on the CPU "
+                         "here; pass device='cpu' (or 'auto'), or a group that runs NCCL")
+    return torch.device("cuda", torch.cuda.current_device())  # the job's: its NCCL group works on it
+
+
+def _side_group(group: Any, timeout: timedelta) -> Any:
+    """A gloo group over the ranks of `group`, in its order (so ranks agree in both). dist.new_group must be
+    called by every process of the job: `group` must be all of them."""
+    import torch.distributed as dist
+
+    if dist.get_world_size(group) != dist.get_world_size():
+        raise InputError(f"the group passed runs {dist.get_backend(group)} on {dist.get_world_size(group)} of the "
+                         f"job's {dist.get_world_size()} processes: distmerge needs a gloo group beside it, which "
+                         "every process of the job must make. Make one over the same ranks on every process "
+                         "(dist.new_group(ranks, backend='gloo')) and pass it as group= (device='cpu'), or call "
+                         "distmerge on every process with the default group")
+    ranks = None if group is dist.group.WORLD else dist.get_process_group_ranks(group)
+    order = {} if ranks is None or ranks == sorted(ranks) else {"sort_ranks": False}  # torch >= 2.5 has it
+    return dist.new_group(ranks=ranks, backend="gloo", timeout=timeout, **order)
 
 
 def resolve_device(device: str) -> str:

@@ -171,6 +171,13 @@ def load(root: Path) -> InputTree:
     return tree
 
 
+def forget() -> None:
+    """Drop this process's walks and records (the end of a call of the API: a walk holds an entry per file of
+    the input, and a training job outlives its merges)."""
+    _TREES.clear()
+    _ADOPTED.clear()
+
+
 def tree_for(path: Path | str) -> InputTree | None:
     """The walked input folder that holds `path` (lexically: links are judged by the tree), if any."""
     full = Path(os.path.abspath(path))

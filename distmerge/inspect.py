@@ -21,8 +21,9 @@ from distmerge.report import human_bytes
 
 def describe(args: argparse.Namespace) -> dict:
     """What `merge` with the same options would do, planned as merge plans it (one process)."""
+    values = vars(args)
     root = disc.check_input(args.input)
-    found = disc.discover(root, args.format, args.hf_config, format_options(args), base_model_dir(args))
+    found = disc.discover(root, args.format, args.hf_config, format_options(values), base_model_dir(values))
     scan = found.scan
     reader = Reader(scan, registry.get(scan.format))
     try:
@@ -32,7 +33,7 @@ def describe(args: argparse.Namespace) -> dict:
             layout.update(opened.layout)
     finally:
         reader.close()
-    plan = plan_merge(found, fragments, 1, output_settings(args))
+    plan = plan_merge(found, fragments, 1, output_settings(values))
     traits = claim([f.name for f in fragments], found.config, scan.hints).traits(found.config)
     targets = [t for f in plan.files for t in f.targets]
     return {

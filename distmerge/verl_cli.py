@@ -202,21 +202,20 @@ def after_merge(verl: Verl | None, output: Path, rank: int, quiet: bool) -> None
         print(f"uploaded {output} to {verl.upload}: {url}", flush=True)
 
 
-def run_test(args: argparse.Namespace) -> int:
-    """verl's `test`: the checkpoint (--local_dir) against --test_hf_dir, tensor by tensor; nothing written."""
-    from distmerge import expect
-    from distmerge.comm import process_group, resolve_device
-    from distmerge.prepare import OutputSettings
-    from distmerge.verify import VerifyOptions, verify_and_report
-    from distmerge.verify.report import Criteria
+def test_values(values: dict, verl: Verl | None) -> dict:
+    """verl's `test`: the checkpoint (--local_dir, read as --backend says) against --test_hf_dir, tensor by tensor;
+    nothing written. The verify options with the backend's format and --hf_model_path's config."""
+    if verl is None:
+        return values
+    return {**values, "format": format_for(verl.backend, values["merged"], values["format"]),
+            "hf_config": verl.hf_config or values["hf_config"]}
 
-    verl: Verl = args.verl
-    fmt = format_for(verl.backend, args.merged)
-    opts = VerifyOptions(merged=args.merged, reference=args.reference, format=fmt, hf_config=verl.hf_config,
-                         format_options={}, settings=OutputSettings(),
-                         criteria=Criteria(atol=args.atol, rtol=args.rtol, min_cosine=args.min_cosine),
-                         logits=args.logits, json=args.json, quiet=args.quiet)
-    with process_group(device=resolve_device(args.device), timeout_s=args.timeout) as comm:
-        if verl.claims:
-            comm.root_only(lambda: expect.check_checkpoint(verl.claims, args.merged, fmt, verl.hf_config, {}))
-        return verify_and_report(opts, comm, plot=args.plot)
+
+def check_claims(verl: Verl | None, opts, comm) -> None:
+    """Collective: verl's claims (--tie-word-embedding ...) checked against the checkpoint, by rank 0."""
+    if verl is None or not verl.claims:
+        return
+    from distmerge import expect
+
+    comm.root_only(lambda: expect.check_checkpoint(verl.claims, opts.merged, opts.format, opts.hf_config,
+                                                   opts.format_options))

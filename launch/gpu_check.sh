@@ -12,8 +12,10 @@
 # with N processes on the GPU path (--device cuda, NCCL; fixtures with --verify-against their trained
 # weights, which runs `distmerge verify` on the GPU in the same processes), compare the two outputs byte
 # for byte, and run `distmerge verify --device cuda` of the big GPU output against the CPU one. Prints each
-# step's time and nvidia-smi (before, and GPU memory at its peak). Exit 0 when everything is identical
-# and passes, 1 on any difference or failed step, 2 when it cannot run (no CUDA, bad arguments).
+# step's time and nvidia-smi (before, and GPU memory at its peak). Also the API inside a running job (step 2b):
+# distmerge.merge / verify on the job's own NCCL group with a gloo side group, compared with the CPU merge.
+# Exit 0 when everything is identical and passes, 1 on any difference or failed step, 2 when it cannot run
+# (no CUDA, bad arguments).
 #
 # N = the number of GPUs, but at least 2 even on one GPU: recent NCCL refuses two ranks on one device,
 # and then the check says so and goes on with 1 process.
@@ -72,7 +74,7 @@ while [ $# -gt 0 ]; do
     --fixtures) [ $# -ge 2 ] && [[ "$2" == *=* ]] || die "--fixtures needs KIND=DIR"; GIVEN[${2%%=*}]=${2#*=}; shift ;;
     --work) [ $# -ge 2 ] || die "--work needs a folder"; WORK=$2; shift ;;
     --keep) KEEP=1 ;;
-    -h|--help) sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown argument $1 (see --help)" ;;
   esac
   shift
@@ -232,6 +234,32 @@ for kind in fsdp dcp megatron; do
     if [ "${words[0]}" = "$kind" ]; then check_case "${words[@]}"; fi
   done
 done
+
+# -- 2b. the API inside a running job (tests/jobs/api_in_job.py, docs/api.md): the job starts its own group (NCCL on
+# the GPUs, with distmerge's gloo side group for the small messages; gloo in a dry run), takes a training step,
+# calls distmerge.merge and distmerge.verify twice (the second pair with device='cpu': the fragments then travel
+# in the side group), and checks that the process is as it was (current GPU, allocated GPU memory, RNG, groups,
+# signal handlers...) and that training goes on; both outputs are compared with the cpu x1 merge of the case.
+in_job() {
+  local case=fsdp2_llama_shard1_w4 out=$WORK/out/api_in_job
+  local ckpt=${FIXDIR[fsdp]}/$case ref=$WORK/out/$case.cpu-path log=$WORK/logs/api_in_job.log
+  if [ ! -f "$ref/model.safetensors.index.json" ]; then
+    say "FAILED   in-job api: no cpu x1 merge of $case to compare with"
+    FAILED=1
+    return
+  fi
+  rm -rf "$out"
+  if PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" STEP_TIMEOUT=${STEP_TIMEOUT:-240} \
+       timed "in-job api $(label "$NPROC")" "$log" "$PY" -m torch.distributed.run --standalone \
+       --nproc-per-node "$NPROC" tests/jobs/api_in_job.py "$ckpt" "$out" "$ref" "$BACKEND"; then
+    say "in-job   $case on $(label "$NPROC"): $(grep -m 1 '^rank 0: ' "$log")"
+    compare_folders "in-job $case ($(label "$NPROC") vs cpu x1)" "$out/first" "$ref" || FAILED=1
+    compare_folders "in-job $case (side group vs cpu x1)" "$out/second" "$ref" || FAILED=1
+  else
+    FAILED=1
+  fi
+}
+in_job
 
 # -- 3. the benchmark checkpoint: both paths, bytes, then `distmerge verify` on the GPU --------------------
 built bench "$BENCH_PID"

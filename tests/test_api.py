@@ -3,7 +3,6 @@ training-like torchrun job calling the API on every rank (tests/jobs/api_in_job.
 
 from __future__ import annotations
 
-import inspect
 import os
 import re
 import subprocess
@@ -12,36 +11,10 @@ import sys
 import pytest
 
 import distmerge
-from distmerge import api
-from distmerge.cli import build_parser
 from distmerge.errors import InputError
 from tests.conftest import REPO, free_port, input_untouched, merge_inproc, tree_bytes
 
-# CLI options the API spells otherwise, or leaves to the caller, on purpose
-NOT_IN_API = {
-    "quiet": "progress=False is the API's default (progress=True prints)",
-    "debug": "the caller has the exception and its traceback",
-    "json_summary": "the caller has the MergeResult (report.summary_json)",
-    "verify_against": "call distmerge.verify() after distmerge.merge()",
-    "help": "argparse's",
-}
-
-
-def _dests(command: str) -> set[str]:
-    parser = build_parser()
-    sub = next(a for a in parser._actions if a.dest == "command").choices[command]
-    return {a.dest for a in sub._actions}
-
-
-@pytest.mark.parametrize("command", ["merge", "verify"])
-def test_api_takes_every_cli_option(command):
-    func = getattr(api, command)
-    params = inspect.signature(func).parameters
-    names = set(params)
-    missing = _dests(command) - names - set(NOT_IN_API)
-    assert missing == set(), f"distmerge.{command}() lacks {sorted(missing)}"
-    positional = [n for n, p in params.items() if p.kind is not p.KEYWORD_ONLY]
-    assert positional == {"merge": ["input", "output"], "verify": ["merged", "reference"]}[command]
+# The API's options against the command line's, --help and the README: tests/test_options_agree.py
 
 
 def test_merge_in_process_is_the_cli_bytes_and_silent(fsdp_ckpts, tmp_path, capsys):
@@ -65,20 +38,181 @@ def test_errors_are_raised_typed_not_exited(tmp_path, capsys):
         distmerge.merge(tmp_path, tmp_path / "out", dtype="fp8")
     with pytest.raises(InputError, match="max_shard_size"):
         distmerge.merge(tmp_path, tmp_path / "out", max_shard_size="lots")
+    with pytest.raises(InputError, match="budget=0"):
+        distmerge.merge(tmp_path, tmp_path / "out", budget=0)
+    with pytest.raises(InputError, match="overwrite='yes'"):
+        distmerge.merge(tmp_path, tmp_path / "out", overwrite="yes")
+    with pytest.raises(TypeError, match="max_shard"):
+        distmerge.merge(tmp_path, tmp_path / "out", max_shard="5GB")
     assert capsys.readouterr() == ("", "")
 
 
 def test_a_running_job_calls_the_api_on_every_rank(fsdp_ckpts, tmp_path):
+    """tests/jobs/api_in_job.py, 2 processes with gloo: two merges and two verifies in the job's processes (the
+    second pair through a gloo side group, as an NCCL job gets), each leaving the process as it found it, the same
+    results on every rank, training steps before and after. Shown to fail: with Comm.close() leaving the side group
+    up, "merge 2: groups: 1 -> 2" (and its sockets: "files: ..."); with the API installing a SIGTERM handler,
+    "merge: signals: {<Signals.SIGTERM: 15>: <Handlers.SIG_DFL: 0>} -> {...}"; with the walk of the input kept
+    (input_tree.forget not called), "merge: input_walks: 0 -> 1"; before api.as_found, "verify: rng: ..." (rich's
+    import draws from Python's random)."""
     ckpt = fsdp_ckpts["fsdp2_llama_w4"]
     assert merge_inproc("--input", ckpt, "--output", tmp_path / "cli") == 0
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--nnodes", "1",
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(REPO / "tests/jobs/api_in_job.py"),
-           str(ckpt), str(tmp_path / "job")]
+           str(ckpt), str(tmp_path / "job"), str(tmp_path / "cli"), "gloo"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
     with input_untouched(ckpt):
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=REPO)
     assert done.returncode == 0, done.stdout + done.stderr
-    said = re.findall(r"rank (\d): merged \d+ tensors into \d+ file\(s\) with 2 processes; all_reduce after: 2",
-                      done.stdout)  # the two ranks' lines may interleave
-    assert sorted(said) == ["0", "1"], done.stdout
-    assert tree_bytes(tmp_path / "job") == tree_bytes(tmp_path / "cli")
+    said = re.findall(r"^rank (\d): merged \d+ tensors into \d+ file\(s\) with 2 processes, twice; verify passed "
+                      r"(\d+) \+ \2; training step after: .*; process unchanged$", done.stdout, re.MULTILINE)
+    assert [rank for rank, _ in said] == ["0", "1"], done.stdout
+    assert tree_bytes(tmp_path / "job" / "first") == tree_bytes(tmp_path / "job" / "second") == tree_bytes(
+        tmp_path / "cli")
+
+
+# -- a borrowed group's layout (comm.Comm.borrow), in one process: what an NCCL job gets, on a CPU ---------------
+
+
+@pytest.fixture
+def job_group():
+    """A running job of one process: the default group, gloo, as a training script starts it."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def runs_nccl(job_group, monkeypatch):
+    """The job's group says it runs NCCL (the backend is what borrow reads); its current GPU is cuda:1, and
+    torch.cuda is counted on."""
+    import torch
+    import torch.distributed as dist
+
+    real = dist.get_backend
+    monkeypatch.setattr(dist, "get_backend", lambda g=None: "nccl" if g is job_group else real(g))
+    asked = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: asked.append(1) or 1)
+    return asked
+
+
+def groups() -> int:
+    from torch.distributed import distributed_c10d
+
+    return len(distributed_c10d._world.pg_map)
+
+
+def test_an_nccl_job_gets_a_gloo_side_group_of_ours(runs_nccl, job_group):
+    """Over NCCL the fragments travel in the job's group on its current GPU (read, never set), the small messages
+    in a gloo group distmerge makes, and close() destroys that one only; with device='cpu' the fragments go in the
+    side group too (NCCL carries no CPU tensor)."""
+    from distmerge.comm import Comm
+
+    start = groups()
+    comm = Comm.borrow(None, device="auto", timeout_s=30)
+    assert str(comm.device) == "cuda:1" and runs_nccl == [1]
+    assert comm._data is job_group and comm._control is comm._side is not None and groups() == start + 1
+    assert comm.gather(lambda: comm.rank) == [0] and comm.root_only(lambda: "rank 0's") == "rank 0's"
+    comm.close()
+    assert groups() == start and comm._side is None
+
+    comm = Comm.borrow(None, device="cpu", timeout_s=30)
+    assert comm.device.type == "cpu" and comm._data is comm._control is comm._side is not None
+    comm.close()
+    assert groups() == start and runs_nccl == [1]  # device='cpu': torch.cuda not asked
+
+
+def test_a_gloo_job_keeps_the_cpu_and_torch_cuda_untouched(job_group, monkeypatch):
+    """A gloo group carries everything on the CPU, in the job's group, no side group; torch.cuda is never asked;
+    device='cuda' there is a clear error."""
+    import torch
+
+    from distmerge.comm import Comm
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: pytest.fail("torch.cuda asked"))
+    start = groups()
+    comm = Comm.borrow(None, device="auto", timeout_s=30)
+    assert comm.device.type == "cpu" and comm._data is comm._control is job_group and comm._side is None
+    comm.close()
+    assert groups() == start
+    with pytest.raises(InputError, match="device='cuda' in a job whose group runs gloo"):
+        Comm.borrow(None, device="cuda", timeout_s=30)
+
+
+def test_an_nccl_group_of_part_of_the_job_is_refused(runs_nccl, job_group, monkeypatch):
+    """The side group must be made by every process of the job: an NCCL group of some of them cannot get one from
+    distmerge alone, and the message says what to pass instead."""
+    import torch.distributed as dist
+
+    from distmerge.comm import Comm
+
+    real = dist.get_world_size
+    monkeypatch.setattr(dist, "get_world_size", lambda g=None: 1 if g is job_group else 4 if g is None else real(g))
+    with pytest.raises(InputError, match=r"runs nccl on 1 of the job's 4 processes.*dist.new_group\(ranks, "
+                                         r"backend='gloo'\).*group="):
+        Comm.borrow(job_group, device="auto", timeout_s=30)
+
+
+def test_the_api_in_a_one_process_job(job_group, fsdp_ckpts, tmp_path):
+    """distmerge.merge in a running (one-process) job: the job's group, left up; the CLI's bytes."""
+    import torch.distributed as dist
+
+    ckpt = fsdp_ckpts["fsdp2_llama_w2"]
+    assert merge_inproc("--input", ckpt, "--output", tmp_path / "cli") == 0
+    result = distmerge.merge(ckpt, tmp_path / "api", group=job_group)
+    assert result.processes == 1 and dist.is_initialized()
+    assert tree_bytes(tmp_path / "api") == tree_bytes(tmp_path / "cli")
+
+
+# -- library manners: nothing printed unless asked; the rest to the `distmerge` logger --------------------------
+
+# The functions that may write to stdout/stderr: the command line's, and the progress, summary and report that
+# the API shows only with progress=True.
+PRINTERS = {
+    "distmerge/cli.py": {"main", "_report_error"},
+    "distmerge/verl_cli.py": {"say_notes", "after_merge"},
+    "distmerge/inspect.py": {"run_inspect"},
+    "distmerge/report.py": {"Progress.say", "Progress.start", "Progress.advance", "print_summary"},
+    "distmerge/verify/report.py": {"print_report"},
+}
+
+
+def printing_functions() -> set[tuple[str, str]]:
+    """(file, function) of every print(...), console.print(...) and sys.stdout/stderr.write(...) in distmerge/."""
+    import ast
+
+    found = set()
+
+    def visit(node, path: str, where: list[str]) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = where + [child.name] if isinstance(child, ast.FunctionDef | ast.ClassDef) else where
+            if isinstance(child, ast.Call):
+                f = child.func
+                name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+                stream = isinstance(f, ast.Attribute) and isinstance(f.value, ast.Attribute) and \
+                    f.value.attr in ("stdout", "stderr")
+                if name == "print" or (name == "write" and stream):
+                    found.add((path, ".".join(where)))
+            visit(child, path, inner)
+
+    for file in sorted((REPO / "distmerge").rglob("*.py")):
+        visit(ast.parse(file.read_text()), str(file.relative_to(REPO)), [])
+    return found
+
+
+def test_only_the_command_line_and_the_progress_print():
+    """Shown to fail: with a print() added to engine.merge, this listed ('distmerge/engine.py', 'merge')."""
+    allowed = {(path, func) for path, funcs in PRINTERS.items() for func in funcs}
+    assert printing_functions() - allowed == set()
+
+
+def test_a_resumed_merge_says_its_line_to_the_logger(fsdp_ckpts, tmp_path, capsys, caplog):
+    ckpt = fsdp_ckpts["fsdp2_llama_w2"]
+    distmerge.merge(ckpt, tmp_path / "out")
+    with caplog.at_level("INFO", logger="distmerge"):
+        distmerge.merge(ckpt, tmp_path / "out", resume=True)
+    assert capsys.readouterr() == ("", "")
+    assert [r.name for r in caplog.records] == ["distmerge"] * len(caplog.records)
+    assert any(r.getMessage().startswith("resume: ") and "already complete" in r.getMessage() for r in caplog.records)

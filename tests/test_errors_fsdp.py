@@ -130,9 +130,16 @@ def failing_job(k: int, out: Path, env: dict[str, str] | None = None) -> tuple[s
 
 
 def one_line_each(runs: list[tuple[str, subprocess.CompletedProcess]]) -> list[str]:
-    """The stderr tails of the runs that did not print their error line exactly once (or exited 0)."""
-    return [run.stderr[-1500:] for line, run in runs
-            if run.returncode == 0 or sum(s.startswith(line) for s in run.stderr.splitlines()) != 1]
+    """The stderr tails of the runs that did not print their error line exactly once, before torchrun's failure
+    summary (or exited 0)."""
+    return [run.stderr[-1500:] for line, run in runs if run.returncode == 0 or not said_first(line, run.stderr)]
+
+
+def said_first(line: str, stderr: str) -> bool:
+    lines = stderr.splitlines()
+    ours = [i for i, s in enumerate(lines) if s.startswith(line)]
+    summary = next((i for i, s in enumerate(lines) if "ChildFailedError" in s or "Root Cause" in s), len(lines))
+    return len(ours) == 1 and ours[0] < summary
 
 
 @pytest.mark.torchrun
@@ -150,9 +157,10 @@ def test_the_one_line_comes_even_when_rank_0_is_slow(tmp_path):
 @pytest.mark.skipif(not os.environ.get("DISTMERGE_STRESS_TESTS"),
                     reason="20 torchrun jobs under load (45-80 s): run with DISTMERGE_STRESS_TESTS=1")
 def test_the_one_line_is_printed_every_time_under_load(tmp_path):
-    """20 failing torchrun jobs, 4 at a time, beside two busy processes: the one line is on stderr every time
-    On 2026-12-01, with the test suite running beside it, 20 of 20 printed it even without let_rank_0_speak's
-    wait: this load does not bring the race out; the test above does, deterministically."""
+    """20 failing torchrun jobs, 4 at a time, beside two busy processes: the one line is on stderr every time,
+    before torchrun's summary. On 2026-12-01 (load average 13), 20 of 20 with the fix, and 20 of 20 even without
+    let_rank_0_speak's wait: this load does not bring the race out; the test above does, deterministically
+    (docs/reliability.md, "The one line, whichever rank fails first")."""
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
         with ThreadPoolExecutor(4) as pool:

@@ -5,6 +5,7 @@ the one-line error when NCCL refuses to start."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -55,6 +56,11 @@ def test_dry_run_passes_and_prints_each_comparison(dry_run):
         assert (work / "out" / f"{case}.cpu-path" / "model.safetensors.index.json").is_file()
     assert out.count("verify: PASS") == len(DRY_CASES), out
     assert "verify   bench on cpu/gloo x2: verify: PASS" in out
+    # the API inside a running job (step 2b): the job's group, then distmerge's side group; the CPU's bytes
+    assert re.search(r"^in-job   fsdp2_llama_shard1_w4 on cpu/gloo x2: rank 0: merged 21 tensors .* process "
+                     r"unchanged$", out, re.MULTILINE), out
+    for how in ("cpu/gloo x2", "side group"):
+        assert f"compare  in-job fsdp2_llama_shard1_w4 ({how} vs cpu x1): IDENTICAL" in out, out
     assert "== timings" in out and "gpu_check: PASS" in out
     assert "nvidia-smi" not in out and "NVIDIA-SMI" not in out
 

@@ -15,7 +15,7 @@ LAYERS = {
     2: ("families",),
     3: ("plan", "spread", "reader", "writer", "discover", "inventory"),
     4: ("prepare", "exchange", "assemble", "replicas", "unwritten", "resume", "finalize", "report", "expect", "sink"),
-    5: ("engine", "inspect", "verify", "cli_options", "hub", "api"),
+    5: ("engine", "inspect", "verify", "options", "cli_options", "hub", "api"),
     6: ("cli", "__main__", "verl_cli", "hooks"),
 }
 ENGINE = ("plan", "spread", "reader", "writer", "writeback", "discover", "prepare", "exchange", "assemble", "replicas",

@@ -7,16 +7,16 @@
     report.py   the table, the verdict line, the JSON
     totals.py   the totals: names matched both ways, least cosine per kind of layer (the KINDS table)
     plot.py     --plot: a PNG of the figures by layer and kind (the only import of matplotlib)
-    run.py      the phases and the command
+    run.py      the phases (the command: cli.py over api.py)
 """
 
 import sys
 import types
 
 from distmerge.verify.listing import VerifyOptions
-from distmerge.verify.run import VerifyResult, run_verify, verify, verify_and_report
+from distmerge.verify.run import VerifyResult, verify, verify_and_report
 
-__all__ = ["VerifyOptions", "VerifyResult", "run_verify", "verify", "verify_and_report"]
+__all__ = ["VerifyOptions", "VerifyResult", "verify", "verify_and_report"]
 
 
 class _Package(types.ModuleType):

@@ -22,20 +22,18 @@ read one tensor at a time, pytorch_model*.bin with `torch.load(mmap=True, weight
 
 from __future__ import annotations
 
-import argparse
 import resource
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from distmerge.cli_options import base_model_dir, format_options, output_settings
-from distmerge.comm import Comm, process_group, resolve_device
+from distmerge.comm import Comm
 from distmerge.plan import natural_key
 from distmerge.verify.checkpoint import merges_in_memory, verify_checkpoint
 from distmerge.verify.compare import check_mine
 from distmerge.verify.listing import VerifyOptions, make_listing
-from distmerge.verify.report import Check, Criteria, LogitsCheck, print_report, report_json, write_json
+from distmerge.verify.report import Check, LogitsCheck, print_report, report_json, write_json
 from distmerge.verify.totals import totals, totals_json, totals_lines
 from distmerge.verify.two_checkpoints import reference_in_memory, verify_two_checkpoints
 
@@ -145,15 +143,3 @@ def _run_record(result: VerifyResult) -> dict:
     if result.reference_format is not None:
         run["reference_checkpoint"] = {"format": result.reference_format, "notes": list(result.reference_notes)}
     return run
-
-
-def run_verify(args: argparse.Namespace) -> int:
-    """`distmerge verify`: under torchrun or alone."""
-    # --dtype asks for the cast: values must equal the reference cast the same way (as merge --verify-against)
-    crit = Criteria(atol=args.atol, rtol=args.rtol, min_cosine=args.min_cosine, accept_cast=args.dtype != "keep")
-    opts = VerifyOptions(merged=args.merged, reference=args.reference, criteria=crit, logits=args.logits,
-                         json=args.json, quiet=args.quiet, format=args.format, hf_config=args.hf_config,
-                         format_options=format_options(args), base_model=base_model_dir(args),
-                         settings=output_settings(args), reference_hf_config=args.reference_hf_config)
-    with process_group(device=resolve_device(args.device), timeout_s=args.timeout) as comm:
-        return verify_and_report(opts, comm, plot=args.plot)

@@ -1,37 +1,167 @@
-"""A training-like job calling distmerge.merge on every rank (tests/test_api.py): the job starts gloo itself, and
-the merge must leave its group, GC, default dtype, RNG and environment as it found them."""
+"""A training-like job calling distmerge's API on every rank (tests/test_api.py; on a GPU, launch/gpu_check.sh):
+
+    python -m torch.distributed.run --nproc-per-node N tests/jobs/api_in_job.py CKPT OUT REFERENCE [gloo|nccl]
+
+The job starts its group itself (gloo on the CPU; NCCL on each rank's GPU) and takes a training step. Then, in the
+job's processes: distmerge.merge(CKPT, OUT/first); distmerge.verify(OUT/first, REFERENCE); a second merge into
+OUT/second with the other layout of groups (gloo: the gloo side group distmerge makes beside an NCCL group, forced
+by comm.SIDE_GROUP; NCCL: device='cpu', the fragments then in the side group too); distmerge.verify(CKPT,
+REFERENCE) of the checkpoint merged in memory. Each call must leave the process as it found it: no signal handler,
+the GC's state, default dtype, RNG states, environment, cwd, threads, open files, process groups, torch.cuda
+untouched on the CPU (current device and allocated memory on a GPU), no distmerge object or tensor left alive;
+every rank gets the same results; the job's group and its training steps work after it. Rank 0 prints one line
+per rank and exits 0 only when all of that holds.
+"""
 
 import gc
 import os
+import random
+import signal
 import sys
+import threading
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 import distmerge
+from distmerge import comm as dm_comm
+from distmerge import input_tree
 
 
-def main(checkpoint: str, output: str) -> None:
-    dist.init_process_group("gloo")
-    total = torch.ones(1)
-    dist.all_reduce(total)
+def state(device: torch.device) -> dict:
+    """What the job expects to find unchanged after a call."""
+    gc.collect()
+    found = {
+        "signals": {s: signal.getsignal(s) for s in signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP}},
+        "gc": (gc.isenabled(), gc.get_threshold()),
+        "frozen": gc.get_freeze_count(),  # compared apart: frozen objects that die leave the count
+        "dtype": torch.get_default_dtype(),
+        "rng": (torch.get_rng_state().numpy().tobytes(), random.getstate()),  # bytes: no tensor alive
+        "environ": dict(os.environ),
+        "cwd": os.getcwd(),
+        "threads": threading.active_count(),
+        "files": sorted(os.listdir("/proc/self/fd")),
+        "groups": len(distributed_c10d._world.pg_map),
+        "torch_threads": torch.get_num_threads(),
+        "cuda_initialized": torch.cuda.is_initialized(),
+        "distmerge_objects": sum(type(o).__module__.startswith("distmerge.") for o in gc.get_objects()),
+        "tensors": sum(isinstance(o, torch.Tensor) for o in gc.get_objects()),
+        "input_walks": sum(isinstance(o, input_tree.InputTree) for o in gc.get_objects()),
+    }
+    if device.type == "cuda":
+        found.update(cuda_device=torch.cuda.current_device(), cuda_rng=torch.cuda.get_rng_state().numpy().tobytes(),
+                     cuda_allocated=torch.cuda.memory_allocated())
+    return found
+
+
+def changed(before: dict, after: dict) -> list[str]:
+    """What differs; the frozen count may only shrink (a frozen object died), never grow (gc.freeze) or drop to 0
+    (gc.unfreeze)."""
+    differ = [f"{key}: {_shown(value, after[key])}" for key, value in before.items()
+              if key != "frozen" and value != after[key]]
+    if not 0 < after["frozen"] <= before["frozen"]:
+        differ.append(f"frozen: {before['frozen']} -> {after['frozen']}")
+    if after["input_walks"]:
+        differ.append(f"input walks held: {after['input_walks']}")
+    return differ
+
+
+def _shown(before, after) -> str:
+    if isinstance(before, dict):  # the entries that differ (signals, environ)
+        keys = sorted({*before, *after} - {k for k in before if k in after and before[k] == after[k]}, key=str)
+        before, after = ({k: d.get(k) for k in keys} for d in (before, after))
+    return f"{before!r:.200} -> {after!r:.200}"
+
+
+def train_step(model: torch.nn.Module, device: torch.device) -> float:
+    """One step of data-parallel training: forward, backward, the gradients all-reduced in the job's group."""
+    x = torch.ones(4, 8, device=device)
+    loss = model(x).square().mean()
+    loss.backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 0.1 * p.grad / dist.get_world_size()
+            p.grad = None
+    return float(loss)
+
+
+def merged_figures(r) -> tuple:
+    return r.tensors, r.files, r.total_bytes, r.processes
+
+
+def verdict(v) -> tuple:
+    return v.passed, [(c.name, c.passed, c.outcome) for c in v.checks], v.processes
+
+
+def same_on_every_rank(value) -> bool:
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, value)
+    return all(v == every[0] for v in every)
+
+
+# What imports make on the first call (the modules' tables, their tensors): checked from the second call on.
+ALLOCATIONS = ("distmerge_objects", "tensors", "cuda_allocated")
+
+
+def checked(call, device: torch.device, problems: list[str], what: str, *, warm: bool):
+    """call() -> its result's figures (plain values: the result itself is not counted as left alive)."""
+    before = state(device)
+    result = call()
+    after = state(device)
+    if not warm:
+        before = {k: v for k, v in before.items() if k not in ALLOCATIONS}
+    problems += [f"{what}: {line}" for line in changed(before, after)]
+    return result
+
+
+def main(checkpoint: str, output: str, reference: str, backend: str = "gloo") -> None:
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8).to(device)
+    first_loss = train_step(model, device)
     gc.freeze()
-    before = (gc.isenabled(), gc.get_freeze_count(), torch.get_default_dtype(), torch.get_rng_state().clone(),
-              dict(os.environ))
-    result = distmerge.merge(checkpoint, output)
-    after = (gc.isenabled(), gc.get_freeze_count(), torch.get_default_dtype(), torch.get_rng_state(),
-             dict(os.environ))
-    assert before[:3] == after[:3], (before[:3], after[:3])
-    assert torch.equal(before[3], after[3]), "RNG state changed"
-    assert before[4] == after[4], "environment changed"
-    assert dist.is_initialized()
-    again = torch.ones(1)
-    dist.all_reduce(again)  # the job's collectives still work
-    assert int(total) == int(again) == dist.get_world_size()
-    print(f"rank {dist.get_rank()}: merged {result.tensors} tensors into {len(result.files)} file(s) with "
-          f"{result.processes} processes; all_reduce after: {int(again)}", flush=True)
+    problems: list[str] = []
+
+    merged = checked(lambda: merged_figures(distmerge.merge(checkpoint, f"{output}/first")), device, problems,
+                     "merge", warm=False)
+    report = checked(lambda: verdict(distmerge.verify(f"{output}/first", reference)), device, problems, "verify",
+                     warm=False)
+    if backend == "gloo":
+        dm_comm.SIDE_GROUP = True  # the second merge: the group layout of an NCCL job, on the CPU
+    second = dict(device="cpu") if backend == "nccl" else {}
+    again = checked(lambda: merged_figures(distmerge.merge(checkpoint, f"{output}/second", **second)), device,
+                    problems, "merge 2", warm=True)
+    in_memory = checked(lambda: verdict(distmerge.verify(checkpoint, reference, **second)), device, problems,
+                        "verify 2", warm=True)
+    dm_comm.SIDE_GROUP = False
+
+    if not same_on_every_rank((merged, again, report, in_memory)) or merged != again:
+        problems.append("the results differ (between ranks, or between the two merges)")
+    if not (report[0] and in_memory[0]):
+        problems.append("verify failed")
+    if not dist.is_initialized():
+        problems.append("the job's group is gone")
+    later_loss = train_step(model, device)  # the job's collectives and training still work
+    tensors, files, _, processes = merged
+    line = (f"rank {dist.get_rank()}: merged {tensors} tensors into {len(files)} file(s) with {processes} "
+            f"processes, twice; verify passed {len(report[1])} + {len(in_memory[1])}; "
+            f"training step after: loss {first_loss:.4f} -> {later_loss:.4f}; "
+            + ("process unchanged" if not problems else "PROBLEMS: " + "; ".join(problems)))
+    lines = [None] * dist.get_world_size()
+    dist.all_gather_object(lines, line)
+    failed = any("PROBLEMS" in str(x) for x in lines)
+    if dist.get_rank() == 0:
+        print("\n".join(map(str, lines)), flush=True)
     dist.destroy_process_group()
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:5])

@@ -1,0 +1,303 @@
+"""The options of merge, verify and inspect, defined once: OPTIONS. Everything else derives from its rows or is
+checked against them (tests/test_options_agree.py):
+
+    argparse       cli_options.add_options: add_argument(*flags, dest=name, default, choices, metavar, help)
+    the API        distmerge.merge / distmerge.verify: keyword `name`, default `default` (its signature and
+                   docstring are made here: signature(), docstring()), the value checked and parsed as the
+                   command line parses it (from_keywords)
+    the request    api.merge_request / api.verify_request: the typed values, by name (the same for the CLI and
+                   the API), into engine.MergeOptions and verify.VerifyOptions
+    README.md      its options table lists each row's flags for its commands, and the default
+
+Adding an option is one row (a format's own options are rows of the format registry, put at FORMAT_OPTIONS).
+Light on purpose: the registry is imported only when the rows are first asked for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from distmerge.errors import InputError
+
+SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
+CAST_NAMES = ("keep", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32")
+COMMANDS = ("merge", "inspect", "verify")
+API = ("merge", "verify")  # the commands distmerge.api offers
+# How each kind of value is parsed on the command line, and how the API's signature spells it.
+KINDS = {"path": "str | os.PathLike", "size": "int | str", "float": "float", "text": "str", "switch": "bool",
+         "value": "int | str", "group": "torch.distributed.ProcessGroup"}
+
+
+def parse_size(text: str) -> int:
+    """'5GB' (decimal, like Hugging Face), '512MiB' (binary), or a plain number of bytes."""
+    m = SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 5GB, 500MB, 2GiB)")
+    unit = m[2].upper()
+    base = 1024 if "I" in unit else 1000
+    power = "BKMGT".index(unit[0]) if unit and unit[0] != "B" else 0
+    value = float(m[1]) * base**power
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"size must be at least 1 byte: {text!r}")
+    return int(value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Opt:
+    """One option of one or more commands."""
+
+    name: str  # the API's keyword, argparse's dest
+    flags: tuple[str, ...] = ()  # the command line's spelling (a bare name: positional); () the API's only
+    commands: tuple[str, ...]
+    group: str = ""  # input | output | run | "" (the command's own): the --help section (cli_options.TITLES)
+    kind: str = "text"  # a KINDS key
+    help: str = ""
+    default: Any = None  # as the command line spells it ("5GB"); None: not given
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+    required: bool = False  # the API takes it positionally
+    api: bool = True  # False: the command line's only (CLI_ONLY says why)
+    parse: Any = None  # kind "value": the format option's own parser (formats.base.FormatOption.parse)
+
+
+# The command line's options the API leaves out, and why (docs/api.md says the same).
+CLI_ONLY = {
+    "quiet": "progress=False is the API's default (progress=True prints)",
+    "debug": "the caller holds the exception and its traceback",
+    "json_summary": "the caller holds the MergeResult (report.summary_json)",
+    "verify_against": "call distmerge.verify() after distmerge.merge()",
+    "json": "inspect is the command line's only",
+}
+FORMAT, FORMAT_OPTIONS = "<format>", "<format options>"  # rows made from the format registry (rows())
+MERGE, ALL = ("merge",), COMMANDS
+RUN = ("merge", "verify")
+
+OPTIONS: tuple[Opt | str, ...] = (
+    # verify's own (ungrouped), in --help's order
+    Opt(name="merged", flags=("--merged",), commands=("verify",), kind="path", required=True, metavar="DIR",
+        help="merged model folder (model.safetensors.index.json or model.safetensors), or a training checkpoint to "
+             "merge in memory (nothing written)"),
+    Opt(name="reference", flags=("--reference",), commands=("verify",), kind="path", required=True, metavar="PATH",
+        help="reference: a Hugging Face folder (safetensors or pytorch_model*.bin, sharded or not) or one "
+             ".safetensors / .bin / .index.json file; or, when --merged is a checkpoint, another checkpoint (format "
+             "detected), merged in memory too"),
+    Opt(name="reference_hf_config", flags=("--reference-hf-config",), commands=("verify",), kind="path",
+        metavar="DIR", help="when --reference is a checkpoint: folder with its config.json (default: its own, as "
+                            "--hf-config for --merged)"),
+    Opt(name="atol", flags=("--atol",), commands=("verify",), kind="float", metavar="A",
+        help="absolute tolerance (allclose per element)"),
+    Opt(name="rtol", flags=("--rtol",), commands=("verify",), kind="float", metavar="R",
+        help="relative tolerance, times |reference|"),
+    Opt(name="min_cosine", flags=("--min-cosine",), commands=("verify",), kind="float", metavar="C",
+        help="least cosine similarity per tensor"),
+    Opt(name="logits", flags=("--logits",), commands=("verify",), kind="switch", default=False,
+        help="also run both models (transformers, rank 0) on fixed token ids; compare logits"),
+    Opt(name="json", flags=("--json",), commands=("verify",), kind="path", metavar="PATH",
+        help="write every tensor's figures as JSON"),
+    Opt(name="plot", flags=("--plot",), commands=("verify",), kind="path", metavar="PATH",
+        help="write a PNG of max rel diff and cosine by layer and kind (attention, MLP, norms, embeddings/head); "
+             "needs matplotlib: pip install 'distmerge[plot]'"),
+    # the input and how to read it
+    Opt(name="input", flags=("--input", "-i"), commands=MERGE, group="input", kind="path", required=True,
+        help="checkpoint folder (e.g. .../actor)"),
+    Opt(name="input", flags=("input",), commands=("inspect",), group="input", kind="path", required=True,
+        help="checkpoint folder (e.g. .../actor)"),
+    FORMAT,
+    Opt(name="hf_config", flags=("--hf-config",), commands=ALL, group="input", kind="path", metavar="DIR",
+        help="folder with config.json (default: huggingface/ inside the input, or beside it)"),
+    FORMAT_OPTIONS,
+    # what the merged model looks like
+    Opt(name="output", flags=("--output", "-o"), commands=MERGE, group="output", kind="path", required=True,
+        help="folder for the merged model"),
+    Opt(name="dtype", flags=("--dtype",), commands=ALL, group="output", default="keep", choices=CAST_NAMES,
+        help="cast floating tensors (default: keep the checkpoint's dtype)"),
+    Opt(name="max_shard_size", flags=("--max-shard-size",), commands=ALL, group="output", kind="size",
+        default="5GB", metavar="SIZE", help="largest output file (default 5GB; one file is named model.safetensors)"),
+    Opt(name="lora", flags=("--lora",), commands=ALL, group="output", default="auto",
+        choices=("auto", "adapter", "merge"),
+        help="LoRA checkpoints: base model + PEFT adapter (auto, adapter) or fused weights (merge)"),
+    Opt(name="lora_alpha", flags=("--lora-alpha",), commands=ALL, group="output", kind="float", metavar="ALPHA",
+        help="LoRA alpha when lora_train_meta.json is missing or wrong"),
+    Opt(name="base_model", flags=("--base-model",), commands=ALL, group="output", metavar="NAME_OR_DIR",
+        help="LoRA: the base model. A Hugging Face folder (config.json + safetensors): its weights complete a "
+             "LoRA-only save (base model + adapter, or fused with --lora merge). Any value: "
+             "base_model_name_or_path in adapter_config.json (default: the config's)"),
+    Opt(name="overwrite", flags=("--overwrite",), commands=MERGE, group="output", kind="switch", default=False,
+        help="replace model files in a non-empty output"),
+    Opt(name="resume", flags=("--resume",), commands=MERGE, group="output", kind="switch", default=False,
+        help="finish an interrupted merge: keep its completed files, redo the rest"),
+    Opt(name="checksum", flags=("--checksum",), commands=MERGE, group="output", kind="switch", default=False,
+        help="record each file's sha256 in distmerge.manifest.json (about 1 s per GB per process)"),
+    Opt(name="verify_against", flags=("--verify-against",), commands=MERGE, group="output", kind="path",
+        metavar="HF_DIR", api=False,
+        help="after the merge, run `verify --reference HF_DIR` in the same processes (bit-exact; a --dtype cast is "
+             "accepted); exit 1 if it fails"),
+    Opt(name="json", flags=("--json",), commands=("inspect",), kind="switch", default=False, api=False,
+        help="print JSON instead of a table"),
+    # how the processes run
+    Opt(name="device", flags=("--device",), commands=RUN, group="run", default="auto", choices=("auto", "cpu", "cuda"),
+        help="where tensors are moved and computed (auto: cuda if present)"),
+    Opt(name="timeout", flags=("--timeout",), commands=RUN, group="run", kind="float", default=600.0,
+        metavar="SECONDS", help="give up when another process is silent this long (default 600)"),
+    Opt(name="quiet", flags=("--quiet", "-q"), commands=RUN, group="run", kind="switch", default=False, api=False,
+        help="no progress and no summary"),
+    Opt(name="debug", flags=("--debug",), commands=ALL, group="run", kind="switch", default=False, api=False,
+        help="show tracebacks on errors"),
+    Opt(name="budget", flags=("--budget",), commands=RUN, group="run", kind="size", default="128MiB", metavar="SIZE",
+        help="bytes each process assembles per round (two rounds are in flight); bounds memory (default 128MiB)"),
+    Opt(name="json_summary", flags=("--json-summary",), commands=MERGE, group="run", kind="path", metavar="PATH",
+        api=False, help="also write the summary as JSON"),
+    # the API's own
+    Opt(name="progress", commands=RUN, kind="switch", default=False,
+        help="rank 0 prints the progress and the summary (verify: its report), as the command does; otherwise "
+             "nothing is printed and notes go to the `distmerge` logger"),
+    Opt(name="group", commands=RUN, kind="group",
+        help="the running job's process group to use (default: its default group when torch.distributed is "
+             "initialized); borrowed, never destroyed"),
+)
+
+
+@cache
+def rows(command: str) -> tuple[Opt, ...]:
+    """The command's options, in --help's order, the format registry's rows put in."""
+    out: list[Opt] = []
+    for row in OPTIONS:
+        if row == FORMAT:
+            out.append(_format_row())
+        elif row == FORMAT_OPTIONS:
+            out.extend(_format_option_rows())
+        else:
+            out.append(row)
+    return tuple(r for r in out if command in r.commands)
+
+
+def _format_row() -> Opt:
+    from distmerge.formats import registry
+
+    return Opt(name="format", flags=("--format",), commands=ALL, group="input", default="auto",
+               choices=tuple(registry.choices()), metavar="FORMAT", help=registry.help_text())
+
+
+def _format_option_rows() -> list[Opt]:
+    from distmerge.formats import registry
+
+    return [Opt(name=opt.dest, flags=(opt.flag,), commands=ALL, group="input", kind="value", parse=opt.parse,
+                metavar=opt.metavar, help=f"{opt.help} [{', '.join(names)}]") for opt, names in registry.options()]
+
+
+def format_option_names() -> tuple[str, ...]:
+    return tuple(r.name for r in _format_option_rows())
+
+
+def api_rows(command: str) -> tuple[Opt, ...]:
+    return tuple(r for r in rows(command) if r.api)
+
+
+def cli_rows(command: str) -> tuple[Opt, ...]:
+    return tuple(r for r in rows(command) if r.flags)
+
+
+# -- the API: signature, docstring, values --------------------------------------------------------------------
+
+
+def signature(command: str, returns: str):
+    """distmerge.<command>'s signature (inspect.Signature): the required options positionally, then every other one
+    by keyword."""
+    import inspect  # the API's alone: the command line starts without it
+
+    params = []
+    for row in sorted(api_rows(command), key=lambda r: not r.required):  # stable: --help's order otherwise
+        annotation = KINDS[row.kind] + (" | None" if row.default is None and not row.required else "")
+        kind = inspect.Parameter.POSITIONAL_OR_KEYWORD if row.required else inspect.Parameter.KEYWORD_ONLY
+        default = inspect.Parameter.empty if row.required else row.default
+        params.append(inspect.Parameter(row.name, kind, default=default, annotation=annotation))
+    return inspect.Signature(params, return_annotation=returns)
+
+
+def docstring(command: str, summary: str) -> str:
+    """`summary`, then each keyword with its command-line flag and help."""
+    lines = [summary, "", "Options (the command's: `distmerge " + command + " --help`):"]
+    for row in api_rows(command):
+        flag = f" ({row.flags[0]})" if row.flags else ""
+        lines.append(f"    {row.name}{flag}: {row.help}")
+    return "\n".join(lines)
+
+
+def from_keywords(command: str, given: dict[str, Any]) -> dict[str, Any]:
+    """The API's arguments as the command line's parsed values: every API option of `command`, the default where
+    not given. A bad value is an InputError naming the keyword; an unknown keyword a TypeError, as Python's."""
+    known = {r.name: r for r in api_rows(command)}
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        raise TypeError(f"distmerge.{command}() got unexpected keyword argument(s) {', '.join(unknown)}")
+    return {name: _value(row, given.get(name, row.default), given=name in given) for name, row in known.items()}
+
+
+def _value(row: Opt, value: Any, *, given: bool) -> Any:
+    if value is None:
+        if row.default is not None or row.required:
+            raise InputError(f"{row.name}=None: give a value (default {row.default!r})")
+        return None
+    try:
+        parsed = _parsed(row, value)
+    except (argparse.ArgumentTypeError, ValueError, TypeError) as err:
+        raise InputError(f"{row.name}={value!r}: {err}") from None
+    if row.choices is not None and parsed not in row.choices:
+        raise InputError(f"{row.name}={value!r}: choose one of {', '.join(row.choices)}")
+    return parsed
+
+
+def _parsed(row: Opt, value: Any) -> Any:
+    if row.kind == "group":
+        return value
+    if row.kind == "switch":
+        if not isinstance(value, bool):
+            raise TypeError("True or False")
+        return value
+    if row.kind == "path":
+        return Path(os.fspath(value))
+    if isinstance(value, bool):
+        raise TypeError(f"not a {row.kind}")
+    if row.kind == "size" and isinstance(value, int):
+        if value < 1:
+            raise ValueError("a size is at least 1 byte")
+        return value
+    if row.kind == "float":
+        return float(value)
+    if row.kind == "text":
+        return os.fspath(value) if isinstance(value, os.PathLike) else _text(value)
+    return (parse_size if row.kind == "size" else row.parse)(str(value))
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError("a string")
+    return value
+
+
+def from_namespace(args: argparse.Namespace, command: str) -> dict[str, Any]:
+    """The command line's parsed values of `command`'s options, by name."""
+    return {row.name: getattr(args, row.name) for row in cli_rows(command)}
+
+
+def parsed_default(row: Opt) -> Any:
+    """The default as parsed (argparse parses a string default with the option's type)."""
+    return None if row.default is None else _parsed(row, row.default)
+
+
+def given(values: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    """The options of `names` given (left out when None)."""
+    return {name: values[name] for name in names if values.get(name) is not None}
+
+
+def with_defaults(command: str, **values: Any) -> dict[str, Any]:
+    """Every option of `command` at its default, but `values` (typed): what a caller inside distmerge builds a
+    request from (verl's test, merge --verify-against)."""
+    out = {row.name: parsed_default(row) for row in rows(command)}
+    return {**out, **values}
