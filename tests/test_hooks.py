@@ -152,29 +152,3 @@ def test_nothing_outside_the_hooks_imports_them():
                    for i in imports(path, set(mods)) if i.startswith("distmerge.hooks"))
     assert users == []
 
-
-def test_a_job_not_on_gloo_gets_one_gloo_side_group(ds_ckpts, tmp_path, monkeypatch):
-    """An NCCL job (here a real one-rank gloo group that says it runs nccl: no GPU in CI) merges over a gloo
-    side group, made once for all the callback's merges, and the job's own group is left up."""
-    import torch.distributed as dist
-    from transformers import TrainerControl, TrainerState
-
-    from distmerge.hooks.hf_trainer import DistmergeCallback
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        backend = dist.get_backend
-        monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl" if group is None else backend(group))
-        run = ds_ckpts["ds_trainer_z2_w2"]
-        callback = DistmergeCallback(tmp_path / "merged" / "step-{step}", every_save=True)
-        args = SimpleNamespace(output_dir=str(run))
-        for i in range(2):  # the same save twice, into two folders: the side group is made once
-            callback.on_save(args, TrainerState(global_step=2, max_steps=2), TrainerControl())
-            side = callback._side_group
-            assert side is not None and backend(side) == "gloo"
-            (tmp_path / "merged" / "step-2").rename(tmp_path / f"merged-{i}")
-        assert callback._side_group is side and dist.is_initialized()
-        assert merge_inproc("--input", run / "checkpoint-2", "--output", tmp_path / "cli") == 0
-        assert tree_bytes(tmp_path / "merged-1") == tree_bytes(tmp_path / "cli")
-    finally:
-        dist.destroy_process_group()

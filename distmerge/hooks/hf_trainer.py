@@ -66,7 +66,8 @@ class DistmergeCallback(TrainerCallback):
 
     `output`: with every_save, a pattern with `{step}` (e.g. "merged/step-{step}"); it may hold `{step}` anyway.
     `options`: those of distmerge.merge (dtype, max_shard_size, budget, overwrite, progress, ...). Every rank of the
-    Trainer runs the merge over the job's group (a gloo side group when the job runs NCCL). `results`: step ->
+    Trainer runs the merge over the job's group (with NCCL: fragments on the GPU, a gloo side group of the API's
+    for the small messages). `results`: step ->
     MergeResult. A failed merge raises its DistmergeError on every rank, and training stops there.
     """
 
@@ -81,7 +82,6 @@ class DistmergeCallback(TrainerCallback):
         self.options = options
         self.results: dict[int, MergeResult] = {}
         self._saved: int | None = None  # the step of the newest save seen
-        self._side_group: Any = None
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._saved = state.global_step
@@ -95,7 +95,7 @@ class DistmergeCallback(TrainerCallback):
 
     def _merge(self, args: Any, step: int, model: Any, processing_class: Any) -> None:
         checkpoint = Path(args.output_dir) / f"checkpoint-{step}"
-        group = self._group()
+        group = None  # the job's default group; with NCCL the API adds its own gloo side group (Comm.borrow)
         _barrier(group)  # every rank has finished the Trainer's save (rank 0 writes config.json, latest last)
         save = which_save(checkpoint)
         if save.input is None:
@@ -117,17 +117,6 @@ class DistmergeCallback(TrainerCallback):
                     shutil.rmtree(config_dir, ignore_errors=True)
         log.info("distmerge: merged %s (%s) into %s: %d tensors", checkpoint, save.kind, output, result.tensors)
         self.results[step] = result
-
-    def _group(self) -> Any:
-        """None (the default group, or no group at all), or a gloo side group when the job's group is not gloo:
-        distmerge's collectives move CPU tensors. Made once, by every rank (dist.new_group is collective)."""
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()) or "gloo" in str(dist.get_backend()):
-            return None
-        if self._side_group is None:
-            self._side_group = dist.new_group(backend="gloo")
-        return self._side_group
 
 
 def _rank(group: Any) -> int:
