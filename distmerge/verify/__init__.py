@@ -10,6 +10,7 @@
     run.py      the phases (the command: cli.py over api.py)
 """
 
+import inspect
 import sys
 import types
 
@@ -27,6 +28,12 @@ class _Package(types.ModuleType):
         from distmerge.api import verify as api_verify
 
         return api_verify(merged, reference, **options)
+
+    @property
+    def __signature__(self):  # help() and inspect.signature show the API's generated signature
+        from distmerge.api import verify as api_verify
+
+        return inspect.signature(api_verify)
 
 
 sys.modules[__name__].__class__ = _Package
