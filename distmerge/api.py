@@ -34,8 +34,8 @@ LORA_MODES = ("auto", "adapter", "merge")
 
 
 def merge(input: str | os.PathLike, output: str | os.PathLike, *, format: str = "auto",
-          hf_config: str | os.PathLike | None = None, dtype: str = "keep", max_shard_size: Size = "5GB",
-          budget: Size = "128MiB", lora: str = "auto", lora_alpha: float | None = None,
+          hf_config: str | os.PathLike | None = None, dtype: str = "keep", quantize: str | None = None,
+          max_shard_size: Size = "5GB", budget: Size = "128MiB", lora: str = "auto", lora_alpha: float | None = None,
           base_model: str | os.PathLike | None = None, overwrite: bool = False, resume: bool = False,
           checksum: bool = False, iteration: Option = None, step: Option = None, tag: Option = None,
           weights: Option = None, device: str = "auto", timeout: float = 600.0, progress: bool = False,
@@ -48,7 +48,8 @@ def merge(input: str | os.PathLike, output: str | os.PathLike, *, format: str = 
 
     opts = MergeOptions(input=Path(input), output=Path(output), format=_format(format), hf_config=_path(hf_config),
                         format_options=_format_options(iteration=iteration, step=step, tag=tag, weights=weights),
-                        settings=_settings(output, dtype, max_shard_size, budget, lora, lora_alpha, base_model),
+                        settings=_settings(output, dtype, max_shard_size, budget, lora, lora_alpha, base_model,
+                                           quantize),
                         base_model=_base_dir(base_model), overwrite=overwrite, resume=resume, checksum=checksum)
     with job_group(device, timeout, group) as comm:
         result = run_merge(opts, comm, Progress(enabled=progress and comm.rank == 0))
@@ -63,11 +64,11 @@ def verify(merged: str | os.PathLike, reference: str | os.PathLike, *, atol: flo
            rtol: float | None = None, min_cosine: float | None = None, logits: bool = False,
            json: str | os.PathLike | None = None, plot: str | os.PathLike | None = None,
            reference_hf_config: str | os.PathLike | None = None, format: str = "auto",
-           hf_config: str | os.PathLike | None = None, dtype: str = "keep", max_shard_size: Size = "5GB",
-           budget: Size = "128MiB", lora: str = "auto", lora_alpha: float | None = None,
-           base_model: str | os.PathLike | None = None, iteration: Option = None, step: Option = None,
-           tag: Option = None, weights: Option = None, device: str = "auto", timeout: float = 600.0,
-           progress: bool = False, group: Any = None):
+           hf_config: str | os.PathLike | None = None, dtype: str = "keep", quantize: str | None = None,
+           max_shard_size: Size = "5GB", budget: Size = "128MiB", lora: str = "auto",
+           lora_alpha: float | None = None, base_model: str | os.PathLike | None = None, iteration: Option = None,
+           step: Option = None, tag: Option = None, weights: Option = None, device: str = "auto",
+           timeout: float = 600.0, progress: bool = False, group: Any = None):
     """Compare `merged` (a merged model, or a checkpoint merged in memory) with `reference`, as `distmerge verify`
     does. Returns the VerifyResult (`.passed`, `.checks`); a failed comparison is a result, not an error.
     `json`, `plot`: written by rank 0; the report is printed only with `progress=True`."""
@@ -80,7 +81,8 @@ def verify(merged: str | os.PathLike, reference: str | os.PathLike, *, atol: flo
                          json=_path(json), quiet=False, format=_format(format), hf_config=_path(hf_config),
                          format_options=_format_options(iteration=iteration, step=step, tag=tag, weights=weights),
                          base_model=_base_dir(base_model), reference_hf_config=_path(reference_hf_config),
-                         settings=_settings(Path(), dtype, max_shard_size, budget, lora, lora_alpha, base_model))
+                         settings=_settings(Path(), dtype, max_shard_size, budget, lora, lora_alpha, base_model,
+                                            quantize))
     with job_group(device, timeout, group) as comm:
         result = verify_and_write(opts, comm, plot=_path(plot), show=progress)
     for note in result.notes:
@@ -150,13 +152,15 @@ def _format_options(**given: Option) -> dict[str, Any]:
 
 
 def _settings(output, dtype: str, max_shard_size: Size, budget: Size, lora: str, lora_alpha: float | None,
-              base_model) -> Any:
-    from distmerge.cli_options import CAST_NAMES, parse_size
+              base_model, quantize: str | None = None) -> Any:
+    from distmerge.cli_options import CAST_NAMES, QUANTIZE_CHOICES, parse_size
     from distmerge.families.base import LoraOptions
     from distmerge.prepare import OutputSettings
 
     _choose("dtype", dtype, CAST_NAMES)
     _choose("lora", lora, LORA_MODES)
+    if quantize is not None:
+        _choose("quantize", quantize, tuple(QUANTIZE_CHOICES))
 
     def size(name: str, value: Size) -> int:
         if isinstance(value, int) and not isinstance(value, bool):
@@ -165,7 +169,7 @@ def _settings(output, dtype: str, max_shard_size: Size, budget: Size, lora: str,
             return value
         return _parsed(name, parse_size, value)
 
-    return OutputSettings(dtype=dtype, max_shard_bytes=size("max_shard_size", max_shard_size),
+    return OutputSettings(dtype=dtype, quantize=quantize, max_shard_bytes=size("max_shard_size", max_shard_size),
                           budget_bytes=size("budget", budget), output=Path(output),
                           lora=LoraOptions(mode=lora, alpha=lora_alpha,
                                            base_model=None if base_model is None else str(base_model)))

@@ -27,6 +27,10 @@ def parse_size(text: str) -> int:
 
 
 CAST_NAMES = ["keep", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32"]
+# --quantize: each choice and what it writes (fp8.SCHEMES)
+QUANTIZE_CHOICES = {"fp8-block": "DeepSeek-V3/Qwen3-FP8 layout, float32 scale per 128x128 block (quant_method fp8)",
+                    "fp8-channel": "compressed-tensors layout, float32 scale per output channel (needs "
+                                   "compressed-tensors)"}
 
 
 def add_input_options(parser: argparse.ArgumentParser, *, positional: bool = False, with_input: bool = True,
@@ -57,6 +61,10 @@ def add_output_options(parser: argparse.ArgumentParser, *, with_folder: bool = T
         group.add_argument("--output", "-o", type=Path, required=True, help="folder for the merged model")
     group.add_argument("--dtype", choices=CAST_NAMES, default="keep",
                        help="cast floating tensors (default: keep the checkpoint's dtype)")
+    group.add_argument("--quantize", choices=list(QUANTIZE_CHOICES), metavar="SCHEME",
+                       help="write the linear weights of attention and MLP blocks in FP8, quantized from the merged "
+                            "tensors: " + "; ".join(f"{k}: {v}" for k, v in QUANTIZE_CHOICES.items())
+                            + " (docs/quantize.md)")
     group.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"), metavar="SIZE",
                        help="largest output file (default 5GB; one file is named model.safetensors)")
     group.add_argument("--lora", choices=["auto", "adapter", "merge"], default="auto",
@@ -109,4 +117,5 @@ def output_settings(args: argparse.Namespace):
 
     return OutputSettings(dtype=args.dtype, max_shard_bytes=args.max_shard_size,
                           budget_bytes=getattr(args, "budget", 2**62), output=getattr(args, "output", None) or Path(),
+                          quantize=args.quantize,
                           lora=LoraOptions(mode=args.lora, alpha=args.lora_alpha, base_model=args.base_model))
