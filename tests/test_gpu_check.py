@@ -19,7 +19,8 @@ from distmerge.errors import DistmergeError, InputError
 from tests.conftest import REPO
 
 SCRIPT = REPO / "launch" / "gpu_check.sh"
-DRY_CASES = ["fsdp2_llama_shard1_w4", "dcp_llama_wrapped_w4", "megatron_tp2pp2", "bench"]
+DRY_CASES = ["fsdp2_llama_shard1_w4", "fsdp2_llama_shard1_w4.fp8-block", "dcp_llama_wrapped_w4", "megatron_tp2pp2",
+             "bench"]
 
 
 def fixture_root(ckpts: dict[str, Path]) -> Path:
@@ -55,6 +56,8 @@ def test_dry_run_passes_and_prints_each_comparison(dry_run):
         assert (work / "out" / f"{case}.cpu-path" / "model.safetensors.index.json").is_file()
     assert out.count("verify: PASS") == len(DRY_CASES), out
     assert "verify   bench on cpu/gloo x2: verify: PASS" in out
+    assert "FP8 weights within the FP8 bound" in out  # the --quantize case, verified against its trained weights
+    assert "vllm     skipped in a dry run" in out
     assert "== timings" in out and "gpu_check: PASS" in out
     assert "nvidia-smi" not in out and "NVIDIA-SMI" not in out
 
