@@ -53,10 +53,10 @@ class Scheme:
         """(float8_e4m3fn weight, float32 scales), on the weight's device."""
         w = weight.to(torch.float32)
         if self.block is None:
-            scale = _scale(w.abs().amax(dim=1, keepdim=True))
+            scale = _scale(_amax(w, (1,)))
             return _cast(w / scale), scale
         blocks = _blocks(w, self.block)  # (R, b0, C, b1), zero-padded at the edges
-        scale = _scale(blocks.abs().amax(dim=(1, 3)))
+        scale = _scale(_amax(blocks, (1, 3)))
         q = _cast(blocks / scale[:, None, :, None])
         rows, cols = w.shape
         return q.reshape(blocks.shape[0] * blocks.shape[1], -1)[:rows, :cols].contiguous(), scale
@@ -73,13 +73,20 @@ class Scheme:
         return q.to(torch.float32) * self.expand(scale.to(torch.float32), tuple(q.shape))
 
 
+def _amax(w: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """max |w| over dims, as max(max w, -min w): the same value without an |w| temporary (keepdim for rows)."""
+    keep = len(dims) == 1
+    return torch.maximum(w.amax(dim=dims, keepdim=keep), w.amin(dim=dims, keepdim=keep).neg_())
+
+
 def _scale(amax: torch.Tensor) -> torch.Tensor:
     scale = amax / FP8_MAX
     return torch.where(scale == 0, torch.full_like(scale, ZERO_SCALE), scale)
 
 
 def _cast(scaled: torch.Tensor) -> torch.Tensor:
-    return scaled.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    """`scaled` is a temporary of the caller's: clamped in place."""
+    return scaled.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
 def _blocks(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:

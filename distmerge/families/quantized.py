@@ -53,9 +53,8 @@ def quantize(result: FamilyResult, scheme: str, traits: ModelTraits, config: dic
                          "block (distmerge/families/quantized.py lists them); merge without --quantize")
     kept = _unconverted(targets, traits, config)
     quantized = fp8.Quantized(scheme=scheme, unconverted=kept)
-    note = (f"--quantize {scheme}: {count} linear weights in float8_e4m3fn with float32 "
-            f"{fp8.SCHEMES[scheme].scale_suffix.lstrip('_')} ({fp8.SCHEMES[scheme].layout}); "
-            f"{len(kept)} linear layers kept in the merge's dtype ({', '.join(kept[:4])}{', ...' * (len(kept) > 4)})")
+    note = (f"--quantize {scheme}: {count} linear weights in float8_e4m3fn ({fp8.SCHEMES[scheme].layout}); "
+            f"{len(kept)} modules kept in the merge's dtype ({', '.join(kept[:4])}{', ...' * (len(kept) > 4)})")
     return replace(result, units=units, notes=[*result.notes, note]), quantized
 
 
