@@ -47,8 +47,8 @@ log = logging.getLogger("distmerge")
 # run_merge, verify_and_write, the command line), and what the request's computed fields are made of.
 RUNNING = frozenset({"device", "timeout", "progress", "group", "quiet", "debug", "json_summary", "verify_against",
                      "plot"})
-COMPUTED = frozenset({"dtype", "max_shard_size", "budget", "lora", "lora_alpha", "base_model", "atol", "rtol",
-                      "min_cosine"})
+COMPUTED = frozenset({"dtype", "quantize", "max_shard_size", "budget", "lora", "lora_alpha", "base_model", "atol",
+                      "rtol", "min_cosine"})
 
 
 def merge(input: str | os.PathLike, output: str | os.PathLike, **kwargs: Any) -> MergeResult:

@@ -73,5 +73,6 @@ def output_settings(values: Mapping[str, Any]):
     base_model = values["base_model"]
     return OutputSettings(dtype=values["dtype"], max_shard_bytes=values["max_shard_size"],
                           budget_bytes=values.get("budget", 2**62), output=values.get("output") or Path(),
+                          quantize=values["quantize"],
                           lora=LoraOptions(mode=values["lora"], alpha=values["lora_alpha"],
                                            base_model=None if base_model is None else str(base_model)))

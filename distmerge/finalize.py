@@ -8,7 +8,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from distmerge import dtypes, input_tree
+from distmerge import dtypes, fp8, input_tree
 from distmerge.output_files import INDEX_NAME, MODEL_FILES, atomic_write_text
 from distmerge.plan import Plan
 from distmerge.resume import write_manifest
@@ -18,11 +18,13 @@ SKIP_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 
 
 def main_dtype(plan: Plan) -> str | None:
-    """The floating dtype holding most bytes: what config.json should announce."""
+    """The floating dtype holding most bytes: what config.json should announce. FP8 weights do not count: their
+    config's dtype is the one of the tensors left unquantized, which loaders dequantize into (DeepSeek-V3's says
+    bfloat16)."""
     by_bytes: Counter[str] = Counter()
     for f in plan.model_files:
         for t in f.targets:
-            if dtypes.is_float(t.dtype):
+            if dtypes.is_float(t.dtype) and t.dtype != fp8.FP8:
                 by_bytes[t.dtype] += t.nbytes
     return by_bytes.most_common(1)[0][0] if by_bytes else None
 
@@ -83,7 +85,8 @@ def finalize(out: Path, plan: Plan, config: dict[str, Any], hf_dir: Path, skip: 
         write_extra_files(out, plan)
         return []
     copied = copy_hf_files(hf_dir, out, skip)
-    write_config(out, {**config, **plan.config_updates}, main_dtype(plan))
+    quantization = {"quantization_config": plan.quantized.config()} if plan.quantized else {}
+    write_config(out, {**config, **plan.config_updates, **quantization}, main_dtype(plan))
     remove_strays(out, plan)
     write_extra_files(out, plan)
     write_manifest(out, plan)

@@ -27,6 +27,10 @@ from distmerge.errors import InputError
 
 SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
 CAST_NAMES = ("keep", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32")
+# --quantize: each choice and what it writes (fp8.SCHEMES)
+QUANTIZE_CHOICES = {"fp8-block": "DeepSeek-V3/Qwen3-FP8 layout, float32 scale per 128x128 block (quant_method fp8)",
+                    "fp8-channel": "compressed-tensors layout, float32 scale per output channel (needs "
+                                   "compressed-tensors)"}
 COMMANDS = ("merge", "inspect", "verify")
 API = ("merge", "verify")  # the commands distmerge.api offers
 # How each kind of value is parsed on the command line, and how the API's signature spells it.
@@ -117,6 +121,9 @@ OPTIONS: tuple[Opt | str, ...] = (
         help="folder for the merged model"),
     Opt(name="dtype", flags=("--dtype",), commands=ALL, group="output", default="keep", choices=CAST_NAMES,
         help="cast floating tensors (default: keep the checkpoint's dtype)"),
+    Opt(name="quantize", flags=("--quantize",), commands=ALL, group="output", choices=tuple(QUANTIZE_CHOICES),
+        metavar="SCHEME", help="write the linear weights of attention and MLP blocks in FP8, quantized from the "
+        "merged tensors: " + "; ".join(f"{k}: {v}" for k, v in QUANTIZE_CHOICES.items()) + " (docs/quantize.md)"),
     Opt(name="max_shard_size", flags=("--max-shard-size",), commands=ALL, group="output", kind="size",
         default="5GB", metavar="SIZE", help="largest output file (default 5GB; one file is named model.safetensors)"),
     Opt(name="lora", flags=("--lora",), commands=ALL, group="output", default="auto",

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from itertools import product
 from operator import attrgetter
 
-from distmerge import dtypes, spread
+from distmerge import dtypes, fp8, spread
 from distmerge.errors import LayoutError
 from distmerge.families.base import SourceMeta, Target, Unit
 from distmerge.formats.base import Fragment, InputFile
@@ -63,6 +63,7 @@ class Plan:
     extra_files: dict[str, dict] = field(default_factory=dict)  # relative path -> JSON, written by finalize
     notes: tuple[str, ...] = ()  # what the family decided (e.g. where a LoRA adapter went)
     config_updates: dict = field(default_factory=dict)  # config.json keys the family sets (written by finalize)
+    quantized: fp8.Quantized | None = None  # --quantize: the scheme, for config.json's quantization_config
 
     @property
     def total_bytes(self) -> int:

@@ -21,7 +21,7 @@ from distmerge import plan as planning
 from distmerge.discover import Discovery
 from distmerge.dtypes import CAST_CHOICES
 from distmerge.errors import InputError
-from distmerge.families.base import FamilyContext, LoraOptions, claim
+from distmerge.families.base import FamilyContext, LoraOptions, claim, quantize
 from distmerge.formats.base import BASE_MODEL_PREFIX, Fragment
 from distmerge.plan import Plan
 
@@ -35,6 +35,7 @@ class OutputSettings:
     budget_bytes: int = 128 * 2**20
     lora: LoraOptions = field(default_factory=LoraOptions)
     output: Path = Path()
+    quantize: str | None = None  # a --quantize choice (fp8.SCHEMES): linear weights in FP8
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,6 +70,9 @@ def prepare_merge(found: Discovery, fragments: list[Fragment], world: int, setti
     ctx = FamilyContext(config=found.config, cast=CAST_CHOICES[settings.dtype], hints=scan.hints, lora=settings.lora,
                         output=str(Path(settings.output).resolve()), base_weights=base)
     result = family.units(metas, ctx)
+    quantized = None
+    if settings.quantize:  # after the family: its targets carry Hugging Face names, which the table matches
+        result, quantized = quantize(result, settings.quantize, family.traits(found.config), found.config)
     if base and not any(s.startswith(BASE_MODEL_PREFIX) for u in result.units for s in u.sources):
         result = replace(result, notes=[*result.notes, "--base-model: the folder's weights were not needed (the "
                                                        "checkpoint holds its own), none was read"])
@@ -83,5 +87,6 @@ def prepare_merge(found: Discovery, fragments: list[Fragment], world: int, setti
         notes=tuple(result.notes),
         hosts=hosts,
     )
-    plan = replace(plan, config_updates=dict(result.config_updates))  # finalize writes them into config.json
+    # finalize writes them into config.json, and the quantization_config when quantized
+    plan = replace(plan, config_updates=dict(result.config_updates), quantized=quantized)
     return Prepared(plan=plan, left_out=dict(result.left_out), must_equal=tuple(result.must_equal))

@@ -90,6 +90,7 @@ def output_options(settings: OutputSettings, fmt: str, format_options: dict[str,
         "--base-model": settings.lora.base_model,
         "config.json": hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest(),
         **flags,
+        **({"--quantize": settings.quantize} if settings.quantize else {}),  # absent before --quantize existed
     }
     return json.loads(json.dumps(options, default=str))  # as run.json will read back
 

@@ -9,6 +9,8 @@ from collections.abc import Callable
 
 import torch
 
+from distmerge import dtypes, fp8
+
 Transform = Callable[..., list[torch.Tensor]]
 
 
@@ -122,6 +124,26 @@ def copies(sources: list[torch.Tensor], of: str, count: int, **params: object) -
     return [out] * count
 
 
+def quantized(sources: list[torch.Tensor], inner: str, inner_params: tuple[tuple[str, object], ...], scheme: str,
+              weights: tuple[tuple[int, str], ...]) -> list[torch.Tensor]:
+    """`inner`'s targets with some weights in FP8 (--quantize, fp8.py), each followed by its scales:
+
+        inner(sources) = [t0, t1, t2]   weights ((1, "BF16"),)   ->   [t0, fp8(t1), scale(t1), t2]
+
+    A weight is first cast to the dtype it would have had unquantized (the merge's --dtype), so the FP8 output is
+    the quantization of the model the same merge writes without --quantize. On the device the unit was assembled on.
+    """
+    out = TRANSFORMS[inner](sources, **dict(inner_params))
+    dtype_of = dict(weights)
+    result: list[torch.Tensor] = []
+    for i, tensor in enumerate(out):
+        if i in dtype_of:
+            result.extend(fp8.SCHEMES[scheme].quantize(tensor.to(dtypes.torch_dtype(dtype_of[i]))))
+        else:
+            result.append(tensor)
+    return result
+
+
 TRANSFORMS: dict[str, Transform] = {
     "identity": identity,
     "lora_fuse": lora_fuse,
@@ -132,6 +154,7 @@ TRANSFORMS: dict[str, Transform] = {
     "with_zero_bias": with_zero_bias,
     "mla_rope_halves": mla_rope_halves,
     "copies": copies,
+    "quantized": quantized,
 }
 
 

@@ -14,6 +14,8 @@
 # for byte, and run `distmerge verify --device cuda` of the big GPU output against the CPU one. Prints each
 # step's time and nvidia-smi (before, and GPU memory at its peak). Also the API inside a running job (step 2b):
 # distmerge.merge / verify on the job's own NCCL group with a gloo side group, compared with the CPU merge.
+# FP8 cases (--quantize) check that the quantized bytes are the same on the GPU as on the CPU; when vLLM is
+# installed, the benchmark checkpoint merged with --quantize (both layouts) is loaded by vLLM (launch/vllm_fp8.py).
 # Exit 0 when everything is identical and passes, 1 on any difference or failed step, 2 when it cannot run
 # (no CUDA, bad arguments).
 #
@@ -175,12 +177,14 @@ built() {  # KIND PID: wait for a background build (they all started at once)
 # -- 2. merge each checkpoint on both paths, compare --------------------------------------------------------
 # kind case [merge options]: what each case exercises on the GPU path is in docs/gpu.md.
 if [ "$DRY" = 1 ]; then
-  CASES=("fsdp fsdp2_llama_shard1_w4" "dcp dcp_llama_wrapped_w4" "megatron megatron_tp2pp2")
+  CASES=("fsdp fsdp2_llama_shard1_w4" "fsdp fsdp2_llama_shard1_w4 --quantize fp8-block" "dcp dcp_llama_wrapped_w4"
+         "megatron megatron_tp2pp2")
 else
   CASES=("fsdp fsdp2_llama_shard1_w4" "fsdp fsdp2_llama_bf16_w4" "fsdp fsdp2_llama_hsdp_2x2"
          "fsdp fsdp2_qwen2_tied_w4 --dtype bf16" "fsdp fsdp2_llama_lora_w2 --lora merge"
          "dcp dcp_llama_wrapped_w4" "dcp dcp_llama_hfwriter_w4"
-         "megatron megatron_tp2pp2" "megatron megatron_moe_tp2ep2" "megatron megatron_dist_qwen3_tp2")
+         "megatron megatron_tp2pp2" "megatron megatron_moe_tp2ep2" "megatron megatron_dist_qwen3_tp2"
+         "fsdp fsdp2_llama_bf16_w4 --quantize fp8-block" "megatron megatron_moe_tp2ep2 --quantize fp8-channel")
 fi
 
 gpu_path() {  # NAME OUT NPROC ARGS...: torchrun on the path under test
@@ -200,31 +204,33 @@ check_case() {  # KIND CASE [OPTIONS...]
   if [ "$kind" = megatron ]; then opts+=(--hf-config "$ref/huggingface"); fi
   # --lora merge is PEFT's fuse, not bit-equal to the saved merge_and_unload (1e-6): compared by bytes only.
   if [[ " ${opts[*]} " != *" --lora merge "* ]]; then against=(--verify-against "$ref/model.safetensors"); fi
-  local cpu_out=$WORK/out/$case.cpu-path gpu_out=$WORK/out/$case.gpu-path log=$WORK/logs/$case.gpu-path.log
+  local name=$case  # a case merged with --quantize X is named CASE.X: its outputs sit beside the plain ones
+  if [[ " ${opts[*]} " == *" --quantize "* ]]; then name="$case.$(sed 's/.* --quantize \([^ ]*\).*/\1/' <<<" ${opts[*]} ")"; fi
+  local cpu_out=$WORK/out/$name.cpu-path gpu_out=$WORK/out/$name.gpu-path log=$WORK/logs/$name.gpu-path.log
   rm -rf "$cpu_out"
-  timed "$case cpu x1" "$WORK/logs/$case.cpu-path.log" "$PY" -m distmerge merge -i "$ckpt" -o "$cpu_out" \
+  timed "$name cpu x1" "$WORK/logs/$name.cpu-path.log" "$PY" -m distmerge merge -i "$ckpt" -o "$cpu_out" \
     --device cpu "${opts[@]}" || { FAILED=1; return; }
   # More processes than GPUs is a probe: recent NCCL refuses two ranks on one GPU, which ends the run with
   # distmerge's "NCCL could not start" line (or, should NCCL fail another way, some NCCL message).
   local probing=0 status=0
   if [ "$DEV" = cuda ] && [ "$NPROC" -gt "$GPUS" ]; then probing=1; fi
-  QUIET_FAILURE=$probing gpu_path "$case" "$gpu_out" "$NPROC" merge -i "$ckpt" -o "$gpu_out" "${opts[@]}" \
+  QUIET_FAILURE=$probing gpu_path "$name" "$gpu_out" "$NPROC" merge -i "$ckpt" -o "$gpu_out" "${opts[@]}" \
     "${against[@]}" || status=$?
   if [ "$status" -ne 0 ] && [ "$probing" = 1 ] && grep -qi "nccl" "$log"; then
     say "note     NCCL refused $NPROC processes on $GPUS GPU(s): $(grep -i -m 1 'nccl' "$log" | cut -c1-300)"
     NPROC=$GPUS
     say "note     going on with $NPROC process(es): no NCCL exchange is checked (docs/gpu.md)"
     status=0
-    gpu_path "$case" "$gpu_out" "$NPROC" merge -i "$ckpt" -o "$gpu_out" "${opts[@]}" "${against[@]}" || status=$?
+    gpu_path "$name" "$gpu_out" "$NPROC" merge -i "$ckpt" -o "$gpu_out" "${opts[@]}" "${against[@]}" || status=$?
   elif [ "$status" -ne 0 ] && [ "$probing" = 1 ]; then
-    show_failure "$case $(label "$NPROC")" "$status" "$log"
+    show_failure "$name $(label "$NPROC")" "$status" "$log"
   fi
   if [ "$status" -ne 0 ]; then FAILED=1; return; fi
   local summary verdict
   summary=$(grep -m 1 '^distmerge: ' "$log" | sed 's/ -> .*//' || true)
   verdict=$(grep -m 1 '^verify: ' "$log" || echo "verify: not run (bytes compared only)")
   say "merge    $case [${opts[*]}]: ${summary#distmerge: }; $verdict"
-  compare_folders "$case ($(label "$NPROC") vs cpu x1)" "$gpu_out" "$cpu_out" || FAILED=1
+  compare_folders "$name ($(label "$NPROC") vs cpu x1)" "$gpu_out" "$cpu_out" || FAILED=1
 }
 
 for kind in fsdp dcp megatron; do
@@ -279,6 +285,26 @@ if timed "bench cpu x1" "$WORK/logs/bench.cpu-path.log" "$PY" -m distmerge merge
   fi
 else
   FAILED=1
+fi
+
+# -- 3b. FP8 for serving: the benchmark checkpoint merged in bf16 with --quantize on the path under test, loaded
+# by vLLM when it is installed (its FP8 kernels want dimensions in whole 128-blocks: the fixtures' are smaller)
+if [ "$DRY" = 1 ]; then
+  say "vllm     skipped in a dry run: vLLM serves FP8 on the GPU"
+elif ! "$PY" -c 'import vllm' >/dev/null 2>&1; then
+  say "vllm     not installed in $PY: the vLLM load of the FP8 outputs is skipped (pip install vllm to add it)"
+else
+  for spec in "fp8-block fp8" "fp8-channel compressed-tensors"; do
+    read -r scheme method <<<"$spec"
+    FP8_OUT=$WORK/out/bench.$scheme
+    if gpu_path "bench.$scheme" "$FP8_OUT" "$NPROC" merge -i "$BENCH" -o "$FP8_OUT" --dtype bf16 --quantize "$scheme" &&
+       timed "vllm load bench.$scheme" "$WORK/logs/bench.$scheme.vllm.log" "$PY" launch/vllm_fp8.py "$FP8_OUT" \
+         "$method"; then
+      say "vllm     bench.$scheme: $(grep -m 1 '^vllm loaded' "$WORK/logs/bench.$scheme.vllm.log" | sed 's/^vllm //')"
+    else
+      FAILED=1
+    fi
+  done
 fi
 
 # -- 4. timings, GPU memory, verdict ------------------------------------------------------------------------

@@ -20,7 +20,8 @@ from distmerge.errors import DistmergeError, InputError
 from tests.conftest import REPO
 
 SCRIPT = REPO / "launch" / "gpu_check.sh"
-DRY_CASES = ["fsdp2_llama_shard1_w4", "dcp_llama_wrapped_w4", "megatron_tp2pp2", "bench"]
+DRY_CASES = ["fsdp2_llama_shard1_w4", "fsdp2_llama_shard1_w4.fp8-block", "dcp_llama_wrapped_w4", "megatron_tp2pp2",
+             "bench"]
 
 
 def fixture_root(ckpts: dict[str, Path]) -> Path:
@@ -61,6 +62,8 @@ def test_dry_run_passes_and_prints_each_comparison(dry_run):
                      r"unchanged$", out, re.MULTILINE), out
     for how in ("cpu/gloo x2", "side group"):
         assert f"compare  in-job fsdp2_llama_shard1_w4 ({how} vs cpu x1): IDENTICAL" in out, out
+    assert "FP8 weights within the FP8 bound" in out  # the --quantize case, verified against its trained weights
+    assert "vllm     skipped in a dry run" in out
     assert "== timings" in out and "gpu_check: PASS" in out
     assert "nvidia-smi" not in out and "NVIDIA-SMI" not in out
 

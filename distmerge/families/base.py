@@ -210,6 +210,23 @@ def register(family: Family) -> Family:
     return family
 
 
+# --quantize: rewrites any family's result (families/quantized.py registers itself, as the families do)
+Quantizer = Callable[[FamilyResult, str, ModelTraits, dict[str, Any]], tuple[FamilyResult, Any]]
+QUANTIZERS: list[Quantizer] = []
+
+
+def register_quantizer(quantizer: Quantizer) -> Quantizer:
+    QUANTIZERS[:] = [quantizer]
+    return quantizer
+
+
+def quantize(result: FamilyResult, scheme: str, traits: ModelTraits, config: dict[str, Any]) -> tuple[
+        FamilyResult, Any]:
+    """The family's result with the linear weights in FP8 (`scheme`: a --quantize choice), and the fp8.Quantized
+    record config.json's quantization_config is made from."""
+    return QUANTIZERS[0](result, scheme, traits, config)
+
+
 def claim(names: Collection[str], config: dict[str, Any], hints: Hints, *, skip: Family | None = None) -> Family:
     """The family for these tensors; `skip` lets a wrapping family (LoRA) find the one it wraps."""
     for family in REGISTERED:

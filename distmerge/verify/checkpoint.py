@@ -32,16 +32,18 @@ from pathlib import Path
 import torch
 
 from distmerge import discover as disc
+from distmerge import dtypes
 from distmerge import plan as planning
 from distmerge.comm import Comm
 from distmerge.engine import plan_checkpoint, run_rounds
 from distmerge.errors import InputError
+from distmerge.finalize import main_dtype
 from distmerge.formats import registry
 from distmerge.plan import Plan
 from distmerge.prepare import OutputSettings
 from distmerge.reader import Reader
 from distmerge.report import Progress
-from distmerge.verify.compare import compare_tensors
+from distmerge.verify.compare import compare_quantized, compare_tensors
 from distmerge.verify.listing import Listing, VerifyOptions, pair_sides
 from distmerge.verify.report import Check, Criteria
 from distmerge.verify.sides import LAYOUTS, Loc, Side, TensorFiles, open_side
@@ -52,7 +54,8 @@ MODEL_MARKS = (*(name for _, index, single in LAYOUTS for name in (index, single
 # VerifyOptions fields that shape a merge, by the flags that set them: given with a finished model, a mistake.
 MERGE_FLAGS = {"format": "--format", "hf_config": "--hf-config", "format_options": "the format's own options",
                "base_model": "--base-model"}
-SETTING_FLAGS = {"dtype": "--dtype", "max_shard_bytes": "--max-shard-size", "budget_bytes": "--budget",
+SETTING_FLAGS = {"dtype": "--dtype", "quantize": "--quantize", "max_shard_bytes": "--max-shard-size",
+                 "budget_bytes": "--budget",
                  "lora": "--lora, --lora-alpha or --base-model"}
 
 
@@ -121,7 +124,11 @@ def _pair(plan: Plan, config: dict, opts: VerifyOptions) -> Listing:
         raise InputError(f"{opts.merged} holds a LoRA adapter only: verify compares model weights; pass --base-model "
                          "DIR (the base model's folder) so that the model is made")
     reference = open_side(Path(opts.reference), role="reference", allow_torch=True)
-    return pair_sides(planned_side(plan, Path(opts.merged)), reference, config)
+    if not plan.quantized:
+        return pair_sides(planned_side(plan, Path(opts.merged)), reference, config)
+    # FP8 weights are compared dequantized; what they were quantized from is the dtype config.json would announce
+    config = {**config, "torch_dtype": dtypes.hf_dtype_name(main_dtype(plan) or "F32")}
+    return pair_sides(planned_side(plan, Path(opts.merged)), reference, config, quantized=plan.quantized.scheme)
 
 
 def planned_side(plan: Plan, path: Path) -> Side:
@@ -146,10 +153,12 @@ class CompareSink:
     takes_bytes = False  # every target is built as a tensor, never copied into a file (assemble.TargetOut)
 
     def __init__(self, listing: Listing, crit: Criteria, device: torch.device) -> None:
-        self.side, self.crit, self.device = listing.merged, crit, device
+        self.listing, self.side, self.crit, self.device = listing, listing.merged, crit, device
         self.pairs = defaultdict(list)
         for pair in listing.pairs:
             self.pairs[pair.merged_name].append(pair)
+        self.scale_of = {pair.scale: pair for pair in listing.pairs if pair.scale}  # merge --quantize
+        self.waiting: dict[str, torch.Tensor] = {}  # FP8 weights until their scales (next in the unit) are built
         self.reference = TensorFiles(listing.reference)
         self.checks: list[Check] = []
 
@@ -161,7 +170,14 @@ class CompareSink:
 
     def write(self, name: str, tensor: torch.Tensor) -> int:
         file = self.side.files[self.side.tensors[name].file]
+        if (quantized := self.scale_of.get(name)) is not None:
+            weight, reference = self.waiting.pop(quantized.merged_name), self.reference.get(quantized.reference_name)
+            self.checks.append(compare_quantized(quantized, weight, tensor, reference, file, self.crit, self.device,
+                                                 self.listing.quantized or "", self.listing.model_dtype))
         for pair in self.pairs.get(name, ()):
+            if pair.scale:
+                self.waiting[name] = tensor
+                continue
             reference = self.reference.get(pair.reference_name)
             self.checks.append(compare_tensors(pair, tensor, reference, file, self.crit, self.device))
         return tensor.numel() * tensor.element_size()

@@ -8,7 +8,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from distmerge import families  # noqa: F401  (imports every family module, which registers itself)
+from distmerge import (
+    dtypes,
+    families,  # noqa: F401  (imports every family module, which registers itself)
+    fp8,
+)
 from distmerge.errors import ConfigError
 from distmerge.families import hub_names, mtp
 from distmerge.families.base import ModelTraits, claim
@@ -63,6 +67,7 @@ class Pair:
     merged_name: str  # differs from `name` only for a tied head: the embedding the model re-uses
     reference_name: str
     note: str = ""
+    scale: str = ""  # an FP8 weight's scale tensor on the merged side: the weight is compared dequantized
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,6 +79,8 @@ class Listing:
     hub_rules: hub_names.Rules = ()  # a vision-language model's module <-> hub name prefixes (hub_names.py)
     pairs: tuple[Pair, ...]
     settled: tuple[Check, ...]  # decided from the headers alone (missing, extra, shape)
+    quantized: str | None = None  # the merged model's FP8 layout (fp8.SCHEMES), from its quantization_config
+    model_dtype: str | None = None  # its config.json's dtype: what its FP8 weights were quantized from
 
 
 def make_listing(opts: VerifyOptions) -> Listing:
@@ -83,14 +90,18 @@ def make_listing(opts: VerifyOptions) -> Listing:
     return pair_sides(merged, reference, config)
 
 
-def pair_sides(merged: Side, reference: Side, config: dict | None) -> Listing:
-    """`config`: the merged model's config.json (None: there is none, so nothing says a head is tied)."""
+def pair_sides(merged: Side, reference: Side, config: dict | None, quantized: str | None = None) -> Listing:
+    """`config`: the merged model's config.json (None: there is none, so nothing says a head is tied); `quantized`:
+    the FP8 layout of its weights (default: what config.json's quantization_config says)."""
     traits = claim(list(merged.tensors), config or {}, Hints()).traits(config or {})
     ties = config is not None and traits.ties(config)  # no config.json: nothing says the head is tied
     # Both sides under the names save_pretrained writes (a reference saved with the module's names of a
     # vision-language model pairs with the merged hub names), each mapped back to the side's own name.
     rules = hub_names.rules_for(config or {})
-    on_merged = {hub_names.to_hub(n, rules): n for n in merged.tensors}
+    scheme = fp8.SCHEMES[quantized] if quantized else fp8.scheme_of(config or {})
+    scales = _scales(merged, scheme) if scheme else {}  # weight -> its scale: one name, compared dequantized
+    scale_names = set(scales.values())
+    on_merged = {hub_names.to_hub(n, rules): n for n in merged.tensors if n not in scale_names}
     on_reference = {hub_names.to_hub(n, rules): n for n in reference.tensors}
     tied = _tied(traits, rules, {*on_merged, *on_reference}) if ties else {}
     pairs, settled = [], []
@@ -108,11 +119,24 @@ def pair_sides(merged: Side, reference: Side, config: dict | None) -> Listing:
             continue
         m, r = merged.tensors[pair.merged_name], reference.tensors[pair.reference_name]
         if m.shape == r.shape:
-            pairs.append(pair)
+            pairs.append(replace(pair, scale=scales.get(pair.merged_name, "")))
         else:
             settled.append(_settled(name, merged, reference, "shape", _shape_reason(m.shape, r.shape), pair))
     return Listing(merged=merged, reference=reference, traits=traits, ties=ties, hub_rules=rules, pairs=tuple(pairs),
-                   settled=tuple(settled))
+                   settled=tuple(settled), quantized=scheme.name if scheme else None,
+                   model_dtype=_dtype_code((config or {}).get("torch_dtype") or (config or {}).get("dtype")))
+
+
+def _scales(side: Side, scheme: fp8.Scheme) -> dict[str, str]:
+    """FP8 weights with their scale tensor beside them."""
+    return {w: s for s in side.tensors if s.endswith(scheme.scale_suffix)
+            and (w := s.removesuffix(scheme.scale_suffix)) in side.tensors and side.tensors[w].dtype == fp8.FP8}
+
+
+def _dtype_code(name: object) -> str | None:
+    """config.json's dtype name ("bfloat16") as a safetensors code."""
+    codes = {dtypes.hf_dtype_name(c): c for c in ("BF16", "F16", "F32", "F64")}
+    return codes.get(name) if isinstance(name, str) else None
 
 
 def _merged_config(path: Path) -> dict | None:

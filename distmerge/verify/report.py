@@ -81,6 +81,7 @@ class Check:
     bit_exact: bool = False
     note: str = ""
     figures: Figures | None = None
+    fp8_bound: float | None = None  # an FP8 weight (fp8_compare.py): the largest error / the FP8 bound, <= 1 passes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,6 +155,7 @@ def tally(checks: list[Check]) -> dict[str, int]:
         "failed": sum(not c.passed for c in checks),
         "bit_exact": sum(c.outcome == "bit-exact" and not c.note for c in checks),
         "within_tolerance": sum(c.outcome == "within tolerance" and not c.note for c in checks),
+        "within_fp8_bound": sum(c.passed and c.fp8_bound is not None and not c.note for c in checks),
         "tied_heads": sum(bool(c.note) for c in checks),
         "cast": sum(bool(c.cast) for c in checks),
         "not_in_reference": sum(c.passed and c.outcome == "not in reference" for c in checks),
@@ -165,6 +167,10 @@ def _pass_detail(checks: list[Check]) -> str:
     parts = [f"{counts['bit_exact']} bit-exact"] if counts["bit_exact"] else []
     if counts["within_tolerance"]:
         parts.append(f"{counts['within_tolerance']} within tolerance")
+    if counts["within_fp8_bound"]:
+        worst = max(c.fp8_bound for c in checks if c.fp8_bound is not None)
+        parts.append(f"{counts['within_fp8_bound']} FP8 weights within the FP8 bound, dequantized (at most "
+                     f"{fmt(worst)} of it)")
     if counts["not_in_reference"]:
         parts.append(f"{counts['not_in_reference']} not in the reference: its multi-token-prediction layer")
     tied = [c.name for c in checks if c.note]

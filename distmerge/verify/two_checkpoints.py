@@ -65,6 +65,9 @@ def reference_in_memory(opts: VerifyOptions, merged_is_checkpoint: bool) -> bool
 
 def verify_two_checkpoints(opts: VerifyOptions, comm: Comm) -> Compared:
     """Collective (see the module docstring): every rank calls it and gets the same records."""
+    if opts.settings.quantize:  # the same options apply to both sides: the reference would be quantized too
+        raise InputError("--quantize compares FP8 weights with a full-precision reference: pass a Hugging Face folder "
+                         "as --reference (merge the reference checkpoint first), not a second checkpoint")
     found_a = comm.root_only(lambda: disc.discover(disc.check_input(opts.merged), opts.format, opts.hf_config,
                                                    opts.format_options, opts.base_model))
     found_b = comm.root_only(lambda: disc.discover(disc.check_input(opts.reference), "auto", opts.reference_hf_config,

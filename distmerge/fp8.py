@@ -1,0 +1,152 @@
+"""FP8 weights, the two layouts `--quantize` writes: each a pure function of the merged tensor.
+
+    fp8-block    DeepSeek-V3 / Qwen3-FP8: float8_e4m3fn weight, float32 `<name>_scale_inv` per 128 x 128 block
+                 (ceil division: edge blocks are partial), config `quant_method: fp8`; transformers, vLLM and
+                 SGLang read it
+    fp8-channel  compressed-tensors' float-quantized layout (llm-compressor's FP8_DYNAMIC): float8_e4m3fn weight,
+                 float32 `<name>_scale` of shape [rows, 1], config `quant_method: compressed-tensors`
+
+Both follow the published recipe (DeepSeek-V3's fp8 weight_dequant, compressed-tensors' calculate_qparams):
+
+    w32   = weight in float32 (exact from bf16/fp16/fp32)
+    scale = amax(|w32| over the block or row) / 448      (448: float8_e4m3fn's largest value; an all-zero block
+                                                           takes float32's eps, as compressed-tensors does)
+    q     = clamp(w32 / scale, -448, 448) cast to float8_e4m3fn   (torch's cast: round to nearest even)
+    w    ~= q * scale
+
+amax, one IEEE division and the cast give the same bits on any CPU and GPU, so the output is byte-identical for
+every N and device. A dequantized element is within 2^-4 |w| (3 mantissa bits, round to nearest) or, below the
+normal range, 2^-10 * scale of w: `bound` is that, per element, what `verify` checks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FP8 = "F8_E4M3"  # the safetensors code of the quantized weights
+SCALE = "F32"
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+ZERO_SCALE = torch.finfo(torch.float32).eps  # the scale of an all-zero block or row (no division by zero)
+REL_BOUND, SUBNORMAL_BOUND = 2.0**-4, 2.0**-10  # half a unit in the last place: normal values, subnormals
+BLOCK = (128, 128)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scheme:
+    name: str  # the --quantize choice
+    scale_suffix: str  # the scale tensor is `<weight name><scale_suffix>`
+    block: tuple[int, int] | None  # rows x columns per scale; None: one scale per row (per output channel)
+    layout: str  # what it is, for --help and the docs
+
+    def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, int]:
+        rows, cols = shape
+        if self.block is None:
+            return (rows, 1)
+        return (-(-rows // self.block[0]), -(-cols // self.block[1]))
+
+    def scale_name(self, name: str) -> str:
+        return name + self.scale_suffix
+
+    def quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(float8_e4m3fn weight, float32 scales), on the weight's device."""
+        w = weight.to(torch.float32)
+        if self.block is None:
+            scale = _scale(_amax(w, (1,)))
+            return _cast(w / scale), scale
+        blocks = _blocks(w, self.block)  # (R, b0, C, b1), zero-padded at the edges
+        scale = _scale(_amax(blocks, (1, 3)))
+        q = _cast(blocks / scale[:, None, :, None])
+        rows, cols = w.shape
+        return q.reshape(blocks.shape[0] * blocks.shape[1], -1)[:rows, :cols].contiguous(), scale
+
+    def expand(self, scale: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        """Each element's scale: the scale grid repeated over its blocks (cut at the edges) or rows."""
+        if self.block is None:
+            return scale.expand(shape)
+        rows, cols = shape
+        return scale.repeat_interleave(self.block[0], 0)[:rows].repeat_interleave(self.block[1], 1)[:, :cols]
+
+    def dequantize(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """float32 q * scale."""
+        return q.to(torch.float32) * self.expand(scale.to(torch.float32), tuple(q.shape))
+
+
+def _amax(w: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """max |w| over dims, as max(max w, -min w): the same value without an |w| temporary (keepdim for rows)."""
+    keep = len(dims) == 1
+    return torch.maximum(w.amax(dim=dims, keepdim=keep), w.amin(dim=dims, keepdim=keep).neg_())
+
+
+def _scale(amax: torch.Tensor) -> torch.Tensor:
+    scale = amax / FP8_MAX
+    return torch.where(scale == 0, torch.full_like(scale, ZERO_SCALE), scale)
+
+
+def _cast(scaled: torch.Tensor) -> torch.Tensor:
+    """`scaled` is a temporary of the caller's: clamped in place."""
+    return scaled.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def _blocks(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    rows, cols = w.shape
+    r, c = -(-rows // block[0]), -(-cols // block[1])
+    if (r * block[0], c * block[1]) != (rows, cols):  # zeros change no block's amax
+        w = torch.nn.functional.pad(w, (0, c * block[1] - cols, 0, r * block[0] - rows))
+    return w.reshape(r, block[0], c, block[1])
+
+
+def bound(reference: torch.Tensor, scale: torch.Tensor, cast_unit: float = 0.0) -> torch.Tensor:
+    """The largest |dequantized - reference| the recipe allows per element (float32): the FP8 rounding of the
+    weight, plus `cast_unit` |reference| when the weight was first cast to a narrower dtype (bf16: 2^-9), with
+    a little room for the float32 division and product."""
+    r = reference.abs().to(torch.float32)
+    return (r * (REL_BOUND * (1 + cast_unit) + cast_unit) + SUBNORMAL_BOUND * scale) * (1 + 2.0**-20)
+
+
+def unit_roundoff(code: str) -> float:
+    """Half the spacing of the floating dtype at 1 (bf16 2^-9, fp16 2^-11, fp32 2^-24)."""
+    mantissa = {"BF16": 7, "F16": 10, "F32": 23, "F64": 52}.get(code)
+    return 0.0 if mantissa is None else 2.0 ** -(mantissa + 1)
+
+
+SCHEMES: dict[str, Scheme] = {
+    "fp8-block": Scheme(name="fp8-block", scale_suffix="_scale_inv", block=BLOCK,
+                        layout="DeepSeek-V3 / Qwen3-FP8: 128x128 blocks, float32 weight_scale_inv"),
+    "fp8-channel": Scheme(name="fp8-channel", scale_suffix="_scale", block=None,
+                          layout="compressed-tensors float-quantized: one float32 weight_scale per output row"),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Quantized:
+    """What the plan says about a quantized output: the scheme, and the modules whose weights stay in the merge's
+    dtype (2-D weights the family table leaves alone, and heads the model re-creates from a tied embedding)."""
+
+    scheme: str
+    unconverted: tuple[str, ...]
+
+    def config(self) -> dict:
+        """config.json's quantization_config (compressed-tensors' through its own classes: imported only here)."""
+        if self.scheme == "fp8-block":
+            return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                    "weight_block_size": list(BLOCK), "modules_to_not_convert": list(self.unconverted)}
+        from distmerge import fp8_compressed
+
+        return fp8_compressed.config(list(self.unconverted))
+
+
+def scheme_of(config: dict) -> Scheme | None:
+    """The scheme of a folder's config.json quantization_config, when it is one distmerge writes."""
+    quant = config.get("quantization_config") if isinstance(config, dict) else None
+    if not isinstance(quant, dict):
+        return None
+    if quant.get("quant_method") == "fp8" and list(quant.get("weight_block_size") or ()) == list(BLOCK):
+        return SCHEMES["fp8-block"]
+    if quant.get("quant_method") == "compressed-tensors" and quant.get("format") == "float-quantized":
+        groups = quant.get("config_groups") or {}
+        weights = [g.get("weights") or {} for g in groups.values() if isinstance(g, dict)]
+        if weights and all(w.get("strategy") == "channel" and w.get("num_bits") == 8 for w in weights):
+            return SCHEMES["fp8-channel"]
+    return None

@@ -1,0 +1,65 @@
+"""config.json's quantization_config of `--quantize fp8-channel`, made by the compressed-tensors library's own
+classes (an optional extra: `pip install distmerge[fp8]`). Imported only by fp8.Quantized.config, on rank 0 when
+finalize writes config.json: the import alone costs seconds (it imports transformers).
+
+The scheme is compressed-tensors' FP8_DYNAMIC preset (what llm-compressor writes for it): per-channel float8 weights,
+static, symmetric, and per-token float8 activations quantized at run time, stored in the float-quantized format.
+The wrapper keys are the ones its ModelCompressor.update_config writes (tests/test_quantize.py checks the two agree).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from distmerge.errors import DistmergeError
+
+INSTALL = "pip install 'distmerge[fp8]' (or compressed-tensors)"
+
+
+def config(ignore: list[str]) -> dict[str, Any]:
+    """`ignore`: the Linear modules whose weights stay in the merge's dtype."""
+    try:
+        import compressed_tensors
+        import torch
+        from compressed_tensors.base import (
+            COMPRESSION_VERSION_NAME,
+            QUANTIZATION_METHOD,
+            QUANTIZATION_METHOD_NAME,
+            SPARSITY_CONFIG_NAME,
+            TRANSFORM_CONFIG_NAME,
+        )
+        from compressed_tensors.config import CompressionFormat
+        from compressed_tensors.quantization import (
+            QuantizationArgs,
+            QuantizationConfig,
+            QuantizationScheme,
+            QuantizationStatus,
+            QuantizationStrategy,
+            QuantizationType,
+        )
+    except ImportError:
+        raise DistmergeError(f"--quantize fp8-channel writes compressed-tensors' layout and needs the library: "
+                             f"{INSTALL}") from None
+    weights = QuantizationArgs(num_bits=8, type=QuantizationType.FLOAT, strategy=QuantizationStrategy.CHANNEL,
+                               symmetric=True, dynamic=False, scale_dtype=torch.float32)
+    activations = QuantizationArgs(num_bits=8, type=QuantizationType.FLOAT, strategy=QuantizationStrategy.TOKEN,
+                                   symmetric=True, dynamic=True)
+    scheme = QuantizationScheme(targets=["Linear"], weights=weights, input_activations=activations)
+    quant = QuantizationConfig(config_groups={"group_0": scheme}, format=CompressionFormat.float_quantized.value,
+                               quantization_status=QuantizationStatus.COMPRESSED, ignore=ignore)
+    return {
+        COMPRESSION_VERSION_NAME: compressed_tensors.__version__,
+        QUANTIZATION_METHOD_NAME: QUANTIZATION_METHOD,
+        SPARSITY_CONFIG_NAME: {},
+        TRANSFORM_CONFIG_NAME: {},
+        **quant.model_dump(exclude=["quant_method"]),
+    }
+
+
+def require() -> None:
+    """Fails early (at planning, on every rank) when the library is missing, before anything is written."""
+    import importlib.util
+
+    if importlib.util.find_spec("compressed_tensors") is None:
+        raise DistmergeError(f"--quantize fp8-channel writes compressed-tensors' layout and needs the library: "
+                             f"{INSTALL}")
