@@ -25,11 +25,8 @@ merged folder gives: the same checks, figures and file names (the files merge wo
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass, fields
 from pathlib import Path
-
-import torch
 
 from distmerge import discover as disc
 from distmerge import plan as planning
@@ -41,10 +38,10 @@ from distmerge.plan import Plan
 from distmerge.prepare import OutputSettings
 from distmerge.reader import Reader
 from distmerge.report import Progress
-from distmerge.verify.compare import compare_tensors
 from distmerge.verify.listing import Listing, VerifyOptions, pair_sides
-from distmerge.verify.report import Check, Criteria
+from distmerge.verify.report import Check
 from distmerge.verify.sides import LAYOUTS, Loc, Side, TensorFiles, open_side
+from distmerge.verify.stream import StreamSink
 
 # What marks a finished model (save_pretrained's or a merge's), and the model files of a merge that did not finish
 # (verify refuses that folder by name, as before, instead of trying it as a checkpoint).
@@ -102,11 +99,13 @@ def verify_checkpoint(opts: VerifyOptions, comm: Comm) -> Compared:
         # rank may take any unit when whole files cannot balance the work (spread.py).
         plan = plan_checkpoint(found, reader, comm, opts.settings, host=lambda: "")
         listing = comm.root_only(lambda: _pair(plan, {**found.config, **plan.config_updates}, opts))
-        sink = CompareSink(listing, opts.criteria, comm.device)
+        todo = _compared_units(plan, listing)
+        reference = TensorFiles(listing.reference)
+        sink = StreamSink(todo, listing, reference, streamed="merged", crit=opts.criteria, device=comm.device)
         try:
-            run_rounds(_compared_units(plan, listing), comm, reader, sink, Progress(enabled=False))
+            run_rounds(todo, comm, reader, sink, Progress(enabled=False))
         finally:
-            sink.close()
+            reference.close()
         per_rank = comm.gather(lambda: sink.checks)
     finally:
         reader.close()
@@ -137,35 +136,3 @@ def _compared_units(plan: Plan, listing: Listing) -> Plan:
     wanted = {p.merged_name for p in listing.pairs}
     keep = {i for i, u in enumerate(plan.units) if any(t.name in wanted for t in u.targets)}
     return planning.only_units(plan, keep)
-
-
-class CompareSink:
-    """verify's sink (sink.Sink): each target this rank assembles is compared, once built, with the reference
-    tensors paired with it (two for an embedding the model also uses as its tied head), then dropped."""
-
-    takes_bytes = False  # every target is built as a tensor, never copied into a file (assemble.TargetOut)
-
-    def __init__(self, listing: Listing, crit: Criteria, device: torch.device) -> None:
-        self.side, self.crit, self.device = listing.merged, crit, device
-        self.pairs = defaultdict(list)
-        for pair in listing.pairs:
-            self.pairs[pair.merged_name].append(pair)
-        self.reference = TensorFiles(listing.reference)
-        self.checks: list[Check] = []
-
-    def output(self, unit: int) -> CompareSink:
-        return self
-
-    def round_done(self) -> None:
-        """Nothing to complete: each target was compared as it was built."""
-
-    def write(self, name: str, tensor: torch.Tensor) -> int:
-        file = self.side.files[self.side.tensors[name].file]
-        for pair in self.pairs.get(name, ()):
-            reference = self.reference.get(pair.reference_name)
-            self.checks.append(compare_tensors(pair, tensor, reference, file, self.crit, self.device))
-        return tensor.numel() * tensor.element_size()
-
-    def close(self) -> None:
-        self.reference.close()
-

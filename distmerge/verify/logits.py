@@ -19,7 +19,7 @@ import torch
 
 from distmerge import dtypes
 from distmerge.families import hub_names
-from distmerge.verify.compare import figures
+from distmerge.verify.blocks import figures
 from distmerge.verify.listing import Listing, VerifyOptions
 from distmerge.verify.report import Figures, LogitsCheck, judge
 from distmerge.verify.sides import TensorFiles
@@ -42,8 +42,8 @@ def compare_logits(listing: Listing, opts: VerifyOptions, device: torch.device) 
     with torch.no_grad():
         got, want = merged(ids.to(device)).logits, reference(ids.to(device)).logits
     crit = opts.criteria
-    figs = figures(got, want, *crit.band())
-    passed, _, reason = judge(dtype="", ref_dtype="", exact=torch.equal(got, want), figs=figs, crit=crit)
+    exact, figs = figures(got, want, *crit.band())
+    passed, _, reason = judge(dtype="", ref_dtype="", exact=exact, figs=figs, crit=crit)
     note = f"the reference's weights in the merged model's architecture, both in {dtypes.hf_dtype_name(dtype)}"
     values = listing.traits.outputs == "values"  # a value head: one number per token, no distribution to compare
     if values:

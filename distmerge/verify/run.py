@@ -32,6 +32,7 @@ from pathlib import Path
 from distmerge.cli_options import base_model_dir, format_options, output_settings
 from distmerge.comm import Comm, process_group, resolve_device
 from distmerge.plan import natural_key
+from distmerge.verify.blocks import one_thread
 from distmerge.verify.checkpoint import merges_in_memory, verify_checkpoint
 from distmerge.verify.compare import check_mine
 from distmerge.verify.listing import VerifyOptions, make_listing
@@ -65,6 +66,11 @@ def verify(opts: VerifyOptions, comm: Comm) -> VerifyResult:
     `opts.merged` a finished model: its files are compared with the reference. A checkpoint (anything `merge`
     reads): merged in memory with the merge options in `opts` (format, hf_config, format_options, base_model,
     settings) and compared, nothing written (verify/checkpoint.py). The records are the same either way."""
+    with one_thread():
+        return _verify(opts, comm)
+
+
+def _verify(opts: VerifyOptions, comm: Comm) -> VerifyResult:
     start = time.perf_counter()
     merged_ckpt, reference_ckpt = comm.root_only(lambda: _kinds(opts))
     if merged_ckpt:

@@ -28,7 +28,6 @@ count both sides), plus the held targets of one round.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -42,10 +41,10 @@ from distmerge.plan import Plan
 from distmerge.reader import Reader
 from distmerge.report import Progress
 from distmerge.verify.checkpoint import Compared, planned_side
-from distmerge.verify.compare import compare_tensors
 from distmerge.verify.components import comparison_plans
 from distmerge.verify.listing import Listing, VerifyOptions, pair_sides
-from distmerge.verify.report import Check, Criteria
+from distmerge.verify.report import Criteria
+from distmerge.verify.stream import StreamSink
 
 
 def reference_in_memory(opts: VerifyOptions, merged_is_checkpoint: bool) -> bool:
@@ -79,7 +78,7 @@ def verify_two_checkpoints(opts: VerifyOptions, comm: Comm) -> Compared:
         todo_a, todo_b = comm.agree(lambda: comparison_plans(plan_a, plan_b, pairs, comm.world,
                                                              opts.settings.budget_bytes))
         held = HoldSink()
-        sink = PairedSink(listing, opts.criteria, comm.device, held)
+        sink = PairedSink(todo_b, listing, opts.criteria, comm.device, held)
         run_in_lockstep((Work(todo=todo_a, reader=reader_a, sink=held), Work(todo=todo_b, reader=reader_b, sink=sink)),
                         comm, Progress(enabled=False))
         per_rank = comm.gather(lambda: sink.checks)
@@ -103,7 +102,7 @@ def _pair(plan_a: Plan, plan_b: Plan, config: dict, opts: VerifyOptions) -> List
 
 class HoldSink:
     """The --merged side's sink (sink.Sink): each target its owner builds is kept until the reference's targets of
-    the same round arrive (PairedSink drops them at the round's end)."""
+    the same round arrive (PairedSink drops them at the round's end); read a block at a time (stream.Blocks)."""
 
     takes_bytes = False  # every target is built as a tensor (assemble.TargetOut)
 
@@ -117,32 +116,22 @@ class HoldSink:
         """Nothing yet: the reference's half of the round follows."""
 
     def write(self, name: str, tensor: torch.Tensor) -> int:
-        self.held[name] = tensor
+        self.held[name] = tensor.reshape(-1)
         return tensor.numel() * tensor.element_size()
 
+    def read(self, name: str, start: int, count: int) -> torch.Tensor:
+        return self.held[name][start : start + count]
 
-class PairedSink:
-    """The --reference side's sink: each target built is compared with the held merged targets paired with it
-    (two when one side ties its head to the embedding), then dropped; the held ones at the round's end."""
 
-    takes_bytes = False
+class PairedSink(StreamSink):
+    """The --reference side's sink: each target, as its bytes arrive or once built, compared block by block with
+    the held merged targets paired with it (two when one side ties its head to the embedding); the held ones are
+    dropped at the round's end."""
 
-    def __init__(self, listing: Listing, crit: Criteria, device: torch.device, held: HoldSink) -> None:
-        self.side, self.crit, self.device, self.held = listing.merged, crit, device, held
-        self.pairs = defaultdict(list)
-        for pair in listing.pairs:
-            self.pairs[pair.reference_name].append(pair)
-        self.checks: list[Check] = []
-
-    def output(self, unit: int) -> PairedSink:
-        return self
+    def __init__(self, plan: Plan, listing: Listing, crit: Criteria, device: torch.device, held: HoldSink) -> None:
+        super().__init__(plan, listing, held, streamed="reference", crit=crit, device=device)
+        self.held = held
 
     def round_done(self) -> None:
+        super().round_done()
         self.held.held.clear()
-
-    def write(self, name: str, tensor: torch.Tensor) -> int:
-        for pair in self.pairs.get(name, ()):
-            file = self.side.files[self.side.tensors[pair.merged_name].file]
-            merged = self.held.held[pair.merged_name]
-            self.checks.append(compare_tensors(pair, merged, tensor, file, self.crit, self.device))
-        return tensor.numel() * tensor.element_size()
