@@ -66,10 +66,13 @@ def verify(merged: str | os.PathLike, reference: str | os.PathLike, *, atol: flo
            hf_config: str | os.PathLike | None = None, dtype: str = "keep", max_shard_size: Size = "5GB",
            budget: Size = "128MiB", lora: str = "auto", lora_alpha: float | None = None,
            base_model: str | os.PathLike | None = None, iteration: Option = None, step: Option = None,
-           tag: Option = None, weights: Option = None, device: str = "auto", timeout: float = 600.0,
+           tag: Option = None, weights: Option = None, reference_format: str = "auto",
+           reference_iteration: Option = None, reference_step: Option = None, reference_tag: Option = None,
+           reference_weights: Option = None, device: str = "auto", timeout: float = 600.0,
            progress: bool = False, group: Any = None):
-    """Compare `merged` (a merged model, or a checkpoint merged in memory) with `reference`, as `distmerge verify`
-    does. Returns the VerifyResult (`.passed`, `.checks`); a failed comparison is a result, not an error.
+    """Compare `merged` (a merged model, or a checkpoint merged in memory) with `reference` (a Hugging Face model,
+    or a checkpoint merged in memory, read with the reference_ options), as `distmerge verify` does. Returns the
+    VerifyResult (`.passed`, `.checks`); a failed comparison is a result, not an error.
     `json`, `plot`: written by rank 0; the report is printed only with `progress=True`."""
     from distmerge.verify.listing import VerifyOptions
     from distmerge.verify.report import Criteria
@@ -80,6 +83,9 @@ def verify(merged: str | os.PathLike, reference: str | os.PathLike, *, atol: flo
                          json=_path(json), quiet=False, format=_format(format), hf_config=_path(hf_config),
                          format_options=_format_options(iteration=iteration, step=step, tag=tag, weights=weights),
                          base_model=_base_dir(base_model), reference_hf_config=_path(reference_hf_config),
+                         reference_format=_format(reference_format),
+                         reference_format_options=_format_options(iteration=reference_iteration, step=reference_step,
+                                                                  tag=reference_tag, weights=reference_weights),
                          settings=_settings(Path(), dtype, max_shard_size, budget, lora, lora_alpha, base_model))
     with job_group(device, timeout, group) as comm:
         result = verify_and_write(opts, comm, plot=_path(plot), show=progress)

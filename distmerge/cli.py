@@ -17,6 +17,7 @@ from distmerge.cli_options import (
     add_budget_option,
     add_input_options,
     add_output_options,
+    add_reference_options,
     add_run_options,
     base_model_dir,
     format_options,
@@ -138,8 +139,9 @@ and it equals the embedding on the other side.
 --merged may also be a training checkpoint, anything `merge` reads: it is then merged in memory, as
 `merge` with the same options would (--format, --dtype, --lora, --budget ...), and each tensor compared
 as it is assembled; nothing is written. A --dtype cast is accepted (values must equal the cast reference).
---reference may then be a checkpoint too (say a Megatron save of the model an FSDP --merged was trained as):
-both are merged in memory with the same --dtype, --lora and --budget, and compared, nothing written."""
+--reference may be a checkpoint too (say a Megatron save of the model an FSDP --merged was trained as, or the
+checkpoint a finished --merged model came from), read with the --reference- twins of --format, --hf-config and
+the formats' options: merged in memory with the same --dtype, --lora and --budget, and compared, nothing written."""
 
 VERIFY_EPILOG = """examples:
   torchrun --nproc-per-node 8 -m distmerge verify --merged merged/ --reference hf_model/
@@ -148,9 +150,10 @@ VERIFY_EPILOG = """examples:
   python -m distmerge verify --merged merged/ --reference hf_model/ --plot verify.png
   torchrun --nproc-per-node 8 -m distmerge verify --merged ckpts/global_step_1000/actor --reference hf_model/
   torchrun --nproc-per-node 8 -m distmerge verify --merged fsdp_ckpt/ --reference megatron_ckpt/ \\
-      --reference-hf-config hf_model/
+      --reference-hf-config hf_model/ --reference-iteration 1000
+  torchrun --nproc-per-node 8 -m distmerge verify --merged hf_model/ --reference ckpts/global_step_1000/actor
 
-Each process checks the tensors of the merged files it owns (read one tensor at a time on both sides);
+Each process checks the tensors of the merged files it owns (read a block at a time on both sides);
 rank 0 prints the worst tensors, the totals (names matched both ways, least cosine per kind of layer) and one
 verdict line. Exit 0 only when every tensor passes.
 """
@@ -167,11 +170,8 @@ def add_verify_parser(sub) -> None:
                              "training checkpoint to merge in memory (nothing written)")
     verify.add_argument("--reference", type=Path, required=True, metavar="PATH",
                         help="reference: a Hugging Face folder (safetensors or pytorch_model*.bin, sharded or "
-                             "not) or one .safetensors / .bin / .index.json file; or, when --merged is a "
-                             "checkpoint, another checkpoint (format detected), merged in memory too")
-    verify.add_argument("--reference-hf-config", type=Path, metavar="DIR",
-                        help="when --reference is a checkpoint: folder with its config.json (default: its own, "
-                             "as --hf-config for --merged)")
+                             "not) or one .safetensors / .bin / .index.json file; or a training checkpoint "
+                             "(detected, or named by --reference-format), merged in memory too")
     verify.add_argument("--atol", type=float, metavar="A", help="absolute tolerance (allclose per element)")
     verify.add_argument("--rtol", type=float, metavar="R", help="relative tolerance, times |reference|")
     verify.add_argument("--min-cosine", type=float, metavar="C", help="least cosine similarity per tensor")
@@ -182,7 +182,8 @@ def add_verify_parser(sub) -> None:
                         help="write a PNG of max rel diff and cosine by layer and kind (attention, MLP, norms, "
                              "embeddings/head); needs matplotlib: pip install 'distmerge[plot]'")
     add_input_options(verify, with_input=False, title="when --merged is a checkpoint: how to read it")
-    add_output_options(verify, with_folder=False, title="when --merged is a checkpoint: the merge to check")
+    add_reference_options(verify)
+    add_output_options(verify, with_folder=False, title="when either side is a checkpoint: the merge to check")
     add_budget_option(add_run_options(verify))
 
 

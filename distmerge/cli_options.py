@@ -110,3 +110,31 @@ def output_settings(args: argparse.Namespace):
     return OutputSettings(dtype=args.dtype, max_shard_bytes=args.max_shard_size,
                           budget_bytes=getattr(args, "budget", 2**62), output=getattr(args, "output", None) or Path(),
                           lora=LoraOptions(mode=args.lora, alpha=args.lora_alpha, base_model=args.base_model))
+
+
+# verify's --reference side, when it is a training checkpoint: the twins of --format, --hf-config and each format's
+# own options (--iteration, --step, --tag, --weights), prefixed --reference-, so a new format option gets its twin.
+REFERENCE_PREFIX = "reference_"
+
+
+def add_reference_options(parser: argparse.ArgumentParser) -> None:
+    from distmerge.formats import registry
+
+    group = parser.add_argument_group("when --reference is a checkpoint: how to read it")
+    group.add_argument("--reference-format", default="auto", choices=registry.choices(), metavar="FORMAT",
+                       help="as --format, for --reference (default: detected)")
+    group.add_argument("--reference-hf-config", type=Path, metavar="DIR",
+                       help="as --hf-config, for --reference: folder with its config.json (default: its own)")
+    for opt, names in registry.options():
+        group.add_argument(f"--reference-{opt.flag.removeprefix('--')}", dest=REFERENCE_PREFIX + opt.dest,
+                           type=opt.parse, metavar=opt.metavar,
+                           help=f"as {opt.flag}, for --reference [{', '.join(names)}]")
+
+
+def reference_format_options(args: argparse.Namespace) -> dict:
+    """The --reference- twins of the format options given (the ones left out are not passed), by the formats'
+    own keys."""
+    from distmerge.formats import registry
+
+    return {opt.dest: value for opt, _ in registry.options()
+            if (value := getattr(args, REFERENCE_PREFIX + opt.dest, None)) is not None}

@@ -222,8 +222,9 @@ def print_report(checks: list[Check], logits: LogitsCheck | None, *, quiet: bool
     from rich.measure import Measurement
 
     console = Console(width=max(120, Console().width))
-    if merged_from and not quiet:
-        what = f"{merged_from} checkpoint" + (f" and {reference_from} reference checkpoint" if reference_from else "")
+    if (merged_from or reference_from) and not quiet:
+        what = " and ".join([*([f"{merged_from} checkpoint"] if merged_from else []),
+                             *([f"{reference_from} reference checkpoint"] if reference_from else [])])
         notes = (*notes, *(f"reference: {n}" for n in reference_notes))
         console.print(f"{what} merged in memory, nothing written" + ("; merge's notes:" if notes else ""),
                       markup=False, soft_wrap=True)

@@ -5,8 +5,8 @@ Every rank makes the same calls in this order (run.py decides, on rank 0, that b
 
     phase     who works                                                     collective
     discover  rank 0: each side's format, files and config, as merge        broadcast, twice (comm.root_only)
-              (--merged with the input options, --reference detected, its
-              config from --reference-hf-config or its own)
+              (--merged with the input options, --reference with their
+              --reference- twins: kinds.py)
     plan      every rank, each side as merge would (engine.plan_checkpoint) all_gathers, as merge's, per side
               with the same --dtype, --lora, --budget: both plans' targets
               carry Hugging Face names
@@ -23,7 +23,8 @@ Every rank makes the same calls in this order (run.py decides, on rank 0, that b
     collect   every rank's records                                          all_gather (comm.gather)
 
 Memory per rank: the two rounds in flight of each side, bounded by --budget together (a component's source bytes
-count both sides), plus the held targets of one round.
+count both sides), plus the held --merged targets of one round; the --reference side's targets are compared with
+them as their bytes arrive (stream.StreamSink), a block at a time.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from pathlib import Path
 
 import torch
 
-from distmerge import discover as disc
 from distmerge.comm import Comm
 from distmerge.engine import Work, plan_checkpoint, run_in_lockstep
 from distmerge.errors import InputError
@@ -42,32 +42,16 @@ from distmerge.reader import Reader
 from distmerge.report import Progress
 from distmerge.verify.checkpoint import Compared, planned_side
 from distmerge.verify.components import comparison_plans
+from distmerge.verify.kinds import checkpoint_side
 from distmerge.verify.listing import Listing, VerifyOptions, pair_sides
 from distmerge.verify.report import Criteria
 from distmerge.verify.stream import StreamSink
 
 
-def reference_in_memory(opts: VerifyOptions, merged_is_checkpoint: bool) -> bool:
-    """Rank 0: is `reference` a training checkpoint (a folder a format detects)? Refuses the combinations that
-    cannot run: a checkpoint against a finished model's side, --reference-hf-config for a Hugging Face reference."""
-    path = Path(opts.reference)
-    checkpoint = path.is_dir() and any(f.detect(path) for f in registry.all_formats())
-    if checkpoint and not merged_is_checkpoint:
-        raise InputError(f"--reference {path} is a training checkpoint and --merged {opts.merged} a merged model: "
-                         "compare two checkpoints, or a model with a Hugging Face reference (swap them: --merged "
-                         "takes a checkpoint)")
-    if not checkpoint and opts.reference_hf_config is not None:
-        raise InputError(f"--reference-hf-config: {path} is not a training checkpoint (a Hugging Face reference "
-                         "brings its own names); leave the option out")
-    return checkpoint
-
-
 def verify_two_checkpoints(opts: VerifyOptions, comm: Comm) -> Compared:
     """Collective (see the module docstring): every rank calls it and gets the same records."""
-    found_a = comm.root_only(lambda: disc.discover(disc.check_input(opts.merged), opts.format, opts.hf_config,
-                                                   opts.format_options, opts.base_model))
-    found_b = comm.root_only(lambda: disc.discover(disc.check_input(opts.reference), "auto", opts.reference_hf_config,
-                                                   {}))
+    found_a = comm.root_only(checkpoint_side(opts, "merged").discover)
+    found_b = comm.root_only(checkpoint_side(opts, "reference").discover)
     reader_a = Reader(found_a.scan, registry.get(found_a.scan.format))
     reader_b = Reader(found_b.scan, registry.get(found_b.scan.format), second=True)
     try:
