@@ -32,7 +32,7 @@ from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
 from distmerge import options
-from distmerge.cli_options import base_model_dir, format_options, output_settings
+from distmerge.cli_options import base_model_dir, format_options, output_settings, reference_format_options
 
 if TYPE_CHECKING:
     from distmerge.comm import Comm
@@ -81,7 +81,8 @@ merge.__doc__ = options.docstring("merge", """Merge the checkpoint `input` into 
 rank). Errors: distmerge.errors' exceptions, on every rank.""")
 verify.__signature__ = options.signature("verify", "VerifyResult")  # type: ignore[attr-defined]
 verify.__doc__ = options.docstring("verify", """Compare `merged` (a merged model, or a checkpoint merged in memory)
-with `reference`, as `distmerge verify` does. Returns the VerifyResult (`.passed`, `.checks`): a failed comparison
+with `reference` (a Hugging Face model, or a checkpoint merged in memory, read with the reference_ options), as
+`distmerge verify` does. Returns the VerifyResult (`.passed`, `.checks`): a failed comparison
 is a result, not an error. `json`, `plot`: written by rank 0; the report is printed only with `progress=True`.""")
 
 
@@ -105,14 +106,16 @@ def verify_request(values: Mapping[str, Any]) -> VerifyOptions:
     crit = Criteria(atol=values["atol"], rtol=values["rtol"], min_cosine=values["min_cosine"],
                     accept_cast=values["dtype"] != "keep")
     return _fill(VerifyOptions, values, criteria=crit, format_options=format_options(values),
-                 settings=output_settings(values), base_model=base_model_dir(values))
+                 reference_format_options=reference_format_options(values), settings=output_settings(values),
+                 base_model=base_model_dir(values))
 
 
 def _fill(cls: type, values: Mapping[str, Any], **computed: Any) -> Any:
     """`cls` with each value under its own name and the computed fields; a value with no home is a bug (an option
     added to options.OPTIONS and to no request: tests/test_options_agree.py)."""
     names = {f.name for f in fields(cls)}
-    homeless = set(values) - names - RUNNING - COMPUTED - set(options.format_option_names())
+    homeless = (set(values) - names - RUNNING - COMPUTED - set(options.format_option_names())
+                - set(options.reference_format_option_names()))
     assert not homeless, f"options {sorted(homeless)} reach no field of {cls.__name__}"
     return cls(**{k: v for k, v in values.items() if k in names and k not in computed}, **computed)
 

@@ -114,8 +114,9 @@ and it equals the embedding on the other side.
 --merged may also be a training checkpoint, anything `merge` reads: it is then merged in memory, as
 `merge` with the same options would (--format, --dtype, --lora, --budget ...), and each tensor compared
 as it is assembled; nothing is written. A --dtype cast is accepted (values must equal the cast reference).
---reference may then be a checkpoint too (say a Megatron save of the model an FSDP --merged was trained as):
-both are merged in memory with the same --dtype, --lora and --budget, and compared, nothing written."""
+--reference may be a checkpoint too (say a Megatron save of the model an FSDP --merged was trained as, or the
+checkpoint a finished --merged model came from), read with the --reference- twins of --format, --hf-config and
+the formats' options: merged in memory with the same --dtype, --lora and --budget, and compared, nothing written."""
 
 VERIFY_EPILOG = """examples:
   torchrun --nproc-per-node 8 -m distmerge verify --merged merged/ --reference hf_model/
@@ -124,9 +125,10 @@ VERIFY_EPILOG = """examples:
   python -m distmerge verify --merged merged/ --reference hf_model/ --plot verify.png
   torchrun --nproc-per-node 8 -m distmerge verify --merged ckpts/global_step_1000/actor --reference hf_model/
   torchrun --nproc-per-node 8 -m distmerge verify --merged fsdp_ckpt/ --reference megatron_ckpt/ \\
-      --reference-hf-config hf_model/
+      --reference-hf-config hf_model/ --reference-iteration 1000
+  torchrun --nproc-per-node 8 -m distmerge verify --merged hf_model/ --reference ckpts/global_step_1000/actor
 
-Each process checks the tensors of the merged files it owns (read one tensor at a time on both sides);
+Each process checks the tensors of the merged files it owns (read a block at a time on both sides);
 rank 0 prints the worst tensors, the totals (names matched both ways, least cosine per kind of layer) and one
 verdict line. Exit 0 only when every tensor passes.
 """

@@ -19,7 +19,8 @@ TITLES: dict[str, dict[str, str | None]] = {
     "merge": {"": None, "input": "input", "output": "output", "run": "run"},
     "inspect": {"": None, "input": "input", "output": "output", "run": None},
     "verify": {"": None, "input": "when --merged is a checkpoint: how to read it",
-               "output": "when --merged is a checkpoint: the merge to check", "run": "run"},
+               "reference": "when --reference is a checkpoint: how to read it",
+               "output": "when either side is a checkpoint: the merge to check", "run": "run"},
 }
 TYPES = {"path": Path, "size": parse_size, "float": float, "text": None}
 
@@ -57,6 +58,13 @@ def _argparse_keywords(row: options.Opt) -> dict[str, Any]:
 def format_options(values: Mapping[str, Any]) -> dict:
     """The format options given (the ones left out are not passed)."""
     return options.given(dict(values), options.format_option_names())
+
+
+def reference_format_options(values: Mapping[str, Any]) -> dict:
+    """verify: the --reference- twins of the format options given, by the formats' own keys (--reference-iteration
+    is `iteration` to the reference's format)."""
+    return {key: values[twin] for twin, key in options.reference_format_option_names().items()
+            if values.get(twin) is not None}
 
 
 def base_model_dir(values: Mapping[str, Any]) -> Path | None:

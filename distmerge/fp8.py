@@ -97,12 +97,15 @@ def _blocks(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     return w.reshape(r, block[0], c, block[1])
 
 
-def bound(reference: torch.Tensor, scale: torch.Tensor, cast_unit: float = 0.0) -> torch.Tensor:
+def bound(reference: torch.Tensor, scale: torch.Tensor, cast_unit: float = 0.0,
+          out: torch.Tensor | None = None) -> torch.Tensor:
     """The largest |dequantized - reference| the recipe allows per element (float32): the FP8 rounding of the
     weight, plus `cast_unit` |reference| when the weight was first cast to a narrower dtype (bf16: 2^-9), with
-    a little room for the float32 division and product."""
-    r = reference.abs().to(torch.float32)
-    return (r * (REL_BOUND * (1 + cast_unit) + cast_unit) + SUBNORMAL_BOUND * scale) * (1 + 2.0**-20)
+    a little room for the float32 division and product. `out`: a float32 buffer of the reference's size to make it
+    in (verify reuses one per block: blocks.Scratch)."""
+    r = reference.abs().to(torch.float32) if out is None else torch.abs(reference, out=out)
+    # SUBNORMAL_BOUND is a power of two: its product with a scale is exact, so add_'s alpha changes no bit
+    return r.mul_(REL_BOUND * (1 + cast_unit) + cast_unit).add_(scale, alpha=SUBNORMAL_BOUND).mul_(1 + 2.0**-20)
 
 
 def unit_roundoff(code: str) -> float:

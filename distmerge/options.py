@@ -9,7 +9,8 @@ checked against them (tests/test_options_agree.py):
                    the API), into engine.MergeOptions and verify.VerifyOptions
     README.md      its options table lists each row's flags for its commands, and the default
 
-Adding an option is one row (a format's own options are rows of the format registry, put at FORMAT_OPTIONS).
+Adding an option is one row (a format's own options are rows of the format registry, put at FORMAT_OPTIONS;
+verify's --reference- twins of the input rows are made at REFERENCE_OPTIONS, a new format option's with it).
 Light on purpose: the registry is imported only when the rows are first asked for.
 """
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -59,7 +60,7 @@ class Opt:
     name: str  # the API's keyword, argparse's dest
     flags: tuple[str, ...] = ()  # the command line's spelling (a bare name: positional); () the API's only
     commands: tuple[str, ...]
-    group: str = ""  # input | output | run | "" (the command's own): the --help section (cli_options.TITLES)
+    group: str = ""  # input | reference | output | run | "" (the command's own): --help's section (cli_options.TITLES)
     kind: str = "text"  # a KINDS key
     help: str = ""
     default: Any = None  # as the command line spells it ("5GB"); None: not given
@@ -79,6 +80,12 @@ CLI_ONLY = {
     "json": "inspect is the command line's only",
 }
 FORMAT, FORMAT_OPTIONS = "<format>", "<format options>"  # rows made from the format registry (rows())
+REFERENCE_OPTIONS = "<reference options>"  # verify's --reference- twins of the input rows (rows())
+# The input rows verify reads --reference with, by name, and the end of each twin's help ("as --format, for
+# --reference" + it); every format option (FORMAT_OPTIONS) has its twin too, so a new one gets it with no row here.
+REFERENCE_TWINS = {"format": " (default: detected)",
+                   "hf_config": ": folder with its config.json (default: its own)"}
+REFERENCE = "reference_"  # a twin's name: this + the row's (its flag: --reference- + the row's, less its dashes)
 MERGE, ALL = ("merge",), COMMANDS
 RUN = ("merge", "verify")
 
@@ -89,11 +96,8 @@ OPTIONS: tuple[Opt | str, ...] = (
              "merge in memory (nothing written)"),
     Opt(name="reference", flags=("--reference",), commands=("verify",), kind="path", required=True, metavar="PATH",
         help="reference: a Hugging Face folder (safetensors or pytorch_model*.bin, sharded or not) or one "
-             ".safetensors / .bin / .index.json file; or, when --merged is a checkpoint, another checkpoint (format "
-             "detected), merged in memory too"),
-    Opt(name="reference_hf_config", flags=("--reference-hf-config",), commands=("verify",), kind="path",
-        metavar="DIR", help="when --reference is a checkpoint: folder with its config.json (default: its own, as "
-                            "--hf-config for --merged)"),
+             ".safetensors / .bin / .index.json file; or a training checkpoint (detected, or named by "
+             "--reference-format), merged in memory too"),
     Opt(name="atol", flags=("--atol",), commands=("verify",), kind="float", metavar="A",
         help="absolute tolerance (allclose per element)"),
     Opt(name="rtol", flags=("--rtol",), commands=("verify",), kind="float", metavar="R",
@@ -116,6 +120,8 @@ OPTIONS: tuple[Opt | str, ...] = (
     Opt(name="hf_config", flags=("--hf-config",), commands=ALL, group="input", kind="path", metavar="DIR",
         help="folder with config.json (default: huggingface/ inside the input, or beside it)"),
     FORMAT_OPTIONS,
+    # verify's --reference when it is a checkpoint: the twins of the input rows above (REFERENCE_TWINS)
+    REFERENCE_OPTIONS,
     # what the merged model looks like
     Opt(name="output", flags=("--output", "-o"), commands=MERGE, group="output", kind="path", required=True,
         help="folder for the merged model"),
@@ -179,6 +185,8 @@ def rows(command: str) -> tuple[Opt, ...]:
             out.append(_format_row())
         elif row == FORMAT_OPTIONS:
             out.extend(_format_option_rows())
+        elif row == REFERENCE_OPTIONS:
+            out.extend(_reference_rows())
         else:
             out.append(row)
     return tuple(r for r in out if command in r.commands)
@@ -198,8 +206,25 @@ def _format_option_rows() -> list[Opt]:
                 metavar=opt.metavar, help=f"{opt.help} [{', '.join(names)}]") for opt, names in registry.options()]
 
 
+def _reference_rows() -> list[Opt]:
+    """verify's --reference- twins: --reference-format, --reference-hf-config, and one per format option."""
+    rows_ = [_format_row(), *(r for r in OPTIONS if isinstance(r, Opt) and r.name in REFERENCE_TWINS)]
+    twins = [_twin(r, REFERENCE_TWINS[r.name]) for r in rows_]
+    return twins + [_twin(r, " " + r.help[r.help.rindex("["):]) for r in _format_option_rows()]
+
+
+def _twin(row: Opt, tail: str) -> Opt:
+    return replace(row, name=REFERENCE + row.name, flags=("--reference-" + row.flags[0].removeprefix("--"),),
+                   commands=("verify",), group="reference", help=f"as {row.flags[0]}, for --reference{tail}")
+
+
 def format_option_names() -> tuple[str, ...]:
     return tuple(r.name for r in _format_option_rows())
+
+
+def reference_format_option_names() -> dict[str, str]:
+    """verify's --reference- twins of the format options: twin's name -> the format's own key."""
+    return {REFERENCE + name: name for name in format_option_names()}
 
 
 def api_rows(command: str) -> tuple[Opt, ...]:

@@ -11,7 +11,8 @@
 # checkpoint merge it once with one CPU process (--device cpu, the reference path) and once under torchrun
 # with N processes on the GPU path (--device cuda, NCCL; fixtures with --verify-against their trained
 # weights, which runs `distmerge verify` on the GPU in the same processes), compare the two outputs byte
-# for byte, and run `distmerge verify --device cuda` of the big GPU output against the CPU one. Prints each
+# for byte, and run `distmerge verify --device cuda` of the big GPU output against the CPU one, and of the big
+# checkpoint itself (merged in memory on the GPU, nothing written) against the CPU output. Prints each
 # step's time and nvidia-smi (before, and GPU memory at its peak). Also the API inside a running job (step 2b):
 # distmerge.merge / verify on the job's own NCCL group with a gloo side group, compared with the CPU merge.
 # FP8 cases (--quantize) check that the quantized bytes are the same on the GPU as on the CPU; when vLLM is
@@ -280,6 +281,15 @@ if timed "bench cpu x1" "$WORK/logs/bench.cpu-path.log" "$PY" -m distmerge merge
        --nproc-per-node "$NPROC" -m distmerge verify --merged "$GPU_OUT" \
        --reference "$CPU_OUT" --device "$DEV" --timeout 120 --json "$WORK/logs/bench.verify.json"; then
     say "verify   bench on $(label "$NPROC"): $(grep -m 1 '^verify: ' "$WORK/logs/bench.verify.log")"
+  else
+    FAILED=1
+  fi
+  # the checkpoint itself merged in memory on the GPU path (targets built and compared there), nothing written
+  if timed "bench verify ckpt $(label "$NPROC")" "$WORK/logs/bench.verify-ckpt.log" "$PY" -m torch.distributed.run \
+       --standalone --nproc-per-node "$NPROC" -m distmerge verify --merged "$BENCH" \
+       --reference "$CPU_OUT" --device "$DEV" --timeout 120 --json "$WORK/logs/bench.verify-ckpt.json"; then
+    say "verify   bench checkpoint in memory on $(label "$NPROC"): $(grep -m 1 '^verify: ' \
+      "$WORK/logs/bench.verify-ckpt.log")"
   else
     FAILED=1
   fi

@@ -55,8 +55,9 @@ def test_dry_run_passes_and_prints_each_comparison(dry_run):
         assert f"compare  {case} (cpu/gloo x2 vs cpu x1): IDENTICAL" in out, out
         assert (work / "out" / f"{case}.gpu-path" / "model.safetensors.index.json").is_file()
         assert (work / "out" / f"{case}.cpu-path" / "model.safetensors.index.json").is_file()
-    assert out.count("verify: PASS") == len(DRY_CASES), out
+    assert out.count("verify: PASS") == len(DRY_CASES) + 1, out  # the bench checkpoint also merged in memory
     assert "verify   bench on cpu/gloo x2: verify: PASS" in out
+    assert "verify   bench checkpoint in memory on cpu/gloo x2: verify: PASS" in out
     # the API inside a running job (step 2b): the job's group, then distmerge's side group; the CPU's bytes
     assert re.search(r"^in-job   fsdp2_llama_shard1_w4 on cpu/gloo x2: rank 0: merged 21 tensors .* process "
                      r"unchanged$", out, re.MULTILINE), out

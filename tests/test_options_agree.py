@@ -123,3 +123,31 @@ def test_adding_an_option_is_one_row(monkeypatch):
             options.from_keywords("verify", {"merged": "a", "reference": "b", "new_size": "lots"})
     finally:
         options.rows.cache_clear()
+
+
+
+def test_a_format_option_brings_its_reference_twin(monkeypatch):
+    """verify reads a checkpoint --reference as --merged is read: each input row it takes (--format, --hf-config and
+    every format option) has a --reference- twin made from it, so a format option added to the registry is at once
+    --x of merge, inspect and verify, and verify's --reference-x, given to the reference's format under the format's
+    own key. Shown to fail: with options.rows leaving the twins out."""
+    from distmerge.formats import registry
+    from distmerge.formats.base import FormatOption
+
+    rows = {r.name: r for r in options.rows("verify")}
+    twins = {name for name, r in rows.items() if r.group == "reference"}
+    assert twins == {"reference_format", "reference_hf_config", *(f"reference_{o.dest}" for o, _ in registry.options())}
+    assert rows["reference_format"].choices == rows["format"].choices and rows["reference_format"].default == "auto"
+    new = FormatOption(flag="--shard-tag", dest="shard_tag", help="a new format option", metavar="T")
+    found = registry.options()
+    monkeypatch.setattr(registry, "options", lambda: [*found, (new, ["fsdp"])])
+    options.rows.cache_clear()
+    try:
+        args = subparser("verify").parse_args([*REQUIRED["verify"], "--shard-tag", "a", "--reference-shard-tag", "b"])
+        request = api.verify_request(options.from_namespace(args, "verify"))
+        assert request.format_options == {"shard_tag": "a"} and request.reference_format_options == {"shard_tag": "b"}
+        assert options.signature("verify", "VerifyResult").parameters["reference_shard_tag"].default is None
+        merge_help = subparser("merge").format_help()
+        assert "--shard-tag" in merge_help and "--reference-shard-tag" not in merge_help
+    finally:
+        options.rows.cache_clear()

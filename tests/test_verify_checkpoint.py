@@ -188,10 +188,13 @@ def test_options_that_do_not_apply_are_refused(fsdp_ckpts, tmp_path, capsys):
     ckpt = fsdp_ckpts["fsdp2_llama_w4"]
     ref = reference_dir(ckpt)
     assert verify("--merged", ckpt, "--reference", ref, "--logits") == 1
-    assert "--logits runs the merged model" in one_error(capsys)
+    assert f"--logits runs both models, and --merged {ckpt} is a checkpoint" in one_error(capsys)
     assert merge_inproc("--input", ckpt, "--output", tmp_path / "m") == 0
     assert verify("--merged", tmp_path / "m", "--reference", ref, "--dtype", "bf16", "--budget", "1MiB") == 1
-    assert "is a merged model; --dtype, --budget: options of the merge of a training checkpoint" in one_error(capsys)
+    assert "is a finished model; --dtype, --budget: options of the merge of a training checkpoint" in one_error(
+        capsys)
+    assert verify("--merged", tmp_path / "m", "--reference", ref, "--hf-config", ref) == 1
+    assert f"--merged {tmp_path / 'm'} is a finished model; --hf-config: options of the merge" in one_error(capsys)
 
 
 def settled(rep: dict) -> dict:

@@ -1,8 +1,12 @@
 """`distmerge verify`: compare a merged model with a reference, tensor by tensor (see run.py for the phases).
 
-    sides.py    the merged model and the reference, listed from headers, read one tensor at a time
+    sides.py    the merged model and the reference, listed from headers, read a block of elements at a time
     listing.py  rank 0 pairs the names (tied heads by the model family's traits)
-    compare.py  each rank computes the figures of the merged files it owns
+    kinds.py    rank 0: which side is a finished model and which a checkpoint, and how each is read
+    blocks.py   the figures block by block, the same whatever the pieces a tensor arrives in
+    compare.py  two finished models: each rank computes the figures of the merged files it owns
+    stream.py   a side merged in memory: each target compared as its bytes arrive, or once built (sink.Sink)
+    checkpoint.py, two_checkpoints.py, components.py   one side or both merged in memory, in merge's rounds
     logits.py   --logits: both models run in one process (the only import of transformers)
     report.py   the table, the verdict line, the JSON
     totals.py   the totals: names matched both ways, least cosine per kind of layer (the KINDS table)

@@ -1,8 +1,10 @@
 """`verify --merged CHECKPOINT`: merge a training checkpoint in memory and compare each tensor with the reference.
 Nothing is written but the report: no output folder, no temporary file. The check to run before spending the disk
-and the hours of a large merge.
+and the hours of a large merge. `verify --merged MODEL --reference CHECKPOINT` runs the same with the checkpoint as
+the side merged in memory (role "reference"): its targets are compared with the model's tensors; the report keeps
+the user's sides (merged minus reference, the model's file names).
 
-Every rank makes the same calls in this order (run.py decides, on rank 0, that `merged` is a checkpoint):
+Every rank makes the same calls in this order (run.py decides, on rank 0, which side is a checkpoint: kinds.py):
 
     phase     who works                                                     collective
     discover  rank 0: format, files, config, as merge (no output folder)    broadcast (comm.root_only)
@@ -13,25 +15,22 @@ Every rank makes the same calls in this order (run.py decides, on rank 0, that `
               (listing.pair_sides): missing, extra, shape settled there
     rounds    merge's rounds (engine.run_rounds) over the units that have   per round: all_to_all_single,
               a tensor to compare; each owner compares the targets it       all_gather
-              assembles with the reference's tensors of the same names
-              (CompareSink), reading those one at a time
+              assembles with the reference's tensors of the same names,
+              block by block (stream.StreamSink)
     collect   every rank's records                                          all_gather (comm.gather)
 
-Memory per rank is merge's, bounded by --budget: two rounds of source tensors, plus the one reference tensor
-being compared. The records are verify's own (compare.compare_tensors), so the report is the one `verify` of the
-merged folder gives: the same checks, figures and file names (the files merge would write with the same
---max-shard-size).
+Memory per rank is merge's, bounded by --budget: on the CPU a target that merge would copy into its file as its
+bytes arrive is compared as they arrive, against the reference read a block at a time (a few MB beside merge's);
+a unit merge builds (a QKV split, a cast) is built as merge builds it. The records are verify's own
+(blocks.Running), so the report is the one `verify` of the merged folder gives: the same checks, figures and
+file names (the files merge would write with the same --max-shard-size).
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from distmerge import discover as disc
 from distmerge import dtypes
 from distmerge import plan as planning
 from distmerge.comm import Comm
@@ -40,95 +39,74 @@ from distmerge.errors import InputError
 from distmerge.finalize import main_dtype
 from distmerge.formats import registry
 from distmerge.plan import Plan
-from distmerge.prepare import OutputSettings
 from distmerge.reader import Reader
 from distmerge.report import Progress
-from distmerge.verify.compare import compare_quantized, compare_tensors
-from distmerge.verify.listing import Listing, VerifyOptions, pair_sides
-from distmerge.verify.report import Check, Criteria
-from distmerge.verify.sides import LAYOUTS, Loc, Side, TensorFiles, open_side
-
-# What marks a finished model (save_pretrained's or a merge's), and the model files of a merge that did not finish
-# (verify refuses that folder by name, as before, instead of trying it as a checkpoint).
-MODEL_MARKS = (*(name for _, index, single in LAYOUTS for name in (index, single)), "model-*-of-*.safetensors")
-# VerifyOptions fields that shape a merge, by the flags that set them: given with a finished model, a mistake.
-MERGE_FLAGS = {"format": "--format", "hf_config": "--hf-config", "format_options": "the format's own options",
-               "base_model": "--base-model"}
-SETTING_FLAGS = {"dtype": "--dtype", "quantize": "--quantize", "max_shard_bytes": "--max-shard-size",
-                 "budget_bytes": "--budget",
-                 "lora": "--lora, --lora-alpha or --base-model"}
+from distmerge.verify.kinds import checkpoint_side
+from distmerge.verify.listing import Listing, VerifyOptions, merged_config, pair_sides
+from distmerge.verify.report import Check
+from distmerge.verify.sides import Loc, Side, TensorFiles, open_side
+from distmerge.verify.stream import StreamSink
 
 
 @dataclass(frozen=True, kw_only=True)
 class Compared:
-    """What every rank gets from verify_checkpoint."""
+    """What every rank gets from verify_checkpoint and verify_two_checkpoints."""
 
     checks: list[Check]  # the settled ones and every rank's, unsorted
     per_rank: list[int]  # tensors each rank compared
-    format: str
-    notes: tuple[str, ...]  # the merge's notes (scan and plan): what a merge would have said
-    reference_format: str | None = None  # the reference's format when it is a checkpoint too (two_checkpoints.py)
+    format: str | None  # --merged's format when it is a checkpoint
+    notes: tuple[str, ...]  # its merge's notes (scan and plan): what a merge would have said
+    reference_format: str | None = None  # --reference's format when it is a checkpoint
     reference_notes: tuple[str, ...] = ()  # what the reference's merge would have said
 
 
-def merges_in_memory(opts: VerifyOptions) -> bool:
-    """Rank 0: is `merged` a checkpoint (merged in memory) rather than a finished model? A folder a format detects,
-    or one without a model's files, is a checkpoint; `--format` given says so too. Refuses options that cannot
-    apply to the kind found."""
-    path = Path(opts.merged)
-    checkpoint = path.is_dir() and (opts.format != "auto" or any(f.detect(path) for f in registry.all_formats())
-                                    or not any(any(path.glob(mark)) for mark in MODEL_MARKS))
-    if checkpoint and opts.logits:
-        raise InputError(f"--logits runs the merged model, and {path} is a checkpoint: merge it first (merge "
-                         "--verify-against runs verify after the merge), then verify the merged folder with --logits")
-    given = _merge_options_given(opts)
-    if given and not checkpoint:
-        raise InputError(f"{path} is a merged model; {', '.join(given)}: options of the merge of a training "
-                         "checkpoint, leave them out (or pass the checkpoint as --merged)")
-    return checkpoint
-
-
-def _merge_options_given(opts: VerifyOptions) -> list[str]:
-    default = VerifyOptions(merged=opts.merged, reference=opts.reference, reference_hf_config=opts.reference_hf_config)
-    given = [flag for name, flag in MERGE_FLAGS.items() if getattr(opts, name) != getattr(default, name)]
-    return given + [flag for f in fields(OutputSettings) if (flag := SETTING_FLAGS.get(f.name))
-                    and getattr(opts.settings, f.name) != getattr(default.settings, f.name)]
-
-
-def verify_checkpoint(opts: VerifyOptions, comm: Comm) -> Compared:
-    """Collective (see the module docstring): every rank calls it and gets the same records."""
-    found = comm.root_only(lambda: disc.discover(disc.check_input(opts.merged), opts.format, opts.hf_config,
-                                                 opts.format_options, opts.base_model))
+def verify_checkpoint(opts: VerifyOptions, comm: Comm, role: str = "merged") -> Compared:
+    """Collective (see the module docstring): every rank calls it and gets the same records. `role`: the side
+    that is the checkpoint ("merged", or "reference" when --merged is the finished model); the records keep the
+    user's sides either way (merged minus reference, the merged side's file names)."""
+    side = checkpoint_side(opts, role)
+    found = comm.root_only(side.discover)
     reader = Reader(found.scan, registry.get(found.scan.format))
     try:
         # No file is written, so none is shared by the ranks of one host: the ranks count as one host, and any
         # rank may take any unit when whole files cannot balance the work (spread.py).
         plan = plan_checkpoint(found, reader, comm, opts.settings, host=lambda: "")
-        listing = comm.root_only(lambda: _pair(plan, {**found.config, **plan.config_updates}, opts))
-        sink = CompareSink(listing, opts.criteria, comm.device)
+        listing = comm.root_only(lambda: _pair(plan, {**found.config, **plan.config_updates}, opts, role))
+        todo = _compared_units(plan, listing, role)
+        other = TensorFiles(listing.reference if role == "merged" else listing.merged)
+        sink = StreamSink(todo, listing, other, streamed=role, crit=opts.criteria, device=comm.device)
         try:
-            run_rounds(_compared_units(plan, listing), comm, reader, sink, Progress(enabled=False))
+            run_rounds(todo, comm, reader, sink, Progress(enabled=False))
         finally:
-            sink.close()
+            other.close()
         per_rank = comm.gather(lambda: sink.checks)
     finally:
         reader.close()
+    said = (found.scan.format, (*found.scan.notes, *plan.notes))
+    mine = dict(format=said[0], notes=said[1]) if role == "merged" else dict(
+        format=None, notes=(), reference_format=said[0], reference_notes=said[1])
     return Compared(checks=[*listing.settled, *(c for mine in per_rank for c in mine)],
-                    per_rank=[len(c) for c in per_rank], format=found.scan.format,
-                    notes=(*found.scan.notes, *plan.notes))
+                    per_rank=[len(c) for c in per_rank], **mine)
 
 
-def _pair(plan: Plan, config: dict, opts: VerifyOptions) -> Listing:
-    """Rank 0: the merged side as the plan describes it, paired with the reference's headers."""
+def _pair(plan: Plan, config: dict, opts: VerifyOptions, role: str) -> Listing:
+    """Rank 0: the checkpoint's side as the plan describes it, paired with the other side's headers. The merged
+    side's config.json says which heads are tied: the checkpoint's, or the finished model's own when it has one."""
+    path = Path(opts.merged if role == "merged" else opts.reference)
     if not plan.model_files:
-        raise InputError(f"{opts.merged} holds a LoRA adapter only: verify compares model weights; pass --base-model "
-                         "DIR (the base model's folder) so that the model is made")
-    reference = open_side(Path(opts.reference), role="reference", allow_torch=True)
-    if not plan.quantized:
-        return pair_sides(planned_side(plan, Path(opts.merged)), reference, config)
-    # FP8 weights are compared dequantized; what they were quantized from is the dtype config.json would announce
-    config = {**config, "torch_dtype": dtypes.hf_dtype_name(main_dtype(plan) or "F32")}
-    return pair_sides(planned_side(plan, Path(opts.merged)), reference, config, quantized=plan.quantized.scheme)
+        raise InputError(f"{path} holds a LoRA adapter only: verify compares model weights; pass --base-model DIR "
+                         "(the base model's folder) with it as --merged so that the model is made")
+    planned = planned_side(plan, path)
+    if role == "merged" and plan.quantized:
+        # FP8 weights are compared dequantized; what they were quantized from is the dtype config.json would announce
+        config = {**config, "torch_dtype": dtypes.hf_dtype_name(main_dtype(plan) or "F32")}
+        return pair_sides(planned, open_side(Path(opts.reference), role="reference", allow_torch=True), config,
+                          quantized=plan.quantized.scheme)
+    if role == "merged":
+        return pair_sides(planned, open_side(Path(opts.reference), role="reference", allow_torch=True), config)
+    finished = open_side(Path(opts.merged), role="merged model", allow_torch=True)
+    own = merged_config(opts.merged / "config.json" if opts.merged.is_dir() else opts.merged.parent / "config.json")
+    return pair_sides(finished, planned, own if own is not None else config)
 
 
 def planned_side(plan: Plan, path: Path) -> Side:
@@ -139,49 +117,8 @@ def planned_side(plan: Plan, path: Path) -> Side:
                 sizes=tuple(f.nbytes for f in files), tensors=tensors)
 
 
-def _compared_units(plan: Plan, listing: Listing) -> Plan:
+def _compared_units(plan: Plan, listing: Listing, role: str) -> Plan:
     """The plan's rounds less the units with nothing to compare (settled from the headers, or the adapter's)."""
-    wanted = {p.merged_name for p in listing.pairs}
+    wanted = {p.merged_name if role == "merged" else p.reference_name for p in listing.pairs}
     keep = {i for i, u in enumerate(plan.units) if any(t.name in wanted for t in u.targets)}
     return planning.only_units(plan, keep)
-
-
-class CompareSink:
-    """verify's sink (sink.Sink): each target this rank assembles is compared, once built, with the reference
-    tensors paired with it (two for an embedding the model also uses as its tied head), then dropped."""
-
-    takes_bytes = False  # every target is built as a tensor, never copied into a file (assemble.TargetOut)
-
-    def __init__(self, listing: Listing, crit: Criteria, device: torch.device) -> None:
-        self.listing, self.side, self.crit, self.device = listing, listing.merged, crit, device
-        self.pairs = defaultdict(list)
-        for pair in listing.pairs:
-            self.pairs[pair.merged_name].append(pair)
-        self.scale_of = {pair.scale: pair for pair in listing.pairs if pair.scale}  # merge --quantize
-        self.waiting: dict[str, torch.Tensor] = {}  # FP8 weights until their scales (next in the unit) are built
-        self.reference = TensorFiles(listing.reference)
-        self.checks: list[Check] = []
-
-    def output(self, unit: int) -> CompareSink:
-        return self
-
-    def round_done(self) -> None:
-        """Nothing to complete: each target was compared as it was built."""
-
-    def write(self, name: str, tensor: torch.Tensor) -> int:
-        file = self.side.files[self.side.tensors[name].file]
-        if (quantized := self.scale_of.get(name)) is not None:
-            weight, reference = self.waiting.pop(quantized.merged_name), self.reference.get(quantized.reference_name)
-            self.checks.append(compare_quantized(quantized, weight, tensor, reference, file, self.crit, self.device,
-                                                 self.listing.quantized or "", self.listing.model_dtype))
-        for pair in self.pairs.get(name, ()):
-            if pair.scale:
-                self.waiting[name] = tensor
-                continue
-            reference = self.reference.get(pair.reference_name)
-            self.checks.append(compare_tensors(pair, tensor, reference, file, self.crit, self.device))
-        return tensor.numel() * tensor.element_size()
-
-    def close(self) -> None:
-        self.reference.close()
-

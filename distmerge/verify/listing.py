@@ -31,12 +31,13 @@ class VerifyOptions:
     model.safetensors, or one weights file), compared as it is, or any checkpoint `merge` reads (FSDP rank files,
     DCP, Megatron, DeepSpeed, torchtitan, LoRA runs): that one is merged in memory, as `merge` with the options
     below would, and each tensor compared with the reference; nothing is written (verify/checkpoint.py).
-    `reference`: a Hugging Face folder or file, or, when `merged` is a checkpoint, a checkpoint too (detected; its
-    config.json from `reference_hf_config` when it has none of its own): both are then merged in memory with the
-    same `settings` and compared (verify/two_checkpoints.py). The fields from `format` on are engine.MergeOptions's
-    and apply to a checkpoint only (given with a finished model they are an error): `format_options` are the
-    format's own (Megatron's iteration, DeepSpeed's tag, torchtitan's step), `base_model` a second input root (a
-    LoRA-only save's base folder), `settings` --dtype, --lora, --budget and the rest.
+    `reference`: a Hugging Face folder or file, or a checkpoint too (detected, or named by `reference_format`),
+    read with the `reference_` fields as `merged` is with theirs (its config.json from `reference_hf_config` when
+    it has none of its own): merged in memory with the same `settings` and compared with `merged`, whichever
+    kind that is (verify/kinds.py). The fields from `format` on are engine.MergeOptions's and apply to a
+    checkpoint only (given with a finished model they are an error): `format_options` are the format's own
+    (Megatron's iteration, DeepSpeed's tag, torchtitan's step), `base_model` a second input root (a LoRA-only
+    save's base folder), `settings` --dtype, --lora, --budget and the rest.
     """
 
     merged: Path
@@ -50,7 +51,9 @@ class VerifyOptions:
     format_options: dict[str, Any] = field(default_factory=dict)
     base_model: Path | None = None
     settings: OutputSettings = field(default_factory=OutputSettings)
-    reference_hf_config: Path | None = None  # the config of a reference that is a checkpoint too
+    reference_hf_config: Path | None = None  # the config of a reference that is a checkpoint
+    reference_format: str = "auto"
+    reference_format_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # a caller's str works too
@@ -86,7 +89,7 @@ class Listing:
 def make_listing(opts: VerifyOptions) -> Listing:
     merged = open_side(opts.merged, role="merged model", allow_torch=False)
     reference = open_side(opts.reference, role="reference", allow_torch=True)
-    config = _merged_config(opts.merged / "config.json" if opts.merged.is_dir() else opts.merged.parent / "config.json")
+    config = merged_config(opts.merged / "config.json" if opts.merged.is_dir() else opts.merged.parent / "config.json")
     return pair_sides(merged, reference, config)
 
 
@@ -139,7 +142,7 @@ def _dtype_code(name: object) -> str | None:
     return codes.get(name) if isinstance(name, str) else None
 
 
-def _merged_config(path: Path) -> dict | None:
+def merged_config(path: Path) -> dict | None:
     if not path.is_file():
         return None
     try:

@@ -22,7 +22,7 @@ import torch
 
 from distmerge import dtypes
 from distmerge.families import hub_names
-from distmerge.verify.compare import figures
+from distmerge.verify.blocks import figures
 from distmerge.verify.listing import Listing, VerifyOptions
 from distmerge.verify.report import Figures, LogitsCheck, judge
 from distmerge.verify.sides import TensorFiles
@@ -54,8 +54,8 @@ def compare_logits(listing: Listing, opts: VerifyOptions, device: torch.device) 
     fp8_default = listing.quantized is not None and crit.exact_only  # FP8 logits are never exact: a stated criterion
     if fp8_default:
         crit = replace(crit, min_cosine=FP8_LOGITS_COSINE)
-    figs = figures(got, want, *crit.band())
-    passed, _, reason = judge(dtype="", ref_dtype="", exact=torch.equal(got, want), figs=figs, crit=crit)
+    exact, figs = figures(got, want, *crit.band())
+    passed, _, reason = judge(dtype="", ref_dtype="", exact=exact, figs=figs, crit=crit)
     note = f"the reference's weights in the merged model's architecture, both in {dtypes.hf_dtype_name(dtype)}"
     if listing.quantized:
         note = (f"FP8 weights ({listing.quantized}) dequantized by transformers as it loads them; {note}"

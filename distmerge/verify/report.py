@@ -8,10 +8,6 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from rich.console import Console
-from rich.measure import Measurement
-from rich.table import Table
-
 TABLE_ROWS = 15
 VERDICT_NAMES = 10  # failing tensors named in the verdict line; the rest are listed above it
 CAST_HINT = ("hint: to accept a dtype change, give a tolerance (--atol 0 compares exactly after casting the "
@@ -198,7 +194,9 @@ def _sortable(x: float) -> float:
     return math.inf if math.isnan(x) else x
 
 
-def table(checks: list[Check]) -> Table:
+def table(checks: list[Check]):
+    from rich.table import Table  # here, not at the top: a verify's rounds run without rich (as merge's do)
+
     t = Table(title=f"worst {len(checks)} tensor(s)", title_justify="left")
     t.add_column("tensor", no_wrap=True)  # names are what the user searches for: never broken
     for col in ("shape", "dtype", "max abs", "max rel", "mean abs", "cosine"):
@@ -226,9 +224,13 @@ def print_report(checks: list[Check], logits: LogitsCheck | None, *, quiet: bool
     """`merged_from`: the checkpoint's format when it was merged in memory, `notes` what that merge said;
     `reference_from`, `reference_notes`: the same of the reference when it was a checkpoint too; `totals`: the
     summary lines printed above the verdict (totals.py: names both ways, least cosine)."""
+    from rich.console import Console
+    from rich.measure import Measurement
+
     console = Console(width=max(120, Console().width))
-    if merged_from and not quiet:
-        what = f"{merged_from} checkpoint" + (f" and {reference_from} reference checkpoint" if reference_from else "")
+    if (merged_from or reference_from) and not quiet:
+        what = " and ".join([*([f"{merged_from} checkpoint"] if merged_from else []),
+                             *([f"{reference_from} reference checkpoint"] if reference_from else [])])
         notes = (*notes, *(f"reference: {n}" for n in reference_notes))
         console.print(f"{what} merged in memory, nothing written" + ("; merge's notes:" if notes else ""),
                       markup=False, soft_wrap=True)

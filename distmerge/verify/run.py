@@ -3,21 +3,22 @@
 Every rank makes the same calls in this order (with one process the collectives are no-ops):
 
     phase    who works                                                  collective
-    kind     rank 0: a finished model, or a checkpoint to merge in      broadcast   (comm.root_only)
-             memory (then verify/checkpoint.py's phases instead of
-             list and compare)
+    kind     rank 0: each side a finished model, or a checkpoint to     broadcast   (comm.root_only)
+             merge in memory (kinds.py; then checkpoint.py's or
+             two_checkpoints.py's phases instead of list and compare)
     list     rank 0 reads both sides' indexes and (validated) headers,  broadcast   (comm.root_only)
              pairs the names, settles missing / extra / shape
     compare  each rank reads both sides of the tensors in the merged    all_gather  (comm.gather)
-             files it owns (plan.assign_owners over file sizes) and
-             computes figures on comm.device; sends small records
+             files it owns (plan.assign_owners over file sizes), a
+             block at a time, and computes figures on comm.device
+             (blocks.py); sends small records
     logits   --logits only: rank 0 loads both models with transformers  broadcast   (comm.root_only)
     memory   each rank's peak RSS                                       all_gather  (comm.gather)
     report   rank 0 prints the table, the totals and the verdict,       broadcast   (comm.root_only)
              writes --json and --plot
 
-Neither side is ever loaded whole by one process: safetensors files are opened with `safe_open` and
-read one tensor at a time, pytorch_model*.bin with `torch.load(mmap=True, weights_only=True)`.
+Neither side is ever loaded whole by one process: safetensors tensors are read a block of elements at a time with
+`pread`, pytorch_model*.bin through one mapping of the file (sides.TensorFiles).
 """
 
 from __future__ import annotations
@@ -30,12 +31,14 @@ from pathlib import Path
 
 from distmerge.comm import Comm
 from distmerge.plan import natural_key
-from distmerge.verify.checkpoint import merges_in_memory, verify_checkpoint
+from distmerge.verify.blocks import one_thread
+from distmerge.verify.checkpoint import verify_checkpoint
 from distmerge.verify.compare import check_mine
+from distmerge.verify.kinds import kinds
 from distmerge.verify.listing import VerifyOptions, make_listing
 from distmerge.verify.report import Check, LogitsCheck, print_report, report_json, write_json
 from distmerge.verify.totals import totals, totals_json, totals_lines
-from distmerge.verify.two_checkpoints import reference_in_memory, verify_two_checkpoints
+from distmerge.verify.two_checkpoints import verify_two_checkpoints
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,11 +65,18 @@ def verify(opts: VerifyOptions, comm: Comm) -> VerifyResult:
 
     `opts.merged` a finished model: its files are compared with the reference. A checkpoint (anything `merge`
     reads): merged in memory with the merge options in `opts` (format, hf_config, format_options, base_model,
-    settings) and compared, nothing written (verify/checkpoint.py). The records are the same either way."""
+    settings) and compared, nothing written (verify/checkpoint.py); `opts.reference` likewise, with its own
+    reference_ options (kinds.py). The records are the same either way."""
+    with one_thread():
+        return _verify(opts, comm)
+
+
+def _verify(opts: VerifyOptions, comm: Comm) -> VerifyResult:
     start = time.perf_counter()
-    merged_ckpt, reference_ckpt = comm.root_only(lambda: _kinds(opts))
-    if merged_ckpt:
-        got = verify_two_checkpoints(opts, comm) if reference_ckpt else verify_checkpoint(opts, comm)
+    merged_ckpt, reference_ckpt = comm.root_only(lambda: kinds(opts))
+    if merged_ckpt or reference_ckpt:
+        got = verify_two_checkpoints(opts, comm) if merged_ckpt and reference_ckpt else verify_checkpoint(
+            opts, comm, role="merged" if merged_ckpt else "reference")
         return VerifyResult(checks=sorted(got.checks, key=lambda c: natural_key(c.name)), logits=None,
                             processes=comm.world, per_rank=got.per_rank, device=str(comm.device),
                             seconds=time.perf_counter() - start, peak_rss=_peak_rss(comm), format=got.format,
@@ -83,12 +93,6 @@ def verify(opts: VerifyOptions, comm: Comm) -> VerifyResult:
         logits = comm.root_only(lambda: compare_logits(listing, opts, comm.device))
     return VerifyResult(checks=checks, logits=logits, processes=comm.world, per_rank=[len(c) for c in per_rank],
                         device=str(comm.device), seconds=time.perf_counter() - start, peak_rss=_peak_rss(comm))
-
-
-def _kinds(opts: VerifyOptions) -> tuple[bool, bool]:
-    """Rank 0: is each side a checkpoint (merged in memory)?"""
-    merged = merges_in_memory(opts)
-    return merged, reference_in_memory(opts, merged)
 
 
 def _peak_rss(comm: Comm) -> tuple[int, ...]:

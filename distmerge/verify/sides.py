@@ -144,8 +144,38 @@ class TensorFiles:
     def __init__(self, side: Side) -> None:
         self.side = side
         self._open: dict[int, Any] = {}
+        self._flat: tuple[str, torch.Tensor | None] = ("", None)  # the .bin tensor `read` last flattened
+        self._buf = torch.empty(0, dtype=torch.uint8)  # `read`'s, reused
 
     def get(self, name: str) -> torch.Tensor:
+        """The whole tensor (verify --logits loads the reference's weights into a model)."""
+        handle = self._handle(name)
+        if self.side.kind != "safetensors":
+            return handle[name]
+        entry = handle[1].entries[name]
+        data = torch.empty(entry.nbytes, dtype=torch.uint8)
+        _pread(handle[0], entry.start, data, name, self.side.files[self.side.tensors[name].file])
+        return data.view(dtypes.torch_dtype(entry.dtype)).view(entry.shape)
+
+    def read(self, name: str, start: int, count: int) -> torch.Tensor:
+        """Elements [start, start + count) of tensor `name`, flattened in row-major order (verify/blocks.py):
+        a safetensors tensor's byte range read with `pread` into a buffer the next `read` reuses (allocating one
+        per block fragmented the heap: blocks.Scratch), a .bin tensor's view of its mapping."""
+        handle = self._handle(name)
+        if self.side.kind != "safetensors":
+            if self._flat[0] != name:  # a view of the mapping; a copy, once, when the saved tensor is strided
+                self._flat = (name, handle[name].reshape(-1))
+            return self._flat[1][start : start + count]
+        entry = handle[1].entries[name]
+        dtype = dtypes.torch_dtype(entry.dtype)
+        begin, nbytes = entry.start + start * dtype.itemsize, count * dtype.itemsize
+        assert start >= 0 and begin + nbytes <= entry.start + entry.nbytes, f"{name}: [{start}, {start + count})"
+        if self._buf.numel() < nbytes:
+            self._buf = torch.empty(nbytes, dtype=torch.uint8)
+        return _pread(handle[0], begin, self._buf[:nbytes], name, self.side.files[self.side.tensors[name].file]
+                      ).view(dtype)
+
+    def _handle(self, name: str) -> Any:
         loc = self.side.tensors[name]
         if loc.file not in self._open:
             path = Path(self.side.files[loc.file])
@@ -153,27 +183,22 @@ class TensorFiles:
                 self._open[loc.file] = (input_tree.open_input(path)[0], read_header(path))
             else:
                 self._open[loc.file] = load_torch(path)
-        handle = self._open[loc.file]
-        return _pread_tensor(*handle, name, self.side.files[loc.file]) if self.side.kind == "safetensors" \
-            else handle[name]
+        return self._open[loc.file]
 
     def close(self) -> None:
         for handle in self._open.values():
             if isinstance(handle, tuple):
                 os.close(handle[0])
         self._open.clear()  # .bin mappings close when dropped
+        self._flat = ("", None)
 
 
-def _pread_tensor(fd: int, header: Any, name: str, path: str) -> torch.Tensor:
-    entry = header.entries[name]
-    dtype, nbytes = dtypes.torch_dtype(entry.dtype), entry.nbytes
-    data = bytearray(nbytes)
-    view, done = memoryview(data), 0
-    while done < nbytes:
-        got = os.preadv(fd, [view[done:]], entry.start + done)
+def _pread(fd: int, offset: int, data: torch.Tensor, name: str, path: str) -> torch.Tensor:
+    """Fills `data` (uint8) with the file's bytes from offset; returns it."""
+    view, done = memoryview(data.numpy()), 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
         if got == 0:
             raise CorruptInputError(f"{path} ends inside {name}: the file is truncated")
         done += got
-    if not nbytes:
-        return torch.empty(entry.shape, dtype=dtype)
-    return torch.frombuffer(data, dtype=dtype).view(entry.shape)
+    return data

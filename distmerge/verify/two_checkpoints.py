@@ -5,8 +5,8 @@ Every rank makes the same calls in this order (run.py decides, on rank 0, that b
 
     phase     who works                                                     collective
     discover  rank 0: each side's format, files and config, as merge        broadcast, twice (comm.root_only)
-              (--merged with the input options, --reference detected, its
-              config from --reference-hf-config or its own)
+              (--merged with the input options, --reference with their
+              --reference- twins: kinds.py)
     plan      every rank, each side as merge would (engine.plan_checkpoint) all_gathers, as merge's, per side
               with the same --dtype, --lora, --budget: both plans' targets
               carry Hugging Face names
@@ -23,17 +23,16 @@ Every rank makes the same calls in this order (run.py decides, on rank 0, that b
     collect   every rank's records                                          all_gather (comm.gather)
 
 Memory per rank: the two rounds in flight of each side, bounded by --budget together (a component's source bytes
-count both sides), plus the held targets of one round.
+count both sides), plus the held --merged targets of one round; the --reference side's targets are compared with
+them as their bytes arrive (stream.StreamSink), a block at a time.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 
-from distmerge import discover as disc
 from distmerge.comm import Comm
 from distmerge.engine import Work, plan_checkpoint, run_in_lockstep
 from distmerge.errors import InputError
@@ -42,36 +41,17 @@ from distmerge.plan import Plan
 from distmerge.reader import Reader
 from distmerge.report import Progress
 from distmerge.verify.checkpoint import Compared, planned_side
-from distmerge.verify.compare import compare_tensors
 from distmerge.verify.components import comparison_plans
+from distmerge.verify.kinds import checkpoint_side
 from distmerge.verify.listing import Listing, VerifyOptions, pair_sides
-from distmerge.verify.report import Check, Criteria
-
-
-def reference_in_memory(opts: VerifyOptions, merged_is_checkpoint: bool) -> bool:
-    """Rank 0: is `reference` a training checkpoint (a folder a format detects)? Refuses the combinations that
-    cannot run: a checkpoint against a finished model's side, --reference-hf-config for a Hugging Face reference."""
-    path = Path(opts.reference)
-    checkpoint = path.is_dir() and any(f.detect(path) for f in registry.all_formats())
-    if checkpoint and not merged_is_checkpoint:
-        raise InputError(f"--reference {path} is a training checkpoint and --merged {opts.merged} a merged model: "
-                         "compare two checkpoints, or a model with a Hugging Face reference (swap them: --merged "
-                         "takes a checkpoint)")
-    if not checkpoint and opts.reference_hf_config is not None:
-        raise InputError(f"--reference-hf-config: {path} is not a training checkpoint (a Hugging Face reference "
-                         "brings its own names); leave the option out")
-    return checkpoint
+from distmerge.verify.report import Criteria
+from distmerge.verify.stream import StreamSink
 
 
 def verify_two_checkpoints(opts: VerifyOptions, comm: Comm) -> Compared:
     """Collective (see the module docstring): every rank calls it and gets the same records."""
-    if opts.settings.quantize:  # the same options apply to both sides: the reference would be quantized too
-        raise InputError("--quantize compares FP8 weights with a full-precision reference: pass a Hugging Face folder "
-                         "as --reference (merge the reference checkpoint first), not a second checkpoint")
-    found_a = comm.root_only(lambda: disc.discover(disc.check_input(opts.merged), opts.format, opts.hf_config,
-                                                   opts.format_options, opts.base_model))
-    found_b = comm.root_only(lambda: disc.discover(disc.check_input(opts.reference), "auto", opts.reference_hf_config,
-                                                   {}))
+    found_a = comm.root_only(checkpoint_side(opts, "merged").discover)
+    found_b = comm.root_only(checkpoint_side(opts, "reference").discover)
     reader_a = Reader(found_a.scan, registry.get(found_a.scan.format))
     reader_b = Reader(found_b.scan, registry.get(found_b.scan.format), second=True)
     try:
@@ -82,7 +62,7 @@ def verify_two_checkpoints(opts: VerifyOptions, comm: Comm) -> Compared:
         todo_a, todo_b = comm.agree(lambda: comparison_plans(plan_a, plan_b, pairs, comm.world,
                                                              opts.settings.budget_bytes))
         held = HoldSink()
-        sink = PairedSink(listing, opts.criteria, comm.device, held)
+        sink = PairedSink(todo_b, listing, opts.criteria, comm.device, held)
         run_in_lockstep((Work(todo=todo_a, reader=reader_a, sink=held), Work(todo=todo_b, reader=reader_b, sink=sink)),
                         comm, Progress(enabled=False))
         per_rank = comm.gather(lambda: sink.checks)
@@ -106,7 +86,7 @@ def _pair(plan_a: Plan, plan_b: Plan, config: dict, opts: VerifyOptions) -> List
 
 class HoldSink:
     """The --merged side's sink (sink.Sink): each target its owner builds is kept until the reference's targets of
-    the same round arrive (PairedSink drops them at the round's end)."""
+    the same round arrive (PairedSink drops them at the round's end); read a block at a time (stream.Blocks)."""
 
     takes_bytes = False  # every target is built as a tensor (assemble.TargetOut)
 
@@ -120,32 +100,22 @@ class HoldSink:
         """Nothing yet: the reference's half of the round follows."""
 
     def write(self, name: str, tensor: torch.Tensor) -> int:
-        self.held[name] = tensor
+        self.held[name] = tensor.reshape(-1)
         return tensor.numel() * tensor.element_size()
 
+    def read(self, name: str, start: int, count: int) -> torch.Tensor:
+        return self.held[name][start : start + count]
 
-class PairedSink:
-    """The --reference side's sink: each target built is compared with the held merged targets paired with it
-    (two when one side ties its head to the embedding), then dropped; the held ones at the round's end."""
 
-    takes_bytes = False
+class PairedSink(StreamSink):
+    """The --reference side's sink: each target, as its bytes arrive or once built, compared block by block with
+    the held merged targets paired with it (two when one side ties its head to the embedding); the held ones are
+    dropped at the round's end."""
 
-    def __init__(self, listing: Listing, crit: Criteria, device: torch.device, held: HoldSink) -> None:
-        self.side, self.crit, self.device, self.held = listing.merged, crit, device, held
-        self.pairs = defaultdict(list)
-        for pair in listing.pairs:
-            self.pairs[pair.reference_name].append(pair)
-        self.checks: list[Check] = []
-
-    def output(self, unit: int) -> PairedSink:
-        return self
+    def __init__(self, plan: Plan, listing: Listing, crit: Criteria, device: torch.device, held: HoldSink) -> None:
+        super().__init__(plan, listing, held, streamed="reference", crit=crit, device=device)
+        self.held = held
 
     def round_done(self) -> None:
+        super().round_done()
         self.held.held.clear()
-
-    def write(self, name: str, tensor: torch.Tensor) -> int:
-        for pair in self.pairs.get(name, ()):
-            file = self.side.files[self.side.tensors[pair.merged_name].file]
-            merged = self.held.held[pair.merged_name]
-            self.checks.append(compare_tensors(pair, merged, tensor, file, self.crit, self.device))
-        return tensor.numel() * tensor.element_size()

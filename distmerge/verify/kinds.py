@@ -1,0 +1,130 @@
+"""Rank 0, before anything is read: what each side of a verify is (a finished model, compared as it is, or a training
+checkpoint, merged in memory) and how a checkpoint side is read. Options that cannot apply to the kinds found are
+refused here, in one line each.
+
+    --merged      --reference    run by
+    model         model          compare.py (two finished models)
+    checkpoint    model          checkpoint.py (the checkpoint's targets compared as they are built)
+    model         checkpoint     checkpoint.py, the sides' roles swapped inside (the report keeps the user's)
+    checkpoint    checkpoint     two_checkpoints.py
+
+--merged is read with --format, --hf-config, the formats' own options and --base-model; --reference with their
+--reference- twins (options.py: REFERENCE_OPTIONS). --dtype, --lora, --budget, --max-shard-size shape every merge in
+memory; --quantize only a --merged checkpoint's, compared with a Hugging Face --reference (fp8_compare.py).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from distmerge import discover as disc
+from distmerge.errors import DistmergeError, InputError
+from distmerge.formats import registry
+from distmerge.prepare import OutputSettings
+from distmerge.verify.listing import VerifyOptions
+from distmerge.verify.sides import LAYOUTS
+
+# What marks a finished model (save_pretrained's or a merge's), and the model files of a merge that did not finish
+# (verify refuses that folder by name, as before, instead of trying it as a checkpoint).
+MODEL_MARKS = (*(name for _, index, single in LAYOUTS for name in (index, single)), "model-*-of-*.safetensors")
+# VerifyOptions fields that read --merged as a checkpoint, by their flags: given with a finished model, a mistake.
+MERGE_FLAGS = {"format": "--format", "hf_config": "--hf-config", "format_options": "the format's own options",
+               "base_model": "--base-model"}
+REFERENCE_FLAGS = {"reference_format": "--reference-format", "reference_hf_config": "--reference-hf-config",
+                   "reference_format_options": "the format's own options for --reference (--reference-iteration ...)"}
+# ... and the fields of the merges themselves: a mistake when neither side is a checkpoint.
+SETTING_FLAGS = {"dtype": "--dtype", "quantize": "--quantize", "max_shard_bytes": "--max-shard-size",
+                 "budget_bytes": "--budget", "lora": "--lora, --lora-alpha or --base-model"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointSide:
+    """A side of a verify that is a training checkpoint, and how to read it (merge's input options)."""
+
+    role: str  # "merged" or "reference": the user's name for the side
+    path: Path
+    format: str = "auto"
+    hf_config: Path | None = None
+    format_options: dict[str, Any] = field(default_factory=dict)
+    base_model: Path | None = None
+
+    def discover(self) -> disc.Discovery:
+        """Rank 0: the checkpoint's format, files and config, as merge finds them. The errors of discovery name
+        merge's flags (--hf-config, --iteration ...): for --reference, their twins."""
+        try:
+            return disc.discover(disc.check_input(self.path), self.format, self.hf_config, self.format_options,
+                                 self.base_model)
+        except DistmergeError as err:
+            if self.role == "merged":
+                raise
+            raise type(err)(_reference_flags(str(err))) from None
+
+
+def _reference_flags(message: str) -> str:
+    names = ["format", "hf-config", *(opt.flag.removeprefix("--") for opt, _ in registry.options())]
+    return re.sub(rf"(?<![\w-])--({'|'.join(map(re.escape, names))})\b", r"--reference-\1", message)
+
+
+def checkpoint_side(opts: VerifyOptions, role: str) -> CheckpointSide:
+    if role == "merged":
+        return CheckpointSide(role=role, path=opts.merged, format=opts.format, hf_config=opts.hf_config,
+                              format_options=opts.format_options, base_model=opts.base_model)
+    return CheckpointSide(role=role, path=opts.reference, format=opts.reference_format,
+                          hf_config=opts.reference_hf_config, format_options=opts.reference_format_options)
+
+
+def kinds(opts: VerifyOptions) -> tuple[bool, bool]:
+    """Rank 0: is each side (merged, reference) a checkpoint? A folder a format detects is one; for --merged also
+    a folder without a model's files; a format named for the side (--format, --reference-format) says so too."""
+    merged = _is_checkpoint(opts.merged, opts.format, also_unmarked=True)
+    reference = _is_checkpoint(opts.reference, opts.reference_format, also_unmarked=False)
+    if opts.logits and (merged or reference):
+        which = f"--merged {opts.merged}" if merged else f"--reference {opts.reference}"
+        raise InputError(f"--logits runs both models, and {which} is a checkpoint: merge it first (merge "
+                         "--verify-against runs verify after the merge), then verify the merged folder with --logits")
+    _refuse(opts, _given(opts, MERGE_FLAGS) if not merged else [], opts.merged, "--merged")
+    _refuse(opts, _given(opts, REFERENCE_FLAGS) if not reference else [], opts.reference, "--reference")
+    if not merged and not reference:
+        _refuse(opts, _settings_given(opts), opts.merged, "--merged")
+    if reference and opts.settings.quantize:
+        _refuse_quantize(opts, merged)
+    return merged, reference
+
+
+def _refuse_quantize(opts: VerifyOptions, merged: bool) -> None:
+    """--quantize makes FP8 weights of the merge of --merged, compared with a full-precision reference: the merge of
+    a --reference checkpoint would be quantized too (the settings apply to every merge in memory)."""
+    if merged:
+        raise InputError("--quantize compares FP8 weights with a full-precision reference: pass a Hugging Face folder "
+                         "as --reference (merge the reference checkpoint first), not a second checkpoint")
+    raise InputError(f"--quantize: --merged {opts.merged} is a finished model (its FP8 weights, if any, are compared "
+                     f"as written) and --reference {opts.reference} a checkpoint, merged in full precision; leave "
+                     "--quantize out")
+
+
+def _is_checkpoint(path: Path, fmt: str, *, also_unmarked: bool) -> bool:
+    path = Path(path)
+    if not path.is_dir():
+        return False
+    return fmt != "auto" or any(f.detect(path) for f in registry.all_formats()) or (
+        also_unmarked and not any(any(path.glob(mark)) for mark in MODEL_MARKS))
+
+
+def _refuse(opts: VerifyOptions, given: list[str], path: Path, flag: str) -> None:
+    if given:
+        raise InputError(f"{flag} {path} is a finished model; {', '.join(given)}: options of the merge of a training "
+                         f"checkpoint, leave them out (or pass the checkpoint as {flag})")
+
+
+def _given(opts: VerifyOptions, flags: dict[str, str]) -> list[str]:
+    default = VerifyOptions(merged=opts.merged, reference=opts.reference)
+    return [flag for name, flag in flags.items() if getattr(opts, name) != getattr(default, name)]
+
+
+def _settings_given(opts: VerifyOptions) -> list[str]:
+    default = OutputSettings()
+    return [flag for f in fields(OutputSettings) if (flag := SETTING_FLAGS.get(f.name))
+            and getattr(opts.settings, f.name) != getattr(default, f.name)]
