@@ -93,3 +93,60 @@ def test_config_of_the_fp8_folder(quantized):
     assert (weights["type"], weights["strategy"], weights["num_bits"]) == ("float", "channel", 8)
     header = load_file(quantized["fp8-channel"] / "model.safetensors")
     assert header["model.layers.0.mlp.down_proj.weight_scale"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("scheme", ["fp8-block", "fp8-channel"])
+@pytest.mark.parametrize("block", [1000, 2**14])  # 1000: blocks that start mid-row and mid 128-column block
+def test_block_by_block_is_the_whole_tensor(scheme, block, monkeypatch):
+    """verify's FP8 comparison a block at a time (verify/fp8_compare.py, each element finding its own scale) gives
+    the figures, the largest error / bound and the count beyond it of the whole tensors dequantized at once (as
+    fp8.Scheme.dequantize and fp8.bound do); with one scale off by 5%, the elements it scales go beyond."""
+    from distmerge import fp8
+    from distmerge.verify import blocks
+    from distmerge.verify.fp8_compare import Fp8Running
+    from distmerge.verify.report import Criteria
+
+    monkeypatch.setitem(blocks.BLOCK, "cpu", block)
+    grid, gen = fp8.SCHEMES[scheme], torch.Generator().manual_seed(0)
+    r = torch.randn(300, 257, generator=gen).to(torch.bfloat16)
+    q, scale = grid.quantize(r)
+    for s in (scale, scale.clone().index_put_((torch.tensor([1]), torch.tensor([0])), scale[1, 0] * 1.05)):
+        run = Fp8Running(tuple(r.shape), grid, s, 0.0, torch.device("cpu"), Criteria(), blocks.Scratch())
+        blocks.whole(q, lambda start, count: r.reshape(-1)[start : start + count], run)
+        got = grid.dequantize(q, s)
+        err, limit = (got - r.float()).abs(), fp8.bound(r, grid.expand(s, tuple(r.shape)))
+        assert run.worst == (err / limit).max().item() and run.beyond == int((err > limit).sum())
+        assert run.figures() == blocks.figures(got, r.float(), 0.0, 0.0)[1]
+    assert run.beyond > 0 and run.worst > 1  # the damaged scale
+
+
+@pytest.mark.parametrize("scheme", ["fp8-block", "fp8-channel"])
+def test_a_finished_fp8_model_against_its_checkpoint(scheme, quantized, fsdp_ckpts, tmp_path):
+    """The FP8 folder as --merged, the checkpoint it came from as --reference (merged in memory, its targets compared
+    as their bytes arrive, the FP8 weight read a block at a time with its scales): the records of the folder against
+    the full-precision folder; a damaged scale is named."""
+    ckpt = fsdp_ckpts[CASE]
+    swapped = api.verify(quantized[scheme], ckpt)
+    folder = api.verify(quantized[scheme], reference_dir(ckpt))
+    assert swapped.passed and swapped.reference_format == "fsdp"
+    assert sum(c.fp8_bound is not None for c in swapped.checks) == 14
+    assert sorted(swapped.checks, key=lambda c: c.name) == sorted(folder.checks, key=lambda c: c.name)
+    damaged = shutil.copytree(quantized[scheme], tmp_path / "damaged")
+    state = load_file(damaged / "model.safetensors")
+    name = "model.layers.0.self_attn.o_proj.weight" + ("_scale_inv" if scheme == "fp8-block" else "_scale")
+    state[name] = state[name] * 1.05
+    save_file(state, damaged / "model.safetensors", metadata={"format": "pt"})
+    failed = [c for c in api.verify(damaged, ckpt).checks if not c.passed]
+    assert [c.name for c in failed] == ["model.layers.0.self_attn.o_proj.weight"]
+    assert "beyond the FP8 bound" in failed[0].reason
+
+
+def test_quantize_with_a_checkpoint_as_reference_is_refused(quantized, fsdp_ckpts, capsys):
+    """--quantize quantizes the merge of a --merged checkpoint: a checkpoint --reference would be quantized too."""
+    ckpt = fsdp_ckpts[CASE]
+    assert distmerge_main(["verify", "--merged", str(quantized["fp8-block"]), "--reference", str(ckpt),
+                           "--quantize", "fp8-block"]) == 1
+    assert "is a finished model (its FP8 weights, if any, are compared as written)" in capsys.readouterr().err
+    assert distmerge_main(["verify", "--merged", str(ckpt), "--reference", str(fsdp_ckpts["fsdp2_llama_w4"]),
+                           "--quantize", "fp8-block"]) == 1
+    assert "not a second checkpoint" in capsys.readouterr().err
