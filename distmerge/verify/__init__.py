@@ -4,6 +4,7 @@
     listing.py  rank 0 pairs the names (tied heads by the model family's traits)
     kinds.py    rank 0: which side is a finished model and which a checkpoint, and how each is read
     blocks.py   the figures block by block, the same whatever the pieces a tensor arrives in
+    fp8_compare.py   an FP8 weight (merge --quantize) dequantized block by block, judged by the FP8 bound
     compare.py  two finished models: each rank computes the figures of the merged files it owns
     stream.py   a side merged in memory: each target compared as its bytes arrive, or once built (sink.Sink)
     checkpoint.py, two_checkpoints.py, components.py   one side or both merged in memory, in merge's rounds
