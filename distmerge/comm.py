@@ -105,8 +105,9 @@ class Comm:
         # torch.distributed.nn.functional's collectives take `group=group.WORLD` as a default argument, evaluated
         # when the module is first imported: imported while our group is up (transformers imports it, so
         # compressed-tensors does, on rank 0 at finalize with --quantize fp8-channel), ten functions hold the
-        # group until interpreter exit, past destroy_process_group(), and it is then destroyed with its gloo
-        # threads running: SIGABRT ("terminate called without an active exception") in ~1 run of 8. Imported
+        # group past close() until Python finalizes; a gloo worker dropping the last collective's tensors then
+        # takes the GIL, Python ends it (pthread_exit through a noexcept destructor) and the runtime aborts
+        # ("terminate called without an active exception") in ~1 merge of 15 (docs/reliability.md). Imported
         # first, the defaults are None (torch's "the default group", looked up per call). 2 ms.
         if self.device.type != "cuda":
             dist.init_process_group("gloo", timeout=timeout)
