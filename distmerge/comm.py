@@ -100,7 +100,15 @@ class Comm:
 
     def _start_group(self, timeout: timedelta) -> None:
         import torch.distributed as dist
+        import torch.distributed.nn.functional  # noqa: F401  (before the group: see below)
 
+        # torch.distributed.nn.functional's collectives take `group=group.WORLD` as a default argument, evaluated
+        # when the module is first imported: imported while our group is up (transformers imports it, so
+        # compressed-tensors does, on rank 0 at finalize with --quantize fp8-channel), ten functions hold the
+        # group past close() until Python finalizes; a gloo worker dropping the last collective's tensors then
+        # takes the GIL, Python ends it (pthread_exit through a noexcept destructor) and the runtime aborts
+        # ("terminate called without an active exception") in ~1 merge of 15 (docs/reliability.md). Imported
+        # first, the defaults are None (torch's "the default group", looked up per call). 2 ms.
         if self.device.type != "cuda":
             dist.init_process_group("gloo", timeout=timeout)
             self._control = self._data = dist.group.WORLD

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +25,7 @@ import torch
 
 from distmerge import fp8
 from distmerge.families.quantized import QUANTIZED
-from tests.conftest import load_merged, merge_inproc, reference_dir, torchrun, tree_bytes
+from tests.conftest import REPO, free_port, load_merged, merge_inproc, reference_dir, torchrun, tree_bytes
 
 CT_FOLDER = "fsdp2_llama_w2"
 
@@ -267,6 +270,35 @@ def test_output_bytes_are_the_same_for_any_n(nproc, scheme, mla_ckpts, merged, t
     assert len(list((tmp_path / "n").glob("model-*.safetensors"))) > nproc
     assert tree_bytes(tmp_path / "n") == tree_bytes(tmp_path / "n1")
     assert load_merged(tmp_path / "n1").keys() == load_merged(merged["mla_tp2", scheme]).keys()
+
+
+# What rank 0 runs in a one-process group started by Comm's own code (launched_world says 2, so Comm starts and
+# destroys it as under torchrun); prints whether the group's Python object outlives close().
+GROUP_AFTER_CLOSE = """
+import gc, sys, weakref
+import torch.distributed as dist
+from distmerge import comm, fp8_compressed
+comm.launched_world = lambda: 2
+c = comm.Comm(device="cpu", timeout_s=60)
+group = weakref.ref(dist.group.WORLD)
+fp8_compressed.config(["lm_head"])
+c.close()
+gc.collect()
+print("alive" if group() is not None else "freed")
+"""
+
+
+def test_the_fp8_channel_config_leaves_the_group_to_close():
+    """Rank 0 builds compressed-tensors' config (the import pulls in transformers, then torch.distributed.nn.functional)
+    while the group is up: the group must still be freed by Comm.close(), not at interpreter exit, where its gloo
+    threads abort the process (SIGABRT in 2 of 30 two-process merges before comm.Comm._start_group imported that
+    module first: docs/reliability.md). A fresh interpreter: in this one the module may already be imported."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
+           "WORLD_SIZE": "1", "PYTHONWARNINGS": "ignore"}
+    run = subprocess.run([sys.executable, "-c", GROUP_AFTER_CLOSE], capture_output=True, text=True, timeout=120,
+                         env=env, cwd=REPO)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["freed"], run.stdout
 
 
 # -- options ----------------------------------------------------------------------------------------------------------

@@ -8,7 +8,9 @@ Paths (2 processes under torchrun, loopback gloo): success; input error (a missi
 discovery, on rank 0, before any data moves); error on one rank (one rank's input file truncated: it fails
 reading, mid-merge, the other rank does not); SIGINT (Ctrl-C to torchrun mid-merge, slowed down by a pause
 per round: every rank ends with exit 130); the FSDP fixture save job (make_fsdp.py, 2 ranks, what the demo
-runs first). A run counts as an abort when its output names SIGABRT / "terminate called" / exit -6.
+runs first); fp8-channel (a successful merge with --quantize fp8-channel: rank 0 imports compressed-tensors,
+and with it transformers and torch.distributed.nn.functional, while the group is up, at finalize). A run counts as
+an abort when its output names SIGABRT / "terminate called" / exit -6.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=50)
     parser.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temp folder)")
-    parser.add_argument("--paths", default="success,input-error,one-rank-error,sigint,fixture-save")
+    parser.add_argument("--paths", default="success,input-error,one-rank-error,sigint,fixture-save,fp8-channel")
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="distmerge-aborts-"))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=str(REPO))
@@ -81,11 +83,11 @@ def main() -> int:
     victim = broken / "model_world_size_2_rank_1.pt"
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
 
-    def merge(inp: Path, extra_env: dict[str, str] | None = None, interrupt: bool = False):
+    def merge(inp: Path, extra_env: dict[str, str] | None = None, interrupt: bool = False, more: tuple = ()):
         out = work / "out"
         shutil.rmtree(out, ignore_errors=True)
         cmd = torchrun_cmd(next_port(), "-m", "distmerge", "merge", "--input", str(inp), "--output", str(out),
-                           "--quiet", "--budget", "16KiB")
+                           "--quiet", "--budget", "16KiB", *more)
         return run(cmd, {**env, **(extra_env or {})}, out if interrupt else None)
 
     paths: dict[str, Callable[[int], tuple[int, str]]] = {
@@ -94,6 +96,7 @@ def main() -> int:
         "one-rank-error": lambda i: merge(broken),
         "sigint": lambda i: merge(ckpt, {"DISTMERGE_TEST_ROUND_DELAY": "0.2"}, interrupt=True),
         "fixture-save": fixture_save,
+        "fp8-channel": lambda i: merge(ckpt, more=("--quantize", "fp8-channel")),
     }
     # Ctrl-C: every worker ends with distmerge's one line and exit 130; torchrun itself then exits 1 with its own
     # SignalException traceback (torch's launcher, not distmerge: docs/reliability.md shows it).
@@ -106,6 +109,7 @@ def main() -> int:
         "one-rank-error": lambda code, out: code == 1 and "distmerge: error:" in out,
         "sigint": lambda code, out: code != 0 and out.count(interrupted) == 1,
         "fixture-save": lambda code, out: code == 0,
+        "fp8-channel": lambda code, out: code == 0,
     }
     print(f"{'path':16} {'runs':>5} {'aborts':>7} {'unexpected exit':>16} {'median s':>9}", flush=True)
     total_aborts = 0
