@@ -76,7 +76,7 @@ def verify_checkpoint(opts: VerifyOptions, comm: Comm, role: str = "merged") -> 
         other = TensorFiles(listing.reference if role == "merged" else listing.merged)
         sink = StreamSink(todo, listing, other, streamed=role, crit=opts.criteria, device=comm.device)
         try:
-            run_rounds(todo, comm, reader, sink, Progress(enabled=False))
+            run_rounds(todo, comm, reader, sink, Progress(enabled=False), send_sets=1)
         finally:
             other.close()
         per_rank = comm.gather(lambda: sink.checks)
