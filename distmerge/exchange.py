@@ -13,6 +13,8 @@ k's collective to finish (drain; it has had the whole of round k-1's assembly to
 buffer round k went out from. That saves a round's outgoing bytes per rank, at the cost of round k's transfer no
 longer overlapping the packing of round k+1 and the local part of round k: worth it where assembling a round takes
 longer than its transfer (verify computes figures over every block), not for merge, whose rounds are copies.
+Measured on the 0.78 GB bench checkpoint, 2 processes: verify's peak 446 MB per rank instead of 511 (merge: 508),
+its own timer the same within noise (docs/benchmarks.md, "verify of a checkpoint").
 """
 
 from __future__ import annotations
