@@ -149,10 +149,10 @@ def _prepare(found: disc.Discovery, fragments, world: int, settings: OutputSetti
     return prepared
 
 
-def run_rounds(todo: Plan, comm: Comm, reader: Reader, sink: Sink, progress: Progress) -> None:
+def run_rounds(todo: Plan, comm: Comm, reader: Reader, sink: Sink, progress: Progress, send_sets: int = 2) -> None:
     """Collective: the rounds of `todo`, each unit's targets into `sink` on its owner. Exchange one round ahead:
-    round k+1 travels (its readers pack it) while round k is assembled."""
-    run_in_lockstep((Work(todo=todo, reader=reader, sink=sink),), comm, progress)
+    round k+1 travels (its readers pack it) while round k is assembled. `send_sets`: exchange.Exchanger's."""
+    run_in_lockstep((Work(todo=todo, reader=reader, sink=sink, send_sets=send_sets),), comm, progress)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,13 +162,14 @@ class Work:
     todo: Plan
     reader: Reader
     sink: Sink
+    send_sets: int = 2  # exchange.Exchanger's: 1 for verify, whose rounds take longer to assemble than to travel
 
 
 def run_in_lockstep(works: tuple[Work, ...], comm: Comm, progress: Progress) -> None:
     """Collective: round k of every work, in order, inside one gather (verify of two checkpoints: round k of one
     side, then round k of the other, so that an owner holds both sides' targets of a round together). Each
     work's exchange of round k+1 travels while round k is assembled; a work with fewer rounds idles."""
-    exchangers = [Exchanger(w.todo, comm, w.reader) for w in works]
+    exchangers = [Exchanger(w.todo, comm, w.reader, w.send_sets) for w in works]
     depth = max((len(w.todo.rounds) for w in works), default=0)
 
     def start(k: int) -> list[Pending]:

@@ -19,9 +19,11 @@ Every rank makes the same calls in this order (run.py decides, on rank 0, which 
               block by block (stream.StreamSink)
     collect   every rank's records                                          all_gather (comm.gather)
 
-Memory per rank is merge's, bounded by --budget: on the CPU a target that merge would copy into its file as its
-bytes arrive is compared as they arrive, against the reference read a block at a time (a few MB beside merge's);
-a unit merge builds (a QKV split, a cast) is built as merge builds it. The records are verify's own
+Memory per rank is merge's, bounded by --budget, less one round's outgoing bytes: the exchange keeps one send buffer
+(exchange.Exchanger, send_sets=1: a round's figures take longer to compute than its bytes to travel). On the CPU a
+target that merge would copy into its file as its bytes arrive is compared as they arrive, against the reference
+read a block at a time (a few MB beside merge's); a unit merge builds (a QKV split, a cast) is built as merge
+builds it. The records are verify's own
 (blocks.Running), so the report is the one `verify` of the merged folder gives: the same checks, figures and
 file names (the files merge would write with the same --max-shard-size).
 """
@@ -76,7 +78,7 @@ def verify_checkpoint(opts: VerifyOptions, comm: Comm, role: str = "merged") -> 
         other = TensorFiles(listing.reference if role == "merged" else listing.merged)
         sink = StreamSink(todo, listing, other, streamed=role, crit=opts.criteria, device=comm.device)
         try:
-            run_rounds(todo, comm, reader, sink, Progress(enabled=False))
+            run_rounds(todo, comm, reader, sink, Progress(enabled=False), send_sets=1)
         finally:
             other.close()
         per_rank = comm.gather(lambda: sink.checks)

@@ -23,8 +23,9 @@ Every rank makes the same calls in this order (run.py decides, on rank 0, that b
     collect   every rank's records                                          all_gather (comm.gather)
 
 Memory per rank: the two rounds in flight of each side, bounded by --budget together (a component's source bytes
-count both sides), plus the held --merged targets of one round; the --reference side's targets are compared with
-them as their bytes arrive (stream.StreamSink), a block at a time.
+count both sides), each side's outgoing bytes in one send buffer (exchange.Exchanger, send_sets=1, as checkpoint.py),
+plus the held --merged targets of one round; the --reference side's targets are compared with them as their bytes
+arrive (stream.StreamSink), a block at a time.
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ def verify_two_checkpoints(opts: VerifyOptions, comm: Comm) -> Compared:
                                                              opts.settings.budget_bytes))
         held = HoldSink()
         sink = PairedSink(todo_b, listing, opts.criteria, comm.device, held)
-        run_in_lockstep((Work(todo=todo_a, reader=reader_a, sink=held), Work(todo=todo_b, reader=reader_b, sink=sink)),
-                        comm, Progress(enabled=False))
+        run_in_lockstep((Work(todo=todo_a, reader=reader_a, sink=held, send_sets=1),
+                         Work(todo=todo_b, reader=reader_b, sink=sink, send_sets=1)), comm, Progress(enabled=False))
         per_rank = comm.gather(lambda: sink.checks)
     finally:
         reader_b.close()
