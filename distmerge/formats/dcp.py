@@ -89,18 +89,20 @@ class DcpFormat(FormatDefaults):
         st = (root / METADATA).stat()
         names, by_file = _chunks_by_file(str(root / METADATA), st.st_mtime_ns, st.st_size)
         opened = OpenedFile(fragments=[], layout={"DCP chunk": 0})
+        chunks = by_file.get(file.path, ())
+        codes = [dtypes.code_of(chunk.dtype) for chunk in chunks]
         fd, _ = input_tree.open_input(root / file.path)  # the file the walk listed, no link or FIFO in its place
         try:
-            for chunk in by_file.get(file.path, ()):
-                code = dtypes.code_of(chunk.dtype)
-                opened.fragments.append(Fragment(
-                    name=names[chunk.fqn], dtype=code, global_shape=chunk.global_shape, offsets=chunk.offsets,
-                    lengths=chunk.lengths, file_index=file.index, key=chunk.fqn,
-                    byte_offset=private.chunk_data_offset(fd, chunk, dtypes.itemsize(code)),
-                ))
-                opened.layout["DCP chunk"] += 1
+            at = private.locate(fd, file.size, [(c.offset, c.length, math.prod(c.lengths)) for c in chunks],
+                                chunks.__getitem__, [dtypes.itemsize(code) for code in codes])
         finally:
             os.close(fd)
+        for chunk, code, byte_offset in zip(chunks, codes, at, strict=True):
+            opened.fragments.append(Fragment(
+                name=names[chunk.fqn], dtype=code, global_shape=chunk.global_shape, offsets=chunk.offsets,
+                lengths=chunk.lengths, file_index=file.index, key=chunk.fqn, byte_offset=byte_offset,
+            ))
+        opened.layout["DCP chunk"] += len(chunks)
         return opened
 
 

@@ -15,11 +15,8 @@ are zip archives checked like any torch.save file (zip_records), and a chunk's v
 
 from __future__ import annotations
 
-import math
 import os
 import pickle
-import struct
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,8 +25,9 @@ import torch
 
 from distmerge import input_tree
 from distmerge.errors import CorruptInputError
-from distmerge.formats.torch_private import pickle_scan, zip_records
-from distmerge.formats.torch_private.restricted import TENSOR_GLOBALS, Record, TensorRef, as_text, loads
+from distmerge.formats.torch_private import pickle_scan
+from distmerge.formats.torch_private.dcp_blobs import Chunk, chunk_data_offset, locate  # noqa: F401 (readers' names)
+from distmerge.formats.torch_private.restricted import Record, as_text, loads
 
 _METADATA_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch", "Size"): torch.Size,
@@ -51,21 +49,6 @@ _METADATA_GLOBALS: dict[tuple[str, str], Any] = {
 }
 
 
-_BLOB_GLOBALS = TENSOR_GLOBALS
-
-
-@dataclass(frozen=True, kw_only=True)
-class Chunk:
-    fqn: str
-    dtype: torch.dtype
-    global_shape: tuple[int, ...]
-    offsets: tuple[int, ...]
-    lengths: tuple[int, ...]
-    file: str
-    offset: int  # of the blob in the file
-    length: int
-
-
 @dataclass(frozen=True, kw_only=True)
 class DcpMetadata:
     chunks: tuple[Chunk, ...]
@@ -76,7 +59,6 @@ class DcpMetadata:
 # metadata (~500 with megatron's save plans) and at least ~1 KB in its .distcp (a torch.save blob), or its
 # elements (raw); a 671B model's torch_dist save (~2M chunks, ~1 GB of metadata beside >1.3 TB) fits easily.
 METADATA_FLOOR = 256 * pickle_scan.MiB
-BLOB_PICKLE = pickle_scan.Budget(max_bytes=pickle_scan.MiB)  # a chunk blob's data.pkl describes one tensor
 
 
 def metadata_budget(path: Path) -> pickle_scan.Budget:
@@ -149,75 +131,3 @@ def _ints(values: Any) -> tuple[int, ...]:
     if not isinstance(values, (tuple, list)) or not all(type(v) is int for v in values):
         raise TypeError("sizes and offsets that are not integers")
     return tuple(values)
-
-
-LOCAL_HEADER = b"PK\x03\x04"
-PREFIX = 1 << 16  # data.pkl and the small records before the storage fit here in practice
-
-
-def chunk_data_offset(fd: int, chunk: Chunk, itemsize: int) -> int:
-    """Absolute file offset of the chunk's first element. Raw chunks start at the blob. torch.save blobs
-    write data.pkl first, then a few tiny records, then the storage: walking the zip's local headers in
-    one read of the blob's start finds it; anything unusual goes through zipfile's central directory."""
-    numel = math.prod(chunk.lengths)
-    if chunk.length == numel * itemsize:
-        return chunk.offset
-    head = os.pread(fd, min(chunk.length, PREFIX), chunk.offset)
-    ref, at = None, 0
-    while head[at : at + 4] == LOCAL_HEADER and at + 30 <= len(head):
-        flags, method = struct.unpack_from("<HH", head, at + 6)
-        (size,) = struct.unpack_from("<I", head, at + 18)
-        name_len, extra_len = struct.unpack_from("<HH", head, at + 26)
-        name = head[at + 30 : at + 30 + name_len].decode(errors="replace")
-        data = at + 30 + name_len + extra_len
-        if flags & 0x08 or method != zipfile.ZIP_STORED or size == 0xFFFFFFFF:
-            break
-        if name.endswith("data.pkl") and data + size <= len(head):
-            ref = _tensor_ref(head[data : data + size], chunk)
-        elif ref is not None and name.endswith(f"/data/{ref.storage.key}"):
-            _check_inside(ref, chunk, itemsize, size, data + size <= chunk.length)
-            return chunk.offset + data + ref.storage_offset * itemsize
-        at = data + size
-    return _offset_via_directory(fd, chunk, itemsize)
-
-
-_ACCEPTED: dict[bytes, TensorRef] = {}  # blob pickles already checked: a tensor's chunks of one shape pickle alike
-_ACCEPTED_MAX, _ACCEPTED_BYTES = 4096, 4096
-
-
-def _tensor_ref(pickled: bytes, chunk: Chunk) -> TensorRef:
-    ref = _ACCEPTED.get(pickled)
-    if ref is None:
-        try:
-            ref = loads(pickled, _BLOB_GLOBALS, where=f"{chunk.file} (chunk of {chunk.fqn})", budget=BLOB_PICKLE)
-        except (pickle.UnpicklingError, TypeError, ValueError, AttributeError, EOFError, IndexError) as err:
-            raise CorruptInputError(f"{chunk.file}: the chunk of {chunk.fqn} cannot be read safely ({err})") from None
-        if isinstance(ref, TensorRef) and len(pickled) <= _ACCEPTED_BYTES and len(_ACCEPTED) < _ACCEPTED_MAX:
-            _ACCEPTED[pickled] = ref
-    if not isinstance(ref, TensorRef) or ref.size != chunk.lengths:
-        raise CorruptInputError(f"{chunk.file}: the chunk of {chunk.fqn} does not hold a tensor of its shape")
-    if not ref.contiguous:
-        raise CorruptInputError(f"{chunk.file}: the chunk of {chunk.fqn} is saved non-contiguous")
-    return ref
-
-
-def _check_inside(ref: TensorRef, chunk: Chunk, itemsize: int, record_size: int, record_inside: bool) -> None:
-    """The chunk's elements lie inside their storage record, and the record inside the chunk's blob."""
-    if not ref.check_shape() or ref.bytes_needed(itemsize) > record_size or not record_inside:
-        raise CorruptInputError(f"{chunk.file}: the chunk of {chunk.fqn} reaches past its storage record "
-                                "(limit: views stay inside their record, records inside the blob)")
-
-
-def _offset_via_directory(fd: int, chunk: Chunk, itemsize: int) -> int:
-    where = f"{chunk.file} (chunk of {chunk.fqn})"
-    found = zip_records.records(fd, where, chunk.offset, chunk.length)
-    pkl, prefix = zip_records.pickle_record(found, where)
-    if pkl.size > BLOB_PICKLE.max_bytes:
-        raise CorruptInputError(f"{where}: its data.pkl is {pkl.size} bytes, over the limit of "
-                                f"{BLOB_PICKLE.max_bytes} (max_bytes)")
-    ref = _tensor_ref(zip_records.read(fd, pkl, chunk.offset), chunk)
-    record = found.get(prefix + ref.storage.key)
-    if record is None:
-        raise CorruptInputError(f"{where}: no storage record {ref.storage.key}")
-    _check_inside(ref, chunk, itemsize, record.size, True)
-    return chunk.offset + record.start + ref.storage_offset * itemsize

@@ -95,6 +95,11 @@ def records(fd: int, where: str, start: int = 0, length: int | None = None) -> d
     return found
 
 
+def directory_offset(fd: int, where: str, start: int, length: int) -> int:
+    """Where the archive's zip directory starts, from the archive's start (its end records checked)."""
+    return _check_end_record(fd, where, start, length)
+
+
 def _check_end_record(fd: int, where: str, start: int, length: int) -> int:
     """The record count and directory size the end record declares, bounded; returns the directory's offset."""
     tail_len = min(length, 22 + 65535)
