@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import pickle
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +24,9 @@ import torch
 
 from distmerge import input_tree
 from distmerge.errors import CorruptInputError
-from distmerge.formats.torch_private import pickle_scan
+from distmerge.formats.torch_private import dcp_decode, dcp_table, pickle_scan
 from distmerge.formats.torch_private.dcp_blobs import Chunk, chunk_data_offset, locate  # noqa: F401 (readers' names)
+from distmerge.formats.torch_private.dcp_table import DcpMetadata
 from distmerge.formats.torch_private.restricted import Record, as_text, loads
 
 _METADATA_GLOBALS: dict[tuple[str, str], Any] = {
@@ -49,12 +49,6 @@ _METADATA_GLOBALS: dict[tuple[str, str], Any] = {
 }
 
 
-@dataclass(frozen=True, kw_only=True)
-class DcpMetadata:
-    chunks: tuple[Chunk, ...]
-    non_tensors: tuple[str, ...]  # bytes entries (RNG, dataloader, train state)
-
-
 # .metadata's byte budget: this much, plus the bytes of the .distcp files beside it. A chunk costs ~250 bytes of
 # metadata (~500 with megatron's save plans) and at least ~1 KB in its .distcp (a torch.save blob), or its
 # elements (raw); a 671B model's torch_dist save (~2M chunks, ~1 GB of metadata beside >1.3 TB) fits easily.
@@ -71,7 +65,27 @@ def metadata_budget(path: Path) -> pickle_scan.Budget:
 
 
 def read_metadata(path: Path) -> DcpMetadata:
+    """The chunk table of a DCP `.metadata` (dcp_table). Read by dcp_decode when the file is what torch's writer
+    writes (seconds for a million chunks), else by the general reader (pickle_scan + restricted.loads), which
+    refuses what it must with its own one-line reasons."""
     budget = metadata_budget(path)
+    try:
+        skeleton, names = dcp_decode.decode(_read(path, budget), _METADATA_GLOBALS)
+        return dcp_table.table(skeleton, path, names)
+    except CorruptInputError:
+        raise
+    except Exception:  # noqa: BLE001 - anything the fast reader does not take, the general one judges
+        pass
+    raw = _read(path, budget)
+    try:
+        md = loads(raw, _METADATA_GLOBALS, where=str(path), storages={}, budget=budget)
+        del raw
+        return dcp_table.table(md, path, [])
+    except (pickle.UnpicklingError, AttributeError, KeyError, TypeError, EOFError, ValueError) as err:
+        raise CorruptInputError(f"{path} is not a DCP metadata file distmerge can read safely ({err})") from None
+
+
+def _read(path: Path, budget: pickle_scan.Budget) -> bytes:
     fd, _ = input_tree.open_input(path)
     with os.fdopen(fd, "rb") as f:
         size = os.fstat(fd).st_size
@@ -81,53 +95,4 @@ def read_metadata(path: Path) -> DcpMetadata:
         raw = f.read(size + 1)  # what fstat saw (the budget may be far larger: sparse or huge .distcp files)
         if len(raw) > size:
             raise CorruptInputError(f"{path} grew while distmerge read it: is a job still writing this checkpoint?")
-    try:
-        md = loads(raw, _METADATA_GLOBALS, where=str(path), storages={}, budget=budget)
-        tensors = {_text(fqn): m for fqn, m in md.state_dict_metadata.items() if hasattr(m, "chunks")}
-        _check_counts(path, tensors, md.storage_data)
-        where = {(_text(i.fqn), _ints(getattr(i, "offset", None) or ())): s for i, s in md.storage_data.items()}
-        chunks = [_chunk(fqn, meta, c, where) for fqn, meta in tensors.items() for c in meta.chunks]
-    except (pickle.UnpicklingError, AttributeError, KeyError, TypeError, EOFError, ValueError) as err:
-        raise CorruptInputError(f"{path} is not a DCP metadata file distmerge can read safely ({err})") from None
-    non_tensors = tuple(sorted(set(map(_text, md.state_dict_metadata)) - set(tensors)))
-    return DcpMetadata(chunks=tuple(chunks), non_tensors=non_tensors)
-
-
-def _check_counts(path: Path, tensors: dict[str, Any], storage_data: Any) -> None:
-    """Each chunk has its own entry in storage_data (where its bytes are): more chunks declared than entries is
-    a list that repeats one object, refused before a record is built per chunk (10^7 references to one chunk
-    cost 20 MB of pickle and would cost gigabytes of records)."""
-    if not isinstance(storage_data, dict):
-        raise TypeError("storage_data is not a dict")
-    declared = 0
-    for fqn, meta in tensors.items():
-        if not isinstance(meta.chunks, list):
-            raise TypeError(f"the chunks of {fqn} are not a list")
-        declared += len(meta.chunks)
-    if declared > len(storage_data):
-        raise CorruptInputError(f"{path} declares {declared:,} chunks but says where {len(storage_data):,} of them "
-                                "are: a list repeating one chunk, not metadata torch writes (limit: one storage "
-                                "entry per chunk)")
-
-
-def _chunk(fqn: str, meta: Any, c: Any, where: dict) -> Chunk:
-    dtype = meta.properties._state[0] if hasattr(meta.properties, "_state") else meta.properties.dtype
-    if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"the dtype of {fqn} is not a torch dtype")
-    info = where[(fqn, _ints(c.offsets))]
-    return Chunk(fqn=fqn, dtype=dtype, global_shape=_ints(meta.size), offsets=_ints(c.offsets),
-                 lengths=_ints(c.sizes), file=_text(info.relative_path), offset=_ints((info.offset,))[0],
-                 length=_ints((info.length,))[0])
-
-
-def _text(value: Any) -> str:
-    """Names become dict keys and messages: only real strings (a shared tuple hashes exponentially)."""
-    if not isinstance(value, str):
-        raise TypeError(f"a name that is a {type(value).__name__}, not a string")
-    return value
-
-
-def _ints(values: Any) -> tuple[int, ...]:
-    if not isinstance(values, (tuple, list)) or not all(type(v) is int for v in values):
-        raise TypeError("sizes and offsets that are not integers")
-    return tuple(values)
+    return raw
