@@ -29,6 +29,9 @@ from distmerge.reader import Reader
 
 # Transforms that keep a prefix of the source's bytes, in order: a direct unit may apply them by clipping.
 PREFIX_TRANSFORMS = ("identity", "trim_rows")
+# A direct unit of at most this many bytes is assembled in memory and written in one call: made of many small
+# fragments (a 1024-rank save: 1024 chunks of a few KB a tensor), one write per fragment cost more than the copy.
+STAGE = 8 << 20
 
 
 class TargetOut(Protocol):
@@ -57,6 +60,7 @@ class UnitBuild:
         self.unit, self.plan, self.writer, self.device = unit, plan, writer, device
         self.sources = [plan.sources[s] for s in unit.sources]
         self.direct = self._is_direct()
+        self.stage = bytearray(unit.targets[0].nbytes) if self.direct and unit.targets[0].nbytes <= STAGE else None
         self.tensors: dict[str, torch.Tensor] = {}
         if not self.direct:
             for src in self.sources:
@@ -74,7 +78,21 @@ class UnitBuild:
     def fragments(self) -> list[tuple[str, Fragment]]:
         return [(s.meta.name, f) for s in self.sources for f in s.fragments]
 
+    def take_local(self, source: str, frag: Fragment) -> memoryview | torch.Tensor | None:
+        """Where a local fragment's bytes go as they are, when they go to one place: its part of the staged unit,
+        or its run of a CPU source tensor (the reader fills many at once: Reader.fill); else None (place_local)."""
+        if self.stage is not None:
+            offset, kept = self._kept(source, frag)
+            start = offset - self.writer.offset(self.unit.targets[0].name)
+            return memoryview(self.stage)[start : start + kept] if kept == frag.nbytes else None
+        return None if self.direct else self._run_in_source(source, frag)
+
     def place_local(self, source: str, frag: Fragment, reader: Reader) -> None:
+        if self.stage is not None:  # a fragment the target keeps only part of (trim_rows): read, then clip
+            data = torch.empty(frag.nbytes, dtype=torch.uint8)
+            reader.read_into(frag, data)
+            self.place_received(source, frag, data)
+            return
         if self.direct and reader.can_copy(frag):
             offset, nbytes = self._kept(source, frag)
             if nbytes:
@@ -91,13 +109,19 @@ class UnitBuild:
     def place_received(self, source: str, frag: Fragment, data: torch.Tensor) -> None:
         if self.direct:
             offset, nbytes = self._kept(source, frag)
-            if nbytes:
+            if nbytes and self.stage is not None:
+                start = offset - self.writer.offset(self.unit.targets[0].name)
+                memoryview(self.stage)[start : start + nbytes] = memoryview(data[:nbytes].cpu().numpy()).cast("B")
+            elif nbytes:
                 self.writer.write_bytes(memoryview(data[:nbytes].cpu().numpy()).cast("B"), offset)
             return
         dtype = dtypes.torch_dtype(frag.dtype)
         frag.view_in(self.tensors[source]).copy_(data.view(dtype).view(frag.lengths), non_blocking=True)
 
     def finish(self) -> None:
+        if self.stage is not None:
+            self.writer.write_bytes(memoryview(self.stage), self.writer.offset(self.unit.targets[0].name))
+            self.stage = None
         if self.direct:
             return
         produced = transforms.apply(self.unit.transform, list(self.tensors.values()), self.unit.params)

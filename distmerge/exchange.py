@@ -99,11 +99,13 @@ class Exchanger:
     def _pack(self, outgoing: list[list[Fragment]], total: int, slot_set: int) -> torch.Tensor:
         if self._send[slot_set].numel() < total:
             self._send[slot_set] = torch.empty(total, dtype=torch.uint8)
-        buf, at = self._send[slot_set][:total], 0
+        buf, at, pairs = self._send[slot_set][:total], 0, []
+        view = memoryview(buf.numpy()).cast("B") if total else memoryview(b"")
         for frags in outgoing:
             for f in frags:
-                self.reader.read_into(f, buf[at : at + f.nbytes])
+                pairs.append((f, view[at : at + f.nbytes]))
                 at += slot(f.nbytes)
+        self.reader.fill(pairs)
         return buf
 
     def _recv_buffer(self, total: int, slot_set: int) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 
@@ -12,6 +13,20 @@ class RankStats:
     bytes_written: int
     files_written: int
     peak_rss: int
+    phases: dict[str, float] = field(default_factory=dict)  # wall seconds of each phase on this rank (Laps)
+
+
+class Laps(dict):
+    """Wall seconds of the phases of a run, as they end: `lap("open")` records the time since the last lap."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self[name] = round(now - self._last, 3)
+        self._last = now
 
 
 @dataclass(frozen=True, kw_only=True)

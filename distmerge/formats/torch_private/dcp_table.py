@@ -133,7 +133,8 @@ def _boxes(fqn: str, chunks: list, ndim: int, width: int) -> tuple[torch.Tensor,
             if o.shape[1] != ndim:
                 raise TypeError(f"a chunk of {fqn} with {o.shape[1]} dimensions, not {ndim}")
         else:
-            o, n = torch.tensor([_ints(c.offsets)]), torch.tensor([_ints(c.sizes)])
+            o = torch.tensor([_ints(c.offsets)], dtype=torch.int64)
+            n = torch.tensor([_ints(c.sizes)], dtype=torch.int64)
             if o.shape[-1] != ndim or n.shape[-1] != ndim:
                 raise TypeError(f"a chunk of {fqn} whose offsets or sizes are not {ndim} numbers")
             o, n = o.view(1, ndim), n.view(1, ndim)
