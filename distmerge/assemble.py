@@ -61,6 +61,9 @@ class UnitBuild:
         self.sources = [plan.sources[s] for s in unit.sources]
         self.direct = self._is_direct()
         self.stage = bytearray(unit.targets[0].nbytes) if self.direct and unit.targets[0].nbytes <= STAGE else None
+        if self.stage is not None:  # what take_local asks per fragment, computed once
+            self._view, self._size = memoryview(self.stage), len(self.stage)
+            self._itemsize = dtypes.itemsize(self.sources[0].meta.dtype)
         self.tensors: dict[str, torch.Tensor] = {}
         if not self.direct:
             for src in self.sources:
@@ -82,9 +85,8 @@ class UnitBuild:
         """Where a local fragment's bytes go as they are, when they go to one place: its part of the staged unit,
         or its run of a CPU source tensor (the reader fills many at once: Reader.fill); else None (place_local)."""
         if self.stage is not None:
-            offset, kept = self._kept(source, frag)
-            start = offset - self.writer.offset(self.unit.targets[0].name)
-            return memoryview(self.stage)[start : start + kept] if kept == frag.nbytes else None
+            start = frag.flat_start() * self._itemsize
+            return self._view[start : start + frag.nbytes] if start + frag.nbytes <= self._size else None
         return None if self.direct else self._run_in_source(source, frag)
 
     def place_local(self, source: str, frag: Fragment, reader: Reader) -> None:
@@ -111,7 +113,7 @@ class UnitBuild:
             offset, nbytes = self._kept(source, frag)
             if nbytes and self.stage is not None:
                 start = offset - self.writer.offset(self.unit.targets[0].name)
-                memoryview(self.stage)[start : start + nbytes] = memoryview(data[:nbytes].cpu().numpy()).cast("B")
+                self._view[start : start + nbytes] = memoryview(data[:nbytes].cpu().numpy()).cast("B")
             elif nbytes:
                 self.writer.write_bytes(memoryview(data[:nbytes].cpu().numpy()).cast("B"), offset)
             return

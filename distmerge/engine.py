@@ -266,5 +266,6 @@ def _stats(rank: int, reader: Reader, writers: dict[int, ShardWriter], laps: Lap
         files_written=len(writers),
         peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         phases=dict(laps),
+        phases_cpu=dict(laps.cpu),
     )
 

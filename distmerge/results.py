@@ -14,19 +14,22 @@ class RankStats:
     files_written: int
     peak_rss: int
     phases: dict[str, float] = field(default_factory=dict)  # wall seconds of each phase on this rank (Laps)
+    phases_cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds of the same (steadier on a busy machine)
 
 
 class Laps(dict):
-    """Wall seconds of the phases of a run, as they end: `lap("open")` records the time since the last lap."""
+    """Wall seconds of the phases of a run, as they end: `lap("open")` records the time since the last lap
+    (and `cpu` the process's CPU seconds over the same)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._last = time.perf_counter()
+        self.cpu: dict[str, float] = {}
+        self._last, self._last_cpu = time.perf_counter(), time.process_time()
 
     def lap(self, name: str) -> None:
-        now = time.perf_counter()
-        self[name] = round(now - self._last, 3)
-        self._last = now
+        now, cpu = time.perf_counter(), time.process_time()
+        self[name], self.cpu[name] = round(now - self._last, 3), round(cpu - self._last_cpu, 3)
+        self._last, self._last_cpu = now, cpu
 
 
 @dataclass(frozen=True, kw_only=True)

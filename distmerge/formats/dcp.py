@@ -130,8 +130,7 @@ class DcpFormat(FormatDefaults):
         finally:
             os.close(fd)
         names, codes, shapes, keys, index = chunks.names, chunks.codes, chunks.shapes, chunks.keys, file.index
-        opened.fragments = [Fragment(name=names[r[0]], dtype=codes[r[0]], global_shape=shapes[r[0]], offsets=o,
-                                     lengths=n, file_index=index, key=keys[r[0]], byte_offset=b)
+        opened.fragments = [Fragment.make(names[r[0]], codes[r[0]], shapes[r[0]], o, n, index, b, keys[r[0]])
                             for r, (o, n), b in zip(rows, boxes, at, strict=True)]
         return opened
 
