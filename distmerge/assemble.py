@@ -108,15 +108,19 @@ class UnitBuild:
         reader.read_into(frag, data)
         self.place_received(source, frag, data)
 
-    def place_received(self, source: str, frag: Fragment, data: torch.Tensor) -> None:
+    def place_received(self, source: str, frag: Fragment, data: torch.Tensor | memoryview) -> None:
+        """Place a fragment's bytes (a received slot, or what place_local read): a uint8 tensor or a memoryview."""
         if self.direct:
             offset, nbytes = self._kept(source, frag)
+            raw = data[:nbytes] if isinstance(data, memoryview) else memoryview(data[:nbytes].cpu().numpy()).cast("B")
             if nbytes and self.stage is not None:
                 start = offset - self.writer.offset(self.unit.targets[0].name)
-                self._view[start : start + nbytes] = memoryview(data[:nbytes].cpu().numpy()).cast("B")
+                self._view[start : start + nbytes] = raw
             elif nbytes:
-                self.writer.write_bytes(memoryview(data[:nbytes].cpu().numpy()).cast("B"), offset)
+                self.writer.write_bytes(raw, offset)
             return
+        if isinstance(data, memoryview):
+            data = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
         dtype = dtypes.torch_dtype(frag.dtype)
         frag.view_in(self.tensors[source]).copy_(data.view(dtype).view(frag.lengths), non_blocking=True)
 

@@ -249,8 +249,8 @@ def _build(plan: Plan, units, pending: Pending, comm: Comm, reader: Reader, sink
         received = pending.wait()  # the collective completes even when local work failed
     for build in builds:
         for source, frag in build.fragments():
-            if plan.readers[frag.file_index] != me:
-                build.place_received(source, frag, received[frag])
+            if (reader_of := plan.readers[frag.file_index]) != me:
+                build.place_received(source, frag, received.take(reader_of, frag))
         build.finish()
     sink.round_done()
     return sum(t.nbytes for build in builds for t in build.unit.targets)

@@ -60,16 +60,18 @@ class ModelChunks:
         return torch.frombuffer(bytearray(self.packed), dtype=torch.int64).view(-1, 4 + 2 * self.width)
 
     def of_file(self, index: int) -> list[list[int]]:
-        """The rows of one input file, in metadata order (the rows grouped by file once per process)."""
-        return _by_file(self).get(index, [])
+        """The rows of one input file, in metadata order (the rows grouped by file once per process; only the
+        files a rank opens become Python lists)."""
+        part = _by_file(self).get(index)
+        return [] if part is None else part.tolist()
 
 
 @functools.lru_cache(maxsize=2)
-def _by_file(chunks: ModelChunks) -> dict[int, list[list[int]]]:
+def _by_file(chunks: ModelChunks) -> dict[int, torch.Tensor]:
     rows = chunks.rows()
     order = torch.argsort(rows[:, 1], stable=True)
     files, counts = torch.unique_consecutive(rows[order, 1], return_counts=True)
-    return dict(zip(files.tolist(), (part.tolist() for part in rows[order].split(counts.tolist())), strict=True))
+    return dict(zip(files.tolist(), rows[order].split(counts.tolist()), strict=True))
 
 
 def hf_dir_near(root: Path) -> str | None:
