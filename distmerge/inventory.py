@@ -75,7 +75,7 @@ def unpack(parts: Iterable[Packed]) -> list[Fragment]:
 
 def _unpack_one(part: Packed, shared: dict) -> list[Fragment]:
     names, keys, dts, shapes, files, starts, flats, n_offsets, n_lengths = (_values(c) for c in part.columns)
-    box = _values(part.box).tolist()
+    box = _values(part.box)  # sliced as an array: its ints exist only inside the tuples kept
     strings = [shared.setdefault(s, s) for s in part.strings]  # one str object per name across all parts
     global_shapes = [shared.setdefault(s, s) for s in part.shapes]
     ends = list(itertools.accumulate(map(operator.add, n_offsets, n_lengths)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import resource
 import time
 from dataclasses import dataclass, field
 
@@ -15,6 +16,7 @@ class RankStats:
     peak_rss: int
     phases: dict[str, float] = field(default_factory=dict)  # wall seconds of each phase on this rank (Laps)
     phases_cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds of the same (steadier on a busy machine)
+    phases_rss: dict[str, int] = field(default_factory=dict)  # peak RSS in bytes as each phase ended
 
 
 class Laps(dict):
@@ -24,11 +26,13 @@ class Laps(dict):
     def __init__(self) -> None:
         super().__init__()
         self.cpu: dict[str, float] = {}
+        self.rss: dict[str, int] = {}
         self._last, self._last_cpu = time.perf_counter(), time.process_time()
 
     def lap(self, name: str) -> None:
         now, cpu = time.perf_counter(), time.process_time()
         self[name], self.cpu[name] = round(now - self._last, 3), round(cpu - self._last_cpu, 3)
+        self.rss[name] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         self._last, self._last_cpu = now, cpu
 
 

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from distmerge import dtypes
 from distmerge.errors import ConfigError, InputError
-from distmerge.formats.base import Hints, once
+from distmerge.formats.base import Hints
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,7 +42,7 @@ class Target:
     dtype: str
     group: str = "model"  # "model": the sharded model files; other groups: output_files.GROUP_FILES
 
-    @once
+    @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * dtypes.itemsize(self.dtype)
 
