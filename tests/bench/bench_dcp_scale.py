@@ -1,7 +1,7 @@
 """DCP saves of 256 and 1024 ranks (issue #27): `.metadata` reading and whole merges, beside torch's own route.
 
     python tests/bench/bench_dcp_scale.py [--world 256 1024] [--procs 1 2 4] [--repeats 1] [--work DIR]
-                                          [--names hf|torchtitan] [--no-peer] [--keep]
+                                          [--names hf|torchtitan] [--model 405b|small] [--no-peer] [--keep]
 
 The saves are written once (then reused while their stamp matches) by make_dcp_scale.py: torch's own
 DefaultSavePlanner and FileSystemWriter, W simulated ranks in one process, Llama-3.1-405B's 1,137 tensors with
@@ -47,15 +47,20 @@ READERS = {  # what each .metadata row runs, in a fresh interpreter: prints {"se
 }
 
 
-def ensure_save(work: Path, world: int, names: str) -> Path:
+def ensure_save(work: Path, world: int, names: str, model: str) -> Path:
     maker = HERE / "make_dcp_scale.py"
-    save, stamp_path = work / f"dcp_w{world}_{names}", work / f"dcp_w{world}_{names}.stamp.json"
-    stamp = {"world": world, "names": names, "maker_sha256": hashlib.sha256(maker.read_bytes()).hexdigest()}
+    tag = f"dcp_w{world}_{names}" + ("" if model == "405b" else f"_{model}")
+    save, stamp_path = work / tag, work / f"{tag}.stamp.json"
+    stamp = {"world": world, "names": names, "model": model,
+             "maker_sha256": hashlib.sha256(maker.read_bytes()).hexdigest()}
     if stamp_path.exists() and json.loads(stamp_path.read_text()) == stamp:
         print(f"reusing {save} (stamp matches)")
         return save
+    if save.is_symlink():
+        raise SystemExit(f"{save} links to a save made otherwise (its stamp differs): remove the link or the stamp")
     shutil.rmtree(save, ignore_errors=True)
-    cmd = [PY, str(maker), "--out", str(save.with_suffix(".partial")), "--world", str(world), "--names", names]
+    cmd = [PY, str(maker), "--out", str(save.with_suffix(".partial")), "--world", str(world), "--names", names,
+           "--model", model]
     print(f"making the save: {shlex.join(cmd)}", flush=True)
     run(cmd, work / "logs" / f"make_w{world}.log")
     save.with_suffix(".partial").rename(save)
@@ -136,6 +141,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--work", type=Path, default=Path("/tmp/distmerge-bench-dcp-scale"))
     parser.add_argument("--names", choices=("hf", "torchtitan"), default="hf")
+    parser.add_argument("--model", choices=("405b", "small"), default="405b", help="make_dcp_scale.py --model")
     parser.add_argument("--no-peer", dest="peer", action="store_false", help="skip torch's dcp_to_torch_save route")
     parser.add_argument("--keep", action="store_true", help="keep the merged outputs (the saves are always kept)")
     parser.add_argument("--max-shard-size", default="5GB")
@@ -145,7 +151,7 @@ def main() -> int:
     print("uptime:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(), flush=True)
     rows, ok = [], True
     for world in args.world:
-        save = ensure_save(args.work, world, args.names)
+        save = ensure_save(args.work, world, args.names, args.model)
         bench = ScaleBench(args, args.work, world, save)
         print(f"W={world}: {save}", flush=True)
         try:

@@ -1,6 +1,6 @@
 """Write a many-rank DCP save (W up to 1024 and more) in one process, with torch's own planner and writer.
 
-    python tests/bench/make_dcp_scale.py --out DIR --world 1024 [--names hf|torchtitan] [--cols 4]
+    python tests/bench/make_dcp_scale.py --out DIR --world 1024 [--names hf|torchtitan] [--cols 4] [--model small]
 
 Every simulated rank r runs what `torch.distributed.checkpoint.save` runs on rank r of a W-rank job, under a
 fake process group of rank r (torch.testing's "fake" backend: no communication, `get_rank() == r`), on a
@@ -22,6 +22,10 @@ is the real size: at W=1024, 1,164,278 chunks (the six empty shards of the embed
 128,256 share one chunk, written once, as dcp.save writes them). Every element is a function of its tensor and
 index (`value`), so a merge's output can be checked without a reference copy. config.json (huggingface/) is
 Llama-3.1-405B's with hidden_size etc. as the tensors have them.
+
+`--model small` saves a whole small Llama instead (SMALL: hidden 256, 32 layers, 4 heads of 64, one KV head,
+12M parameters), every tensor at its real shape, so families that check shapes against config.json (torchtitan's
+undoes its RoPE permutation per head) merge it: with `--names torchtitan`, a torchtitan model-only save of W ranks.
 """
 
 from __future__ import annotations
@@ -55,12 +59,17 @@ def torchtitan_name(name: str) -> str:
     return f"layers.{parts[2]}.{inner[module]}.weight"
 
 
-def tensors(names: str, cols: int) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, global shape): 405B's rows, `cols` columns."""
+SMALL = {**LLAMA, "hidden_size": 256, "intermediate_size": 768, "num_attention_heads": 4, "num_key_value_heads": 1,
+         "head_dim": 64, "num_hidden_layers": 32, "vocab_size": 4096}
+
+
+def tensors(names: str, cols: int, model: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, global shape): 405B's rows and `cols` columns, or SMALL's real shapes."""
     out = []
-    for name, shape in llama_tensors(LLAMA):
-        small = (shape[0],) if len(shape) == 1 else (shape[0], cols)
-        out.append((torchtitan_name(name) if names == "torchtitan" else name, small))
+    for name, shape in llama_tensors(SMALL if model == "small" else LLAMA):
+        if model != "small":
+            shape = (shape[0],) if len(shape) == 1 else (shape[0], cols)
+        out.append((torchtitan_name(name) if names == "torchtitan" else name, shape))
     return out
 
 
@@ -144,9 +153,10 @@ def _progress(what: str, rank: int, world: int) -> None:
         print(f"make_dcp_scale: {what} {rank + 1}/{world}", flush=True)
 
 
-def write_config(out: Path, specs, names: str, cols: int) -> None:
-    config = {**LLAMA, "torch_dtype": "bfloat16", "hidden_size": cols, "intermediate_size": cols,
-              "make_dcp_scale": {"world": None, "names": names, "cols": cols, "tensors": len(specs)}}
+def write_config(out: Path, specs, names: str, cols: int, model: str) -> None:
+    sizes = SMALL if model == "small" else {**LLAMA, "hidden_size": cols, "intermediate_size": cols}
+    config = {**sizes, "torch_dtype": "bfloat16",
+              "make_dcp_scale": {"names": names, "cols": cols, "model": model, "tensors": len(specs)}}
     (out / "huggingface").mkdir(parents=True, exist_ok=True)
     (out / "huggingface" / "config.json").write_text(json.dumps(config, indent=2))
 
@@ -157,16 +167,17 @@ def main() -> int:
     parser.add_argument("--world", type=int, required=True)
     parser.add_argument("--names", choices=("hf", "torchtitan"), default="hf")
     parser.add_argument("--cols", type=int, default=4, help="columns of every 2-D tensor (4)")
+    parser.add_argument("--model", choices=("405b", "small"), default="405b", help="405B's rows (405b), or SMALL")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     import torch
 
     torch.set_num_threads(1)
     start = time.perf_counter()
-    specs = tensors(args.names, args.cols)
+    specs = tensors(args.names, args.cols, args.model)
     args.out.mkdir(parents=True, exist_ok=True)
     save(args.out, args.world, specs)
-    write_config(args.out, specs, args.names, args.cols)
+    write_config(args.out, specs, args.names, args.cols, args.model)
     size = (args.out / ".metadata").stat().st_size
     print(f"make_dcp_scale: W={args.world}, {len(specs)} tensors, .metadata {size / 1e6:.1f} MB, "
           f"{time.perf_counter() - start:.0f} s", flush=True)

@@ -151,37 +151,39 @@ def match(kind: str, pins: dict[str, bytes], data: bytes, start: int, memo_base:
     return Run(kind=kind, found=found, memo_base=memo_base, n=len(found)), end, memos
 
 
-@dataclass
 class Tokens:
-    """The captured groups of n records as one byte string: `lens[k, g]` bytes of group g of record k,
-    starting at `starts[k, g]` of `blob`."""
+    """The captured groups of n records, column by column: `text(g)` the n byte strings of group g, and for the
+    groups decoded as numbers their bytes joined, one column at a time (the strings, most of the bytes, are never
+    copied into them)."""
 
-    blob: torch.Tensor  # uint8
-    starts: torch.Tensor  # int64 [n, G]
-    lens: torch.Tensor  # int64 [n, G]
-    raw: list[bytes]  # the groups, flat (for the strings)
-    groups: int
+    def __init__(self, runs: list[Run], groups: int) -> None:
+        flat = list(itertools.chain.from_iterable(itertools.chain.from_iterable(r.found for r in runs)))
+        self.n = len(flat) // groups
+        self.cols: list[list[bytes]] = [flat[g::groups] for g in range(groups)]
+        self._joined: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
-    @classmethod
-    def of(cls, runs: list[Run], groups: int) -> Tokens:
-        raw = list(itertools.chain.from_iterable(itertools.chain.from_iterable(r.found for r in runs)))
-        lens = torch.frombuffer(array("q", map(len, raw)), dtype=torch.int64).view(-1, groups)
-        starts = (lens.view(-1).cumsum(0) - lens.view(-1)).view(-1, groups)
-        blob = torch.frombuffer(bytearray(b"".join(raw) + bytes(9)), dtype=torch.uint8)  # 9: room to read past
-        return cls(blob=blob, starts=starts, lens=lens, raw=raw, groups=groups)
+    def _column(self, g: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Group g's bytes (uint8, 9 spare bytes at the end to read past), each token's start and length."""
+        if g not in self._joined:
+            lens = torch.frombuffer(array("q", map(len, self.cols[g])) or array("q", [0]), dtype=torch.int64)[: self.n]
+            blob = torch.frombuffer(bytearray(b"".join(self.cols[g]) + bytes(9)), dtype=torch.uint8)
+            self._joined[g] = (blob, lens.cumsum(0) - lens, lens)
+        return self._joined[g]
 
     def byte(self, g: int) -> torch.Tensor:
         """The first byte of group g (0 where it is empty)."""
-        return self.blob[self.starts[:, g]].long() * (self.lens[:, g] > 0)
+        blob, starts, lens = self._column(g)
+        return blob[starts].long() * (lens > 0)
 
     def ints(self, g: int) -> torch.Tensor:
         """Group g of every record as the integer its token encodes (K, M unsigned; J, LONG1 signed; h, j: a
         memo index); 0 where the group is empty."""
-        kind = self.byte(g)
+        blob, starts, lens = self._column(g)
+        kind = blob[starts].long() * (lens > 0)
         long1 = (kind == 0x8A).long()
-        width = (self.lens[:, g] - 1 - long1).clamp(min=0)
+        width = (lens - 1 - long1).clamp(min=0)
         places = torch.arange(8)
-        byte = self.blob[self.starts[:, g, None] + 1 + long1[:, None] + places].long() * (places < width[:, None])
+        byte = blob[starts[:, None] + 1 + long1[:, None] + places].long() * (places < width[:, None])
         value = (byte << (8 * places)).sum(1)
         signed = (kind == ord("J")) | (long1 > 0)
         top = byte.gather(1, (width - 1).clamp(min=0)[:, None])[:, 0]
@@ -189,10 +191,13 @@ class Tokens:
         return value - (negative.long() << (8 * width).clamp(max=62))
 
     def present(self, g: int) -> torch.Tensor:
-        return self.lens[:, g] > 0
+        return self._column(g)[2] > 0
+
+    def length(self, g: int) -> torch.Tensor:
+        return torch.tensor(list(map(len, self.cols[g])), dtype=torch.int64)
 
     def text(self, g: int) -> list[bytes]:
-        return self.raw[g :: self.groups]
+        return self.cols[g]
 
 
 def size_ints(tok: Tokens, first: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,7 +234,7 @@ def _int(token: bytes) -> int:
 
 def decode_chunks(runs: list[Run]) -> None:
     """Every record's offsets and sizes, into each run (a run's records have one number of dimensions)."""
-    tok = Tokens.of(runs, 10)
+    tok = Tokens(runs, 10)
     offsets, on = size_ints(tok, 0)
     sizes, sn = size_ints(tok, 5)
     at = 0
@@ -259,12 +264,12 @@ def decode_storage(runs: list[Run], strings: Callable[[list[bytes]], list[int]],
     """Every entry of these storage runs, into one StorageColumns the runs share. `strings(texts)` gives ids to
     texts, `ref(indices, before)` the ids of the strings at memo indices of earlier batches (each before its
     record). Returns the memo indices of the strings these runs created, sorted, with their ids."""
-    tok = Tokens.of(runs, 15)  # fqn (len, text, ref) index Size(5) None path (len, text, ref) offset length
+    tok = Tokens(runs, 15)  # fqn (len, text, ref) index Size(5) None path (len, text, ref) offset length
     offsets, count = size_ints(tok, 4)
     none = tok.present(9)
     fqn_new, path_new = tok.present(0), tok.present(10)
     for g in (0, 10):  # a new string's length byte is its length (else the match split an opcode differently)
-        if not bool(((tok.byte(g) == tok.lens[:, g + 1]) | ~tok.present(g)).all()):
+        if not bool(((tok.byte(g) == tok.length(g + 1)) | ~tok.present(g)).all()):
             raise NotDecoded("a string whose length byte is not its length")
     mi = 2 + fqn_new.long() + torch.where(none, torch.zeros_like(count), 2 + (count > 0).long())
     each = mi + 2 + path_new.long()
