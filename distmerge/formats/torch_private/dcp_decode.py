@@ -21,11 +21,10 @@ why this is as safe as the general reader.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import itertools
 import re
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,10 +33,9 @@ from distmerge.formats.torch_private import dcp_runs
 from distmerge.formats.torch_private.dcp_runs import NotDecoded
 from distmerge.formats.torch_private.restricted import DTYPES, Record, record_class
 
-PROTOCOLS = (4, 5)
 REF_RUN = re.compile(rb"(?:h.|j....)+", re.DOTALL)  # memo references, one after the other
 REF_TOKEN = re.compile(rb"h.|j....", re.DOTALL)
-FRAME, STOP, MARK = 0x95, 0x2E, 0x28
+STOP, MARK = 0x2E, 0x28
 REFS = (0x68, 0x6A)  # BINGET, LONG_BINGET: a run's record starts with a reference to its class
 BATCH = 1 << 15  # records decoded together: the per-call cost of torch's operations spread, the tokens' memory bounded
 MAX_LONG = 8  # LONG1 integers of at most 8 bytes: offsets and sizes are int64 in torch
@@ -60,65 +58,13 @@ class StorageSlice:
         self.run = run
 
 
-def size(values: Any) -> tuple[int, ...]:
-    """torch.Size(values) as a plain tuple of ints."""
-    if not isinstance(values, tuple) or not all(type(v) is int for v in values):
-        raise NotDecoded("a torch.Size of something other than integers")
-    return values
-
-
-size.pickled_as = "torch.Size"  # type: ignore[attr-defined]
-
-
-def allowed(table: dict[tuple[str, str], Any]) -> dict[tuple[str, str], Any]:
-    """The general reader's allow-list for .metadata, each record its own class (so a run can check the class
-    it refers to) and torch.Size a plain tuple."""
-    out = {}
-    for (module, name), value in table.items():
-        if value is Record:
-            out[module, name] = record_class(module, name)
-        elif (module, name) == ("torch", "Size"):
-            out[module, name] = size
-        else:
-            out[module, name] = value
-    return out
-
-
-def unframe(raw: bytes) -> bytes:
-    """The opcodes of a protocol 4/5 pickle without its FRAME headers, which must tile it."""
-    if len(raw) < 3 or raw[0] != 0x80 or raw[1] not in PROTOCOLS:
-        raise NotDecoded("not a protocol 4 or 5 pickle")
-    pos, parts = 2, []
-    while pos < len(raw):
-        if raw[pos] != FRAME or pos + 9 > len(raw):
-            raise NotDecoded("an opcode outside a frame")
-        n = int.from_bytes(raw[pos + 1 : pos + 9], "little")
-        parts.append(raw[pos + 9 : pos + 9 + n])
-        pos += 9 + n
-    if pos != len(raw):
-        raise NotDecoded("a frame past the end of the file")
-    return b"".join(parts)
-
-
 def decode(raw: bytes, table: dict[tuple[str, str], Any]) -> tuple[Any, list[str]]:
     """The skeleton of the pickled Metadata (runs standing in for their records), and the strings its storage
     runs name by id."""
-    machine = Machine(unframe(raw), allowed(table))
+    machine = Machine(dcp_runs.unframe(raw), dcp_runs.allowed(table))
     del raw  # the caller passes the file's bytes on: they are freed here, the opcodes kept
-    with one_thread():
+    with dcp_runs.one_thread():
         return machine.run(), machine.texts()
-
-
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """torch on one thread while it decodes: its operations here are many and small (a batch of 32k records),
-    where a second thread only waits for the first, and on a busy machine waits long (5x slower, measured)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 class Machine:

@@ -25,14 +25,18 @@ the strings it creates are returned with their memo indices.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import re
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from distmerge.formats.torch_private.restricted import Record, record_class
 
 REF = rb"(?:h.|j....)"
 INT = (rb"(?:K.|M..|J....|\x8a\x01.|\x8a\x02..|\x8a\x03...|\x8a\x04....|\x8a\x05.{5}|\x8a\x06.{6}|\x8a\x07.{7}"
@@ -40,6 +44,8 @@ INT = (rb"(?:K.|M..|J....|\x8a\x01.|\x8a\x02..|\x8a\x03...|\x8a\x04....|\x8a\x05
 NEW = rb"\)\x81\x94\}\x94\("  # EMPTY_TUPLE NEWOBJ MEMOIZE EMPTY_DICT MEMOIZE MARK: a dataclass's state follows
 SIZE_END = rb"\x85\x94R\x94"  # TUPLE1 MEMOIZE REDUCE MEMOIZE: torch.Size(args)
 FLAGS = re.DOTALL
+PROTOCOLS = (4, 5)
+FRAME = 0x95
 
 
 class NotDecoded(Exception):
@@ -310,3 +316,56 @@ def _resolve(indices: torch.Tensor, record_at: torch.Tensor, made_at: torch.Tens
     if bool((~here).any()):
         out[~here] = ref(indices[~here], record_at[~here])
     return out
+
+
+# -- the edges of the grammar: the file's frames, the allow-list as the fast reader takes it, torch's threads --
+def unframe(raw: bytes) -> bytes:
+    """The opcodes of a protocol 4/5 pickle without its FRAME headers, which must tile it."""
+    if len(raw) < 3 or raw[0] != 0x80 or raw[1] not in PROTOCOLS:
+        raise NotDecoded("not a protocol 4 or 5 pickle")
+    pos, parts = 2, []
+    while pos < len(raw):
+        if raw[pos] != FRAME or pos + 9 > len(raw):
+            raise NotDecoded("an opcode outside a frame")
+        n = int.from_bytes(raw[pos + 1 : pos + 9], "little")
+        parts.append(raw[pos + 9 : pos + 9 + n])
+        pos += 9 + n
+    if pos != len(raw):
+        raise NotDecoded("a frame past the end of the file")
+    return b"".join(parts)
+
+
+def size(values: Any) -> tuple[int, ...]:
+    """torch.Size(values) as a plain tuple of ints."""
+    if not isinstance(values, tuple) or not all(type(v) is int for v in values):
+        raise NotDecoded("a torch.Size of something other than integers")
+    return values
+
+
+size.pickled_as = "torch.Size"  # type: ignore[attr-defined]
+
+
+def allowed(table: dict[tuple[str, str], Any]) -> dict[tuple[str, str], Any]:
+    """The general reader's allow-list for .metadata, each record its own class (so a run can check the class
+    it refers to) and torch.Size a plain tuple."""
+    out = {}
+    for (module, name), value in table.items():
+        if value is Record:
+            out[module, name] = record_class(module, name)
+        elif (module, name) == ("torch", "Size"):
+            out[module, name] = size
+        else:
+            out[module, name] = value
+    return out
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch on one thread while it decodes: its operations here are many and small (a batch of 32k records),
+    where a second thread only waits for the first, and on a busy machine waits long (5x slower, measured)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
