@@ -23,13 +23,12 @@ from distmerge.formats.base import Fragment, InputFormat, OpenedFile, Scan
 # copy_file_range, 0.54 s through this buffer; with early writeback (writeback.py) 0.50 s and 0.34 s; two
 # processes writing halves of one file 0.46 s and 0.25 s. 4 MiB writes were 2-4x slower than 1 MiB ones.
 BOUNCE = 1 << 20
-# Small fragments are read together with their neighbours in the file: a DCP file holds a chunk blob per
-# tensor, 0.7-1.6 KB of zip records around each chunk's bytes, and a 1024-rank save of a 405B model has 1.16M of
-# them; one pread each is one system call per 8 KB or less. Reads of up to SPAN bytes take every small fragment
-# of a file whose bytes start within GAP of the previous one's end, records between them included.
+# Small fragments that follow one another in a file are read together, up to SPAN bytes a read: a 1024-rank save
+# holds 1.16 million chunks, a pread each is a system call per few KB. Only fragments that touch: the bytes
+# between two (a DCP blob's zip records, the next tensor's pickle) are never read, so each input byte is still
+# read once (tests/test_promises.py); a DCP file's tiny chunks, 1.6 KB of records apart, are read one by one.
 SMALL = 1 << 20
 SPAN = 4 << 20
-GAP = 64 << 10
 
 
 class Reader:
@@ -75,7 +74,7 @@ class Reader:
 
     def fill(self, pairs: list[tuple[Fragment, memoryview | torch.Tensor]]) -> None:
         """Each fragment's bytes into its destination (a writable memoryview, or a CPU uint8 tensor, of its size);
-        small fragments of one file that lie close come in one read."""
+        small fragments of one file that touch come in one read."""
         small = sorted((p for p in pairs if p[0].byte_offset >= 0 and p[0].nbytes <= SMALL),
                        key=lambda p: (p[0].file_index, p[0].byte_offset))
         for frag, dest in pairs:
@@ -86,7 +85,7 @@ class Reader:
             first, end, stop = small[at][0], small[at][0].byte_offset + small[at][0].nbytes, at + 1
             while stop < len(small):
                 f = small[stop][0]
-                if f.file_index != first.file_index or f.byte_offset > end + GAP or f.byte_offset + f.nbytes - \
+                if f.file_index != first.file_index or f.byte_offset > end or f.byte_offset + f.nbytes - \
                         first.byte_offset > SPAN:
                     break
                 end, stop = max(end, f.byte_offset + f.nbytes), stop + 1

@@ -39,7 +39,7 @@ from distmerge.formats.torch_private.restricted import TENSOR_GLOBALS, TensorRef
 BLOB_PICKLE = pickle_scan.Budget(max_bytes=pickle_scan.MiB)  # a chunk blob's data.pkl describes one tensor
 LOCAL_HEADER = b"PK\x03\x04"
 CENTRAL = b"PK\x01\x02"
-PREFIX = 1 << 16  # data.pkl and the small records before the storage fit here in practice
+PREFIX = 1 << 12  # data.pkl (~160 bytes) and the small records before the storage fit here in practice
 HEAD = 4096  # the bytes read at a blob's start to match it to a layout (torch 2.13: the first element at 704)
 WINDOW = 4 << 20
 MAX_LAYOUTS = 4096  # a 405B model has ~20 chunk shapes; a file of all-different ones is checked blob by blob
