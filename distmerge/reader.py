@@ -93,13 +93,20 @@ class Reader:
             at = stop
 
     def _fill_span(self, pairs: list[tuple[Fragment, memoryview | torch.Tensor]], start: int, end: int) -> None:
-        buf = memoryview(bytearray(end - start))
+        """One read of [start, end) of the pairs' file; a lone fragment's bytes go straight to its destination."""
+        lone = len(pairs) == 1 and pairs[0][0].byte_offset == start and pairs[0][0].nbytes == end - start
+        dest = pairs[0][1] if lone else None
+        buf = (dest if isinstance(dest, memoryview) else memoryview(dest.numpy()).cast("B")) if lone else \
+            memoryview(bytearray(end - start))
         fd, done = self._fd(pairs[0][0].file_index), 0
         while done < len(buf):
             got = os.preadv(fd, [buf[done:]], start + done)
             if got == 0:
                 self._truncated(next(f for f, _ in pairs if f.byte_offset + f.nbytes > start + done))
             done += got
+        if lone:
+            self.bytes_read += done
+            return
         for frag, dest in pairs:
             view = dest if isinstance(dest, memoryview) else memoryview(dest.numpy()).cast("B")
             view[:] = buf[frag.byte_offset - start : frag.byte_offset - start + frag.nbytes]
