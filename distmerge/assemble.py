@@ -29,6 +29,9 @@ from distmerge.reader import Reader
 
 # Transforms that keep a prefix of the source's bytes, in order: a direct unit may apply them by clipping.
 PREFIX_TRANSFORMS = ("identity", "trim_rows")
+# A direct unit of at most this many bytes is assembled in memory and written in one call: made of many small
+# fragments (a 1024-rank save: 1024 chunks of a few KB a tensor), one write per fragment cost more than the copy.
+STAGE = 8 << 20
 
 
 class TargetOut(Protocol):
@@ -57,6 +60,10 @@ class UnitBuild:
         self.unit, self.plan, self.writer, self.device = unit, plan, writer, device
         self.sources = [plan.sources[s] for s in unit.sources]
         self.direct = self._is_direct()
+        self.stage = bytearray(unit.targets[0].nbytes) if self.direct and unit.targets[0].nbytes <= STAGE else None
+        if self.stage is not None:  # what take_local asks per fragment, computed once
+            self._view, self._size = memoryview(self.stage), len(self.stage)
+            self._itemsize = dtypes.itemsize(self.sources[0].meta.dtype)
         self.tensors: dict[str, torch.Tensor] = {}
         if not self.direct:
             for src in self.sources:
@@ -74,7 +81,20 @@ class UnitBuild:
     def fragments(self) -> list[tuple[str, Fragment]]:
         return [(s.meta.name, f) for s in self.sources for f in s.fragments]
 
+    def take_local(self, source: str, frag: Fragment) -> memoryview | torch.Tensor | None:
+        """Where a local fragment's bytes go as they are, when they go to one place: its part of the staged unit,
+        or its run of a CPU source tensor (the reader fills many at once: Reader.fill); else None (place_local)."""
+        if self.stage is not None:
+            start = frag.flat_start() * self._itemsize
+            return self._view[start : start + frag.nbytes] if start + frag.nbytes <= self._size else None
+        return None if self.direct else self._run_in_source(source, frag)
+
     def place_local(self, source: str, frag: Fragment, reader: Reader) -> None:
+        if self.stage is not None:  # a fragment the target keeps only part of (trim_rows): read, then clip
+            data = torch.empty(frag.nbytes, dtype=torch.uint8)
+            reader.read_into(frag, data)
+            self.place_received(source, frag, data)
+            return
         if self.direct and reader.can_copy(frag):
             offset, nbytes = self._kept(source, frag)
             if nbytes:
@@ -88,16 +108,26 @@ class UnitBuild:
         reader.read_into(frag, data)
         self.place_received(source, frag, data)
 
-    def place_received(self, source: str, frag: Fragment, data: torch.Tensor) -> None:
+    def place_received(self, source: str, frag: Fragment, data: torch.Tensor | memoryview) -> None:
+        """Place a fragment's bytes (a received slot, or what place_local read): a uint8 tensor or a memoryview."""
         if self.direct:
             offset, nbytes = self._kept(source, frag)
-            if nbytes:
-                self.writer.write_bytes(memoryview(data[:nbytes].cpu().numpy()).cast("B"), offset)
+            raw = data[:nbytes] if isinstance(data, memoryview) else memoryview(data[:nbytes].cpu().numpy()).cast("B")
+            if nbytes and self.stage is not None:
+                start = offset - self.writer.offset(self.unit.targets[0].name)
+                self._view[start : start + nbytes] = raw
+            elif nbytes:
+                self.writer.write_bytes(raw, offset)
             return
+        if isinstance(data, memoryview):
+            data = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
         dtype = dtypes.torch_dtype(frag.dtype)
         frag.view_in(self.tensors[source]).copy_(data.view(dtype).view(frag.lengths), non_blocking=True)
 
     def finish(self) -> None:
+        if self.stage is not None:
+            self.writer.write_bytes(memoryview(self.stage), self.writer.offset(self.unit.targets[0].name))
+            self.stage = None
         if self.direct:
             return
         produced = transforms.apply(self.unit.transform, list(self.tensors.values()), self.unit.params)

@@ -26,6 +26,7 @@ the reference. The engine knows neither formats and families nor what verify com
 
 from __future__ import annotations
 
+import gc
 import os
 import resource
 import time
@@ -48,7 +49,7 @@ from distmerge.plan import Plan
 from distmerge.prepare import OutputSettings, prepare_merge
 from distmerge.reader import Reader
 from distmerge.report import Progress
-from distmerge.results import MergeResult, RankStats
+from distmerge.results import Laps, MergeResult, RankStats
 from distmerge.sink import FileSink, Sink
 from distmerge.writer import ShardWriter
 
@@ -76,13 +77,18 @@ class MergeOptions:
 
 def merge(opts: MergeOptions, comm: Comm, progress: Progress) -> MergeResult:
     start = time.perf_counter()
+    laps = Laps()
     out = Path(opts.output)
     found = comm.root_only(lambda: _discover(opts))
+    laps.lap("discover")
     scan = found.scan
     reader = Reader(scan, registry.get(scan.format))
     sink = None
+    collecting = gc.isenabled()  # the cyclic GC rests while the inventories, the plan and the rounds run:
+    gc.disable()  # millions of long-lived fragments walked in every full collection (W=256: 30% of the CPU)
     try:
-        plan = plan_checkpoint(found, reader, comm, opts.settings, host=lambda: _host(out), claims=opts.claims)
+        plan = plan_checkpoint(found, reader, comm, opts.settings, host=lambda: _host(out), claims=opts.claims,
+                               laps=laps)
         run = resume.describe(plan, scan.files, resume.output_options(opts.settings, scan.format,
                                                                       opts.format_options, found.config))
         begun = resume.start(out, plan, run, comm, resuming=opts.resume, checksum=opts.checksum)
@@ -94,7 +100,8 @@ def merge(opts: MergeOptions, comm: Comm, progress: Progress) -> MergeResult:
         sink.create_shared(begun.kept, comm)
         run_rounds(todo, comm, reader, sink, progress)
         progress.stop()
-        ranks = comm.gather(lambda: sink.commit_shared() or _stats(comm.rank, reader, sink.writers))
+        laps.lap("rounds")
+        ranks = comm.gather(lambda: sink.commit_shared() or _stats(comm.rank, reader, sink.writers, laps))
         copied = [] if begun.complete else comm.root_only(
             lambda: finalize(out, plan, found.config, Path(found.hf_dir), scan.not_model_files))
     except BaseException:
@@ -104,6 +111,8 @@ def merge(opts: MergeOptions, comm: Comm, progress: Progress) -> MergeResult:
         raise
     finally:
         reader.close()
+        if collecting:
+            gc.enable()
     return MergeResult(
         output=str(opts.output),
         format=scan.format,
@@ -124,19 +133,22 @@ def merge(opts: MergeOptions, comm: Comm, progress: Progress) -> MergeResult:
 
 
 def plan_checkpoint(found: disc.Discovery, reader: Reader, comm: Comm, settings: OutputSettings,
-                    host: Callable[[], str], claims: tuple[Claim, ...] = ()) -> Plan:
+                    host: Callable[[], str], claims: tuple[Claim, ...] = (), laps: Laps | None = None) -> Plan:
     """Collective, after discovery, before any round (merge, and verify of a checkpoint): each rank opens the input
     files it reads and the inventories are gathered; every rank plans the same; the checks of small replicas and
     of the sources the family wrote into no unit run. Returns the plan with their notes, the same on every rank.
     `host()`: this rank's machine, as spread.py groups ranks that may write one file; `claims`: what the user
-    says the checkpoint is, checked against the plan (expect.py)."""
+    says the checkpoint is, checked against the plan (expect.py); `laps`: the phases' times, when kept."""
+    laps = laps if laps is not None else Laps()
     readers = planning.assign_readers(found.scan.files, comm.world)
     mine = [i for i, r in enumerate(readers) if r == comm.rank]
     # inventories travel as columns (inventory.py says why), with the host of each rank (spread.py)
     gathered = comm.gather(lambda: (host(), inventory.pack(reader.open(mine))))
+    laps.lap("open")
     hosts = _host_numbers([name for name, _ in gathered])
     prepared = comm.agree(lambda: _prepare(found, inventory.unpack([part for _, part in gathered]), comm.world,
                                            settings, hosts, claims))
+    laps.lap("plan")
     plan = prepared.plan
     checked = unwritten.check(plan, prepared.left_out, prepared.must_equal, comm, reader)
     return replace(plan, notes=(*plan.notes, *replicas.check(plan, comm, reader), *checked))
@@ -230,22 +242,27 @@ def _build(plan: Plan, units, pending: Pending, comm: Comm, reader: Reader, sink
     me = comm.rank
     builds = [UnitBuild(plan.units[i], plan, sink.output(i), comm.device) for i in units if plan.owner_of_unit[i] == me]
     try:
+        filled, rest = [], []
         for build in builds:
             for source, frag in build.fragments():
                 if plan.readers[frag.file_index] == me:
-                    build.place_local(source, frag, reader)
+                    dest = build.take_local(source, frag) if reader.can_copy(frag) else None
+                    (rest.append((build, source, frag)) if dest is None else filled.append((frag, dest)))
+        reader.fill(filled)  # small fragments that lie close in a file come in one read
+        for build, source, frag in rest:
+            build.place_local(source, frag, reader)
     finally:
         received = pending.wait()  # the collective completes even when local work failed
     for build in builds:
         for source, frag in build.fragments():
-            if plan.readers[frag.file_index] != me:
-                build.place_received(source, frag, received[frag])
+            if (reader_of := plan.readers[frag.file_index]) != me:
+                build.place_received(source, frag, received.take(reader_of, frag))
         build.finish()
     sink.round_done()
     return sum(t.nbytes for build in builds for t in build.unit.targets)
 
 
-def _stats(rank: int, reader: Reader, writers: dict[int, ShardWriter]) -> RankStats:
+def _stats(rank: int, reader: Reader, writers: dict[int, ShardWriter], laps: Laps) -> RankStats:
     """What this rank did in this run: the files it wrote (or its part of shared ones), not the ones --resume
     kept."""
     return RankStats(
@@ -254,5 +271,8 @@ def _stats(rank: int, reader: Reader, writers: dict[int, ShardWriter]) -> RankSt
         bytes_written=sum(w.own_bytes for w in writers.values()),
         files_written=len(writers),
         peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        phases=dict(laps),
+        phases_cpu=dict(laps.cpu),
+        phases_rss=dict(laps.rss),
     )
 

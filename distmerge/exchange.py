@@ -62,16 +62,32 @@ class Pending:
             self.work.wait()
             self.work = None
 
-    def wait(self) -> dict[Fragment, torch.Tensor]:
+    def wait(self) -> Received:
         self.drain()
         if self.failed is not None:
             raise self.failed
-        received, at = {}, 0
-        for frags in self.incoming:
-            for f in frags:
-                received[f] = self.recv[at : at + f.nbytes]
-                at += slot(f.nbytes)
-        return received
+        return Received(self.recv, self.incoming)
+
+
+class Received:
+    """What other ranks read for this one. `take(reader, frag)` gives the next fragment from that reader: the owner
+    asks for its fragments in the order lanes() packed them (its units in plan order, their sources, their
+    fragments), so each reader's part is walked with a cursor; no fragment is hashed to find its bytes (a
+    1024-rank save sends half a million a rank). On the CPU the bytes come as memoryviews (cheaper to slice)."""
+
+    def __init__(self, recv: torch.Tensor | None, incoming: list[list[Fragment]]) -> None:
+        sizes = [sum(slot(f.nbytes) for f in frags) for frags in incoming]
+        self.at = [sum(sizes[:r]) for r in range(len(sizes))]
+        self.ends = [a + n for a, n in zip(self.at, sizes, strict=True)]
+        cpu = recv is not None and recv.device.type == "cpu" and recv.numel() > 0
+        self.buf: memoryview | torch.Tensor | None = memoryview(recv.numpy()).cast("B") if cpu else recv
+
+    def take(self, reader: int, frag: Fragment) -> memoryview | torch.Tensor:
+        at = self.at[reader]
+        if self.buf is None or at + frag.nbytes > self.ends[reader]:
+            raise AssertionError(f"rank {reader} sent fewer bytes than the plan says (at {frag.key})")
+        self.at[reader] = at + slot(frag.nbytes)
+        return self.buf[at : at + frag.nbytes]
 
 
 class Exchanger:
@@ -115,11 +131,13 @@ class Exchanger:
     def _pack(self, outgoing: list[list[Fragment]], total: int, slot_set: int) -> torch.Tensor:
         if self._send[slot_set].numel() < total:
             self._send[slot_set] = torch.empty(total, dtype=torch.uint8)
-        buf, at = self._send[slot_set][:total], 0
+        buf, at, pairs = self._send[slot_set][:total], 0, []
+        view = memoryview(buf.numpy()).cast("B") if total else memoryview(b"")
         for frags in outgoing:
             for f in frags:
-                self.reader.read_into(f, buf[at : at + f.nbytes])
+                pairs.append((f, view[at : at + f.nbytes]))
                 at += slot(f.nbytes)
+        self.reader.fill(pairs)
         return buf
 
     def _recv_buffer(self, total: int, slot_set: int) -> torch.Tensor:

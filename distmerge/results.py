@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import resource
+import time
 from dataclasses import dataclass, field
 
 
@@ -12,6 +14,26 @@ class RankStats:
     bytes_written: int
     files_written: int
     peak_rss: int
+    phases: dict[str, float] = field(default_factory=dict)  # wall seconds of each phase on this rank (Laps)
+    phases_cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds of the same (steadier on a busy machine)
+    phases_rss: dict[str, int] = field(default_factory=dict)  # peak RSS in bytes as each phase ended
+
+
+class Laps(dict):
+    """Wall seconds of the phases of a run, as they end: `lap("open")` records the time since the last lap
+    (and `cpu` the process's CPU seconds over the same)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cpu: dict[str, float] = {}
+        self.rss: dict[str, int] = {}
+        self._last, self._last_cpu = time.perf_counter(), time.process_time()
+
+    def lap(self, name: str) -> None:
+        now, cpu = time.perf_counter(), time.process_time()
+        self[name], self.cpu[name] = round(now - self._last, 3), round(cpu - self._last_cpu, 3)
+        self.rss[name] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        self._last, self._last_cpu = now, cpu
 
 
 @dataclass(frozen=True, kw_only=True)

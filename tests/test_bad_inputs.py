@@ -108,9 +108,9 @@ def test_dcp_metadata_pointing_outside_is_refused(tmp_path, capsys):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     (ckpt / "__0_0.distcp").write_bytes(b"")
-    meta = private.DcpMetadata(chunks=(private.Chunk(
+    meta = private.DcpMetadata.of([private.Chunk(
         fqn="w", dtype=__import__("torch").float32, global_shape=(2,), offsets=(0,), lengths=(2,),
-        file="../secret.distcp", offset=0, length=8),), non_tensors=())
+        file="../secret.distcp", offset=0, length=8)])
     from distmerge.formats import dcp
 
     dcp._metadata.cache_clear()

@@ -39,13 +39,15 @@ def test_packed_inventories_unpack_to_the_same_fragments(family, case, request):
     parts = [fragments[:cut], [], fragments[cut:]]
     sent = [pickle.dumps(inventory.pack(p)) for p in parts]
     assert inventory.unpack([pickle.loads(s) for s in sent]) == fragments
-    assert sum(map(len, sent)) < len(pickle.dumps(parts))
+    # the size gain shows at a rank's scale (its string tables are paid once): 50 copies, other byte offsets
+    many = [dataclasses.replace(f, byte_offset=f.byte_offset + i) for i in range(50) for f in fragments]
+    assert len(pickle.dumps(inventory.pack(many))) < len(pickle.dumps(many))
 
 
 def test_every_fragment_field_travels():
     """A field added to Fragment must be added to the packing too, or it would silently arrive as its default.
     Shown to fail: dropping "flat" from inventory.CARRIED."""
-    assert sorted(inventory.CARRIED) == sorted(f.name for f in dataclasses.fields(Fragment))
+    assert sorted(inventory.CARRIED) == sorted(f.name for f in dataclasses.fields(Fragment) if f.init)
 
 
 def test_packing_keeps_flat_ranges_scalars_and_large_offsets():

@@ -144,10 +144,12 @@ def discovery_reads(ckpt: Path, hf: Path | None, world: int) -> tuple[int, objec
     """What discovery reads (measured: rchar of this process around it) and the plan it leads to."""
     from distmerge import discover as disc
     from distmerge.formats import dcp, registry
+    from distmerge.formats.torch_private import dcp_blobs
     from distmerge.prepare import OutputSettings, prepare_merge
     from distmerge.reader import Reader
 
     dcp._metadata.cache_clear()  # read it as a fresh process does
+    dcp_blobs._LAYOUTS.clear()  # and check each chunk blob layout in full again, as a fresh process does
     before = rchar()
     found = disc.discover(ckpt, "auto", hf, {})
     reader = Reader(found.scan, registry.get(found.scan.format))

@@ -92,7 +92,10 @@ class Scan:
     walked: Any = None  # input_tree.Walked: the walk's record of `files`, each rank opens them by (discover sets it)
 
 
-@dataclass(frozen=True, kw_only=True)
+_set = object.__setattr__  # a frozen dataclass's fields, set once (Fragment.make, the cached sizes)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Fragment:
     """A piece of one global tensor held in one input file (the unit of reading and of transfer).
 
@@ -114,14 +117,41 @@ class Fragment:
     byte_offset: int  # first byte in the file; -1: only readable through the view its reader keeps
     key: str  # the entry's key in its file, for the view fallback and for messages
     flat: bool = False
+    # numel, nbytes and flat_start are asked several times per fragment by the plan, the exchange and the
+    # assembly, for up to millions of fragments: each is computed once, kept here, outside the fragment's value
+    # (its equality, hash, repr and packed form). Slots: a 1024-rank save's 1.16M fragments are on every rank.
+    _numel: int | None = field(default=None, init=False, repr=False, compare=False)
+    _nbytes: int | None = field(default=None, init=False, repr=False, compare=False)
+    _flat: int | None = field(default=None, init=False, repr=False, compare=False)  # -1: not one run
+
+    @classmethod
+    def make(cls, name: str, dtype: str, global_shape: tuple[int, ...], offsets: tuple[int, ...],
+             lengths: tuple[int, ...], file_index: int, byte_offset: int, key: str, flat: bool = False) -> Fragment:
+        """Fragment(...) with the same fields, positional, without the frozen dataclass's __init__ (nine
+        object.__setattr__ calls): 0.4 us instead of 3, for the million fragments of a 1024-rank save that every
+        rank unpacks (inventory.py) and the formats open."""
+        obj = object.__new__(cls)
+        for name_, value in (("name", name), ("dtype", dtype), ("global_shape", global_shape), ("offsets", offsets),
+                             ("lengths", lengths), ("file_index", file_index), ("byte_offset", byte_offset),
+                             ("key", key), ("flat", flat), ("_numel", None), ("_nbytes", None), ("_flat", None)):
+            _set(obj, name_, value)
+        return obj
 
     @property
     def numel(self) -> int:
-        return math.prod(self.lengths)
+        n = self._numel
+        if n is None:
+            n = math.prod(self.lengths)
+            _set(self, "_numel", n)
+        return n
 
     @property
     def nbytes(self) -> int:
-        return self.numel * dtypes.itemsize(self.dtype)
+        n = self._nbytes
+        if n is None:
+            n = self.numel * dtypes.itemsize(self.dtype)
+            _set(self, "_nbytes", n)
+        return n
 
     @property
     def region(self) -> tuple:
@@ -137,6 +167,13 @@ class Fragment:
 
     def flat_start(self) -> int | None:
         """First element in the flattened tensor when the fragment is one contiguous run of it, else None."""
+        start = self._flat
+        if start is None:
+            start = self._flat_start()
+            _set(self, "_flat", -1 if start is None else start)
+        return None if start == -1 else start
+
+    def _flat_start(self) -> int | None:
         if self.flat:
             return self.offsets[0]
         shape, lengths = self.global_shape, self.lengths

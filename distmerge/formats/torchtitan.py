@@ -73,15 +73,17 @@ class TorchtitanFormat(FormatDefaults):
         if _is_hf(step):
             raise InputError(f"{step} is already a Hugging Face model ({HF_INDEX}, torchtitan's last_save_in_hf): "
                              "load it with from_pretrained; there is nothing to merge")
+        wrapped = own_names(step)[1]
         inner = DcpFormat().scan(step, {})
         notes = (f"torchtitan checkpoint {step.name}", *inner.notes)
+        chunks = inner.state
+        if wrapped:  # a model-only save under a `model.` wrapper
+            chunks = replace(chunks, names=tuple(n.removeprefix(WRAPPER) for n in chunks.names))
         return replace(inner, format=self.name, hf_dir=hf_dir_near(step), notes=notes,
-                       hints=Hints(naming="torchtitan"), state=own_names(step)[1])
+                       hints=Hints(naming="torchtitan"), state=chunks)
 
     def open(self, scan: Scan, file: InputFile) -> OpenedFile:
         opened = DcpFormat().open(scan, file)
-        if scan.state:  # a model-only save under a `model.` wrapper
-            opened.fragments = [replace(f, name=f.name.removeprefix(WRAPPER)) for f in opened.fragments]
         stacked = sum(frag.lengths[0] for frag in opened.fragments if STACKED.match(frag.name))
         opened.fragments = [piece for frag in opened.fragments for piece in per_expert(frag)]
         if stacked:
@@ -140,7 +142,7 @@ def own_names(step: Path) -> tuple[list[str], bool]:
     """The model's names, and whether a `model.` wrapper was left on them: dcp_keys strips it from full saves
     (the other groups give it away) but not from a model-only save, whose torchtitan names do."""
     md = dcp.load_metadata(step)
-    names = list(model_names(sorted({c.fqn for c in md.chunks}), str(step)).values())
+    names = list(model_names(sorted(md.fqns), str(step)).values())
     if all(n.startswith(WRAPPER) for n in names) and any(OWN_NAMES.match(n.removeprefix(WRAPPER)) for n in names):
         return [n.removeprefix(WRAPPER) for n in names], True
     return names, False

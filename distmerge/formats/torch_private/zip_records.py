@@ -95,10 +95,18 @@ def records(fd: int, where: str, start: int = 0, length: int | None = None) -> d
     return found
 
 
+def directory_offset(fd: int, where: str, start: int, length: int) -> int:
+    """Where the archive's zip directory starts, from the archive's start (its end records checked)."""
+    return _check_end_record(fd, where, start, length)
+
+
 def _check_end_record(fd: int, where: str, start: int, length: int) -> int:
     """The record count and directory size the end record declares, bounded; returns the directory's offset."""
-    tail_len = min(length, 22 + 65535)
+    tail_len = min(length, 22 + 20)  # torch.save writes no comment: the end record ends the file (zip64's before)
     tail = os.pread(fd, tail_len, start + length - tail_len)
+    if tail[-22:-18] != END or tail[-2:] != b"\0\0":  # else look for it before a comment of up to 64 KiB
+        tail_len = min(length, 22 + 65535)
+        tail = os.pread(fd, tail_len, start + length - tail_len)
     at = tail.rfind(END)
     if at < 0 or at + 22 > len(tail):
         raise CorruptInputError(f"{where} is not a torch.save file (no zip directory): truncated or corrupt")
