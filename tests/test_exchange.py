@@ -53,6 +53,11 @@ class Reader:
     def read_into(self, frag: Fragment, out: torch.Tensor) -> None:
         out.fill_(frag.file_index + 1)
 
+    def fill(self, pairs) -> None:  # the exchange's call (reader.Reader.fill): each fragment into its destination
+        for frag, dest in pairs:
+            out = dest if isinstance(dest, torch.Tensor) else torch.frombuffer(dest, dtype=torch.uint8)
+            self.read_into(frag, out)
+
 
 def plan() -> SimpleNamespace:
     """Round k: unit k, owned by rank 1, one fragment in file k, read by rank 0: rank 0 sends it all."""
