@@ -176,10 +176,12 @@ def _check_chunks(root: Path, md: private.DcpMetadata, table: torch.Tensor, file
     own = torch.arange(width)[None, :] < ndim[:, None]
     shape = torch.tensor([list(s) + [0] * (width - len(s)) for s in md.shapes] or [[0] * width],
                          dtype=torch.int64).view(-1, width)[tensor]
-    outside = (own & ((offsets < 0) | (lengths < 0) | (shape < 0) | (offsets + lengths > shape))).any(1)
+    # compared without adding two values a hostile file may set near 2**63 (int64 would wrap past the bound)
+    outside = (own & ((offsets < 0) | (lengths < 0) | (shape < 0) | (offsets > shape) | (lengths > shape - offsets))
+               ).any(1)
     sizes = torch.tensor([f.size for f in files] or [0], dtype=torch.int64)
     empty = (own & (lengths < 1)).any(1)
-    past = (offset < 0) | (length < (~empty).long()) | (offset + length > sizes[file])
+    past = (offset < 0) | (length < (~empty).long()) | (offset > sizes[file]) | (length > sizes[file] - offset)
     bad = (outside | past).nonzero()[:, 0]
     if len(bad):
         i = int(bad[0])
