@@ -57,11 +57,26 @@ def many_chunks_over_the_same_bytes(md) -> None:
         md.storage_data[dataclasses.replace(index, offset=size_type((r, 0)))] = info  # all the same bytes
 
 
+def past_int64(md) -> None:
+    """A tensor 2**62 + 8 rows long with a chunk of 2**62 rows at row 2**62: offset + length is 2**63, which wraps
+    to a negative int64 (the columnar check once added them and let the chunk through)."""
+    name = a_weight(md)
+    meta = md.state_dict_metadata[name]
+    size_type = type(meta.size)
+    meta.size = size_type((2**62 + 8, *meta.size[1:]))
+    meta.chunks[0] = dataclasses.replace(meta.chunks[0], offsets=size_type((2**62, *meta.chunks[0].offsets[1:])),
+                                         sizes=size_type((2**62, *meta.chunks[0].sizes[1:])))
+    index, info = next((i, s) for i, s in md.storage_data.items() if i.fqn == name and not any(i.offset))
+    del md.storage_data[index]
+    md.storage_data[dataclasses.replace(index, offset=meta.chunks[0].offsets)] = info
+
+
 @pytest.mark.parametrize("edit, message", [
     (negative_chunk, "outside its shape"),
+    (past_int64, "outside its shape"),
     (past_the_end, "truncated file or corrupt metadata"),
     (many_chunks_over_the_same_bytes, "corrupt metadata"),
-], ids=["negative size", "bytes past the end", "chunks over the same bytes"])
+], ids=["negative size", "offset + length past int64", "bytes past the end", "chunks over the same bytes"])
 def test_declared_chunks_are_checked_against_the_files(edit, message, dcp_ckpts, tmp_path, capsys):
     ckpt = edited(dcp_ckpts[CASE], tmp_path / "ckpt", edit)
     assert_refused(ckpt, tmp_path / "out", message, capsys)

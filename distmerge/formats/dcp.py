@@ -61,16 +61,17 @@ class ModelChunks:
     def pack(cls, table: torch.Tensor, **fields: Any) -> ModelChunks:
         return cls(columns=tuple(_narrow(table[:, i]) for i in range(table.shape[1])), **fields)
 
-    def rows(self) -> torch.Tensor:
-        cols = [torch.frombuffer(bytearray(data), dtype=getattr(torch, dtype)) if data else
-                torch.zeros(0, dtype=torch.int64) for dtype, data in self.columns]
-        return torch.stack([c.long() for c in cols], 1)
+    def rows(self, which: torch.Tensor | None = None) -> torch.Tensor:
+        """The rows (int64), all or those at `which`."""
+        cols = _columns(self)
+        return torch.stack([(c if which is None else c[which]).long() for c in cols], 1)
 
     def of_file(self, index: int) -> list[list[int]]:
-        """The rows of one input file, in metadata order (the rows grouped by file once per process; only the
-        files a rank opens become Python lists)."""
-        part = _by_file(self).get(index)
-        return [] if part is None else part.tolist()
+        """The rows of one input file, in metadata order (grouped by file once per process; only the files a
+        rank opens become int64 rows, and Python lists)."""
+        order, spans = _by_file(self)
+        start, stop = spans.get(index, (0, 0))
+        return self.rows(order[start:stop]).tolist() if stop > start else []
 
 
 def _narrow(column: torch.Tensor) -> tuple[str, bytes]:
@@ -81,11 +82,18 @@ def _narrow(column: torch.Tensor) -> tuple[str, bytes]:
 
 
 @functools.lru_cache(maxsize=2)
-def _by_file(chunks: ModelChunks) -> dict[int, torch.Tensor]:
-    rows = chunks.rows()
-    order = torch.argsort(rows[:, 1], stable=True)
-    files, counts = torch.unique_consecutive(rows[order, 1], return_counts=True)
-    return dict(zip(files.tolist(), rows[order].split(counts.tolist()), strict=True))
+def _columns(chunks: ModelChunks) -> list[torch.Tensor]:
+    return [torch.frombuffer(bytearray(data), dtype=getattr(torch, dtype)) if data else
+            torch.zeros(0, dtype=torch.int64) for dtype, data in chunks.columns]
+
+
+@functools.lru_cache(maxsize=2)
+def _by_file(chunks: ModelChunks) -> tuple[torch.Tensor, dict[int, tuple[int, int]]]:
+    """The rows' indices grouped by file (stable: metadata order within a file), and each file's span of them."""
+    order = torch.argsort(_columns(chunks)[1], stable=True)
+    files, counts = torch.unique_consecutive(_columns(chunks)[1][order], return_counts=True)
+    ends = counts.cumsum(0).tolist()
+    return order, {f: (e - n, e) for f, n, e in zip(files.tolist(), counts.tolist(), ends, strict=True)}
 
 
 def hf_dir_near(root: Path) -> str | None:
@@ -168,10 +176,12 @@ def _check_chunks(root: Path, md: private.DcpMetadata, table: torch.Tensor, file
     own = torch.arange(width)[None, :] < ndim[:, None]
     shape = torch.tensor([list(s) + [0] * (width - len(s)) for s in md.shapes] or [[0] * width],
                          dtype=torch.int64).view(-1, width)[tensor]
-    outside = (own & ((offsets < 0) | (lengths < 0) | (shape < 0) | (offsets + lengths > shape))).any(1)
+    # compared without adding two values a hostile file may set near 2**63 (int64 would wrap past the bound)
+    outside = (own & ((offsets < 0) | (lengths < 0) | (shape < 0) | (offsets > shape) | (lengths > shape - offsets))
+               ).any(1)
     sizes = torch.tensor([f.size for f in files] or [0], dtype=torch.int64)
     empty = (own & (lengths < 1)).any(1)
-    past = (offset < 0) | (length < (~empty).long()) | (offset + length > sizes[file])
+    past = (offset < 0) | (length < (~empty).long()) | (offset > sizes[file]) | (length > sizes[file] - offset)
     bad = (outside | past).nonzero()[:, 0]
     if len(bad):
         i = int(bad[0])
