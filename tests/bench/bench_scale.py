@@ -22,6 +22,8 @@ bytes per rank, max and mean; `rounds` and the largest round's source bytes (all
 owner assembles in a round.
 
 405B `--layout dcp`: the same FSDP2 state dict saved by `dcp.save` (`.metadata` + one `__R_0.distcp` per rank).
+Its `.metadata` is written for real from the simulated chunks (scale_metadata.py) and read twice, each in a fresh
+process: torch's `pickle.load` and distmerge's read_metadata (seconds and peak RSS on the line below the table).
 671B: the legacy `mp_rank_TT_PPP_EEE` save (TP=8 x PP=16 x EP=64, expert TP = TP, 8192 files; non-expert
 tensors are in every EP rank's file, as Megatron saves them), named by bench_scale_deepseek.py's table (MTP
 included, which distmerge's Megatron family refuses: transformers has no module for it).
@@ -42,6 +44,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import bench_scale_deepseek  # noqa: E402, F401  (registers the DeepSeek-V3 names, MTP included)
+import scale_metadata  # noqa: E402
 
 from distmerge import dtypes, inventory  # noqa: E402
 from distmerge import plan as planning  # noqa: E402
@@ -350,6 +353,8 @@ def main() -> None:
     parser.add_argument("--megatron-sizes", action="store_true",
                         help="671b: files without .reads (readers spread by file size, as before the scan set them)")
     parser.add_argument("--no-memory", action="store_true", help="skip the tracemalloc pass (twice as fast)")
+    parser.add_argument("--no-metadata", action="store_true",
+                        help="--layout dcp: skip writing the simulated .metadata and timing its readers")
     args = parser.parse_args()
     settings = OutputSettings(max_shard_bytes=int(args.max_shard_size), budget_bytes=int(args.budget))
     cases = []
@@ -370,6 +375,8 @@ def main() -> None:
                 print(f"\n### {case.label}: {m['fragments']:,} fragments, {m['units']:,} units, "
                       f"{m['files_out']} output files\n\n{HEAD}")
             print(row(m), flush=True)
+        if case.scan.format == "dcp" and not args.no_metadata:
+            print("\n" + scale_metadata.line(case.scan.files, case.per_file, (BLOB_HEAD, BLOB_TAIL)), flush=True)
         del case
 
 
