@@ -112,6 +112,8 @@ FIXTURE_SOURCES = {
     "twins": ("make_twins.py", "build.py", "make_megatron.py", "megatron_models.py", "megatron_moe.py"),
     "critic": ("build.py", "make_critic.py", "make_fsdp.py", "make_megatron.py", "megatron_models.py",
                "megatron_moe.py"),
+    "many_ranks": ("many_ranks.py", "../bench/make_dcp_scale.py", "../bench/bench_scale.py",
+                   "../bench/make_megatron_dist_scale.py", "make_megatron.py", "megatron_models.py", "megatron_moe.py"),
 }
 
 
@@ -137,6 +139,14 @@ def built_once(name: str, build, tmp_path_factory) -> dict[str, Path]:
         cases = build(root)
         listing.write_text(json.dumps({case: str(path.relative_to(root)) for case, path in cases.items()}))
         return cases
+
+
+@pytest.fixture(scope="session")
+def many_rank_ckpts(tmp_path_factory) -> dict[str, Path]:
+    """Many-rank saves of dcp, torchtitan and megatron-dist by the bench's makers (tests/fixtures/many_ranks.py)."""
+    from tests.fixtures.many_ranks import build_many_rank_fixtures
+
+    return built_once("many_ranks", build_many_rank_fixtures, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")

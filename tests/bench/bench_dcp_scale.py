@@ -2,6 +2,7 @@
 
     python tests/bench/bench_dcp_scale.py [--world 256 1024] [--procs 1 2 4] [--repeats 1] [--work DIR]
                                           [--names hf|torchtitan] [--model 405b|small] [--no-peer] [--keep]
+                                          [--format dcp|megatron-dist] [--layers 128]
 
 The saves are written once (then reused while their stamp matches) by make_dcp_scale.py: torch's own
 DefaultSavePlanner and FileSystemWriter, W simulated ranks in one process, Llama-3.1-405B's 1,137 tensors with
@@ -19,6 +20,12 @@ their real rows and 4 columns (bf16), FSDP2's uneven Shard(0); at W=1024 1,164,2
 Checks: every distmerge output byte-identical across N, and tensor for tensor equal (torch.equal) to the peer
 route's (for `--names hf`: with torchtitan's names the family renames and un-permutes, tested in
 tests/test_merge_torchtitan.py; `--names torchtitan --model small` shows the torchtitan format at W ranks).
+
+`--format megatron-dist`: megatron-core torch_dist saves instead, made by make_megatron_dist_scale.py with
+megatron-core's own save code (GPTModel.sharded_state_dict, the fully-parallel split over DP, MCoreSavePlanner,
+FileSystemWriterAsync; TP=8, PP=16, DP = W / 128, a Llama of `--layers` layers); the .metadata rows and the peer
+read iter_0000001/, distmerge merges the Megatron folder. Checks: byte-identical across N, every tensor equal to
+the reference the maker wrote (the peer's output keeps Megatron's stacked names: it is timed, not compared).
 The machine is shared: run under `flock /tmp/distmerge-bench.lock` and read `uptime` beside the table.
 """
 
@@ -49,20 +56,32 @@ READERS = {  # what each .metadata row runs, in a fresh interpreter: prints {"se
 }
 
 
-def ensure_save(work: Path, world: int, names: str, model: str) -> Path:
-    maker = HERE / "make_dcp_scale.py"
-    tag = f"dcp_w{world}_{names}" + ("" if model == "405b" else f"_{model}")
+def maker(args: argparse.Namespace, world: int) -> tuple[str, Path, list[str]]:
+    """(the save's tag, its maker, the maker's options but --out)."""
+    if args.format == "megatron-dist":
+        tag = f"megatron_w{world}_l{args.layers}"
+        return tag, HERE / "make_megatron_dist_scale.py", [
+            "--world", str(world), "--layers", str(args.layers),
+            "--reference", str(args.work / f"{tag}_reference" / "model.safetensors")]
+    tag = f"dcp_w{world}_{args.names}" + ("" if args.model == "405b" else f"_{args.model}")
+    return tag, HERE / "make_dcp_scale.py", ["--world", str(world), "--names", args.names, "--model", args.model]
+
+
+def ensure_save(args: argparse.Namespace, world: int) -> Path:
+    work = args.work
+    tag, maker_py, options = maker(args, world)
     save, stamp_path = work / tag, work / f"{tag}.stamp.json"
-    stamp = {"world": world, "names": names, "model": model,
-             "maker_sha256": hashlib.sha256(maker.read_bytes()).hexdigest()}
+    # the DCP saves' stamps as before this option (their saves, which take long to make, are reused)
+    stamp = {"options": options} if args.format == "megatron-dist" else {
+        "world": world, "names": args.names, "model": args.model}
+    stamp["maker_sha256"] = hashlib.sha256(maker_py.read_bytes()).hexdigest()
     if stamp_path.exists() and json.loads(stamp_path.read_text()) == stamp:
         print(f"reusing {save} (stamp matches)")
         return save
     if save.is_symlink():
         raise SystemExit(f"{save} links to a save made otherwise (its stamp differs): remove the link or the stamp")
     shutil.rmtree(save, ignore_errors=True)
-    cmd = [PY, str(maker), "--out", str(save.with_suffix(".partial")), "--world", str(world), "--names", names,
-           "--model", model]
+    cmd = [PY, str(maker_py), "--out", str(save.with_suffix(".partial")), *options]
     print(f"making the save: {shlex.join(cmd)}", flush=True)
     run(cmd, work / "logs" / f"make_w{world}.log")
     save.with_suffix(".partial").rename(save)
@@ -78,6 +97,7 @@ class ScaleBench(Bench):
         rows += ["dcp_to_torch_save", "dcp_to_torch_save+sync"] if args.peer else []
         super().__init__(args, work, rows)
         self.world, self.save, self.phases = world, save, {}
+        self.dcp = save / "iter_0000001" if args.format == "megatron-dist" else save  # the DCP folder itself
         self.meta: dict[str, list[tuple[float, int]]] = {}
 
     def actions(self) -> list:
@@ -86,8 +106,8 @@ class ScaleBench(Bench):
 
     def metadata(self, reader: str) -> None:
         row, log = f".metadata: {reader}", self.work / "logs" / f"metadata_{reader}.log"
-        cmd = [PY, "-c", READERS[reader], str(self.save / ".metadata")]
-        self.commands.setdefault(row, f"python -c <{reader} reader> {self.save}/.metadata")
+        cmd = [PY, "-c", READERS[reader], str(self.dcp / ".metadata")]
+        self.commands.setdefault(row, f"python -c <{reader} reader> {self.dcp}/.metadata")
         wall, rss = run(cmd, log)
         data = json.loads(log.read_text().splitlines()[-1])
         self.meta.setdefault(row, []).append((data["seconds"], rss))
@@ -102,7 +122,7 @@ class ScaleBench(Bench):
 
     def torch_route(self) -> None:
         dest, summary = self.fresh(f"torch_save_w{self.world}"), self.work / "summary_torch_save.json"
-        cmd = [PY, str(HERE / "peer_torch_save.py"), "--input", str(self.save), "--output", str(dest),
+        cmd = [PY, str(HERE / "peer_torch_save.py"), "--input", str(self.dcp), "--output", str(dest),
                "--max-shard-size", str(5 * 10**9), "--json-summary", str(summary)]
         self.peer("dcp_to_torch_save", cmd, dest, summary)
 
@@ -130,7 +150,11 @@ def checks(bench: ScaleBench) -> list[tuple[str, list[str]]]:
     outs = [bench.out / f"n{n}_w{bench.world}" for n in bench.args.procs]
     found = [(f"W={bench.world}: N={a} and N={b} byte-identical", byte_differences(outs[0], o))
              for a, b, o in zip(bench.args.procs[:1] * len(outs), bench.args.procs, outs, strict=True) if o != outs[0]]
-    if bench.args.peer and bench.args.names == "hf":  # torchtitan's names and RoPE layout are the family's to map
+    if bench.args.format == "megatron-dist":  # the peer keeps Megatron's names and stacked layers
+        tag = maker(bench.args, bench.world)[0]
+        found.append((f"W={bench.world}: distmerge equals the reference weights",
+                      tensor_differences(outs[0], bench.args.work / f"{tag}_reference")))
+    elif bench.args.peer and bench.args.names == "hf":  # torchtitan's names and RoPE layout are the family's to map
         found.append((f"W={bench.world}: distmerge equals dcp_to_torch_save + save_file",
                       tensor_differences(outs[0], bench.out / f"torch_save_w{bench.world}")))
     return found
@@ -144,6 +168,9 @@ def main() -> int:
     parser.add_argument("--work", type=Path, default=Path("/tmp/distmerge-bench-dcp-scale"))
     parser.add_argument("--names", choices=("hf", "torchtitan"), default="hf")
     parser.add_argument("--model", choices=("405b", "small"), default="405b", help="make_dcp_scale.py --model")
+    parser.add_argument("--format", choices=("dcp", "megatron-dist"), default="dcp",
+                        help="torch DCP saves (make_dcp_scale.py) or megatron-core torch_dist saves")
+    parser.add_argument("--layers", type=int, default=128, help="megatron-dist: the Llama's layers (128)")
     parser.add_argument("--no-peer", dest="peer", action="store_false", help="skip torch's dcp_to_torch_save route")
     parser.add_argument("--keep", action="store_true", help="keep the merged outputs (the saves are always kept)")
     parser.add_argument("--max-shard-size", default="5GB")
@@ -153,7 +180,7 @@ def main() -> int:
     print("uptime:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(), flush=True)
     rows, ok = [], True
     for world in args.world:
-        save = ensure_save(args.work, world, args.names, args.model)
+        save = ensure_save(args, world)
         bench = ScaleBench(args, args.work, world, save)
         print(f"W={world}: {save}", flush=True)
         try:

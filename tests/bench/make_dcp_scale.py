@@ -1,6 +1,7 @@
 """Write a many-rank DCP save (W up to 1024 and more) in one process, with torch's own planner and writer.
 
     python tests/bench/make_dcp_scale.py --out DIR --world 1024 [--names hf|torchtitan] [--cols 4] [--model small]
+                                         [--reference FILE]
 
 Every simulated rank r runs what `torch.distributed.checkpoint.save` runs on rank r of a W-rank job, under a
 fake process group of rank r (torch.testing's "fake" backend: no communication, `get_rank() == r`), on a
@@ -26,6 +27,10 @@ Llama-3.1-405B's with hidden_size etc. as the tensors have them.
 `--model small` saves a whole small Llama instead (SMALL: hidden 256, 32 layers, 4 heads of 64, one KV head,
 12M parameters), every tensor at its real shape, so families that check shapes against config.json (torchtitan's
 undoes its RoPE permutation per head) merge it: with `--names torchtitan`, a torchtitan model-only save of W ranks.
+
+`--reference FILE` also writes what an exact merge gives (a safetensors file, Hugging Face names; torchtitan's
+wq / wk rows permuted to Hugging Face's RoPE layout), so that a test compares without importing these modules
+(bench_scale registers a bench-only Megatron table in distmerge when imported).
 """
 
 from __future__ import annotations
@@ -153,6 +158,28 @@ def _progress(what: str, rank: int, world: int) -> None:
         print(f"make_dcp_scale: {what} {rank + 1}/{world}", flush=True)
 
 
+def rope_permute(w, heads: int):
+    """Meta's interleaved RoPE rows -> Hugging Face's halves, per head: `permute` of transformers'
+    convert_llama_weights_to_hf.py, which torchtitan's Llama3StateDictAdapter.to_hf applies to wq and wk."""
+    rows, cols = w.shape
+    return w.view(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def write_reference(path: Path, specs, names: str, cols: int, model: str) -> None:
+    """Every tensor as an exact merge writes it: `value` under its Hugging Face name (the config ties nothing)."""
+    from safetensors.torch import save_file
+
+    sizes = SMALL if model == "small" else LLAMA
+    out = {}
+    for index, ((name, shape), (spec_name, _)) in enumerate(zip(tensors("hf", cols, model), specs, strict=True)):
+        out[name] = value(index, 0, math.prod(shape)).view(shape)
+        if names == "torchtitan" and spec_name.endswith((".wq.weight", ".wk.weight")):
+            heads = sizes["num_attention_heads" if spec_name.endswith(".wq.weight") else "num_key_value_heads"]
+            out[name] = rope_permute(out[name], heads).contiguous()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(path))
+
+
 def write_config(out: Path, specs, names: str, cols: int, model: str) -> None:
     sizes = SMALL if model == "small" else {**LLAMA, "hidden_size": cols, "intermediate_size": cols}
     config = {**sizes, "torch_dtype": "bfloat16",
@@ -168,6 +195,7 @@ def main() -> int:
     parser.add_argument("--names", choices=("hf", "torchtitan"), default="hf")
     parser.add_argument("--cols", type=int, default=4, help="columns of every 2-D tensor (4)")
     parser.add_argument("--model", choices=("405b", "small"), default="405b", help="405B's rows (405b), or SMALL")
+    parser.add_argument("--reference", type=Path, help="also write the expected merge here (.safetensors)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     import torch
@@ -178,6 +206,8 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     save(args.out, args.world, specs)
     write_config(args.out, specs, args.names, args.cols, args.model)
+    if args.reference:
+        write_reference(args.reference, specs, args.names, args.cols, args.model)
     size = (args.out / ".metadata").stat().st_size
     print(f"make_dcp_scale: W={args.world}, {len(specs)} tensors, .metadata {size / 1e6:.1f} MB, "
           f"{time.perf_counter() - start:.0f} s", flush=True)

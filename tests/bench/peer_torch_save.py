@@ -33,6 +33,8 @@ def main() -> int:
     tmp = args.output / "consolidated.pt"
     dcp_to_torch_save(args.input, tmp)
     state = torch.load(tmp, map_location="cpu", weights_only=True)
+    # Megatron torch_dist saves also hold each layer's `_extra_state` (lists of torch-saved bytes): not weights
+    state = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
     save(state, args.output, args.max_shard_size)
     del state
     tmp.unlink()
