@@ -38,6 +38,7 @@ REF_TOKEN = re.compile(rb"h.|j....", re.DOTALL)
 STOP, MARK = 0x2E, 0x28
 REFS = (0x68, 0x6A)  # BINGET, LONG_BINGET: a run's record starts with a reference to its class
 BATCH = 1 << 15  # records decoded together: the per-call cost of torch's operations spread, the tokens' memory bounded
+RECORD = b")\x81\x94}\x94("  # after its class: EMPTY_TUPLE NEWOBJ MEMOIZE EMPTY_DICT MEMOIZE MARK (dcp_runs.NEW)
 MAX_LONG = 8  # LONG1 integers of at most 8 bytes: offsets and sizes are int64 in torch
 
 # The class behind each pin a run must resolve to (dcp_runs.CHUNK_PINS, STORAGE_PINS).
@@ -151,11 +152,17 @@ class Machine:
         self.memo[self.memo_len] = self.stack[-1]
         self.memo_len += 1
 
+    # The two references are most of the opcodes of Megatron's plans (all_local_plans): inlined, a hit in the
+    # memo costs one dict lookup.
     def op_get(self) -> None:
-        self.stack.append(self.recall(self.take(1)[0]))
+        index = self.take(1)[0]
+        value = self.memo.get(index, self)
+        self.stack.append(value if value is not self else self.recall(index))
 
     def op_long_get(self) -> None:
-        self.stack.append(self.recall(int.from_bytes(self.take(4), "little")))
+        index = int.from_bytes(self.take(4), "little")
+        value = self.memo.get(index, self)
+        self.stack.append(value if value is not self else self.recall(index))
 
     def recall(self, index: int) -> Any:
         """Memo entry `index`; one a run made (a string of storage_data, a chunk or its Size: Megatron's plans
@@ -298,6 +305,8 @@ class Machine:
         kind = "chunk" if isinstance(container, list) else "storage" if isinstance(container, dict) else None
         if kind is None or (kind == "storage" and items % 2):
             return
+        if not self.data.startswith(RECORD, self.pos + (2 if self.data[self.pos] == REFS[0] else 5)):
+            return  # a key or a value, not a record (Megatron's plans: most items of their dicts)
         pins = dcp_runs.first(kind, self.data, self.pos)
         if pins is None or not all(self._pinned(pins[k], want) for k, want in PINS[kind].items()):
             return
