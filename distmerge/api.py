@@ -46,7 +46,8 @@ def merge(input: str | os.PathLike, output: str | os.PathLike, *, format: str = 
     from distmerge.engine import merge as run_merge
     from distmerge.report import Progress, print_summary
 
-    opts = MergeOptions(input=Path(input), output=Path(output), format=_format(format), hf_config=_path(hf_config),
+    opts = MergeOptions(input=_location(input), output=_location(output), format=_format(format),
+                        hf_config=_path(hf_config),
                         format_options=_format_options(iteration=iteration, step=step, tag=tag, weights=weights),
                         settings=_settings(output, dtype, max_shard_size, budget, lora, lora_alpha, base_model),
                         base_model=_base_dir(base_model), overwrite=overwrite, resume=resume, checksum=checksum)
@@ -122,6 +123,11 @@ def _format(name: str) -> str:
     return _choose("format", name, registry.choices())
 
 
+def _location(value: str | os.PathLike) -> Path | str:
+    """A folder, or an object-store URL kept as given (cli_options.location)."""
+    return value if isinstance(value, str) and "://" in value else Path(value)
+
+
 def _path(value: str | os.PathLike | None) -> Path | None:
     return None if value is None else Path(value)
 
@@ -166,6 +172,6 @@ def _settings(output, dtype: str, max_shard_size: Size, budget: Size, lora: str,
         return _parsed(name, parse_size, value)
 
     return OutputSettings(dtype=dtype, max_shard_bytes=size("max_shard_size", max_shard_size),
-                          budget_bytes=size("budget", budget), output=Path(output),
+                          budget_bytes=size("budget", budget), output=_location(output),
                           lora=LoraOptions(mode=lora, alpha=lora_alpha,
                                            base_model=None if base_model is None else str(base_model)))

@@ -37,9 +37,10 @@ def add_input_options(parser: argparse.ArgumentParser, *, positional: bool = Fal
 
     group = parser.add_argument_group(title)
     if with_input and positional:
-        group.add_argument("input", type=Path, help="checkpoint folder (e.g. .../actor)")
+        group.add_argument("input", type=location, help="checkpoint folder (e.g. .../actor) or s3://bucket/prefix")
     elif with_input:
-        group.add_argument("--input", "-i", type=Path, required=True, help="checkpoint folder (e.g. .../actor)")
+        group.add_argument("--input", "-i", type=location, required=True,
+                           help="checkpoint folder (e.g. .../actor) or s3://bucket/prefix")
     group.add_argument("--format", default="auto", choices=registry.choices(), metavar="FORMAT",
                        help=registry.help_text())
     group.add_argument("--hf-config", type=Path, metavar="DIR",
@@ -54,7 +55,8 @@ def add_output_options(parser: argparse.ArgumentParser, *, with_folder: bool = T
     """What the merged model looks like (merge, inspect, verify). Returns the group, for merge's own options."""
     group = parser.add_argument_group(title)
     if with_folder:
-        group.add_argument("--output", "-o", type=Path, required=True, help="folder for the merged model")
+        group.add_argument("--output", "-o", type=location, required=True,
+                           help="folder for the merged model, or s3://bucket/prefix")
     group.add_argument("--dtype", choices=CAST_NAMES, default="keep",
                        help="cast floating tensors (default: keep the checkpoint's dtype)")
     group.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"), metavar="SIZE",
@@ -94,6 +96,11 @@ def format_options(args: argparse.Namespace) -> dict:
     from distmerge.formats import registry
 
     return {opt.dest: getattr(args, opt.dest) for opt, _ in registry.options() if getattr(args, opt.dest) is not None}
+
+
+def location(value: str) -> Path | str:
+    """A folder, or an object-store URL kept as typed (a Path would fold s3://b/p into the folder s3:/b/p)."""
+    return value if "://" in value else Path(value)
 
 
 def base_model_dir(args: argparse.Namespace) -> Path | None:

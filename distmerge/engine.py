@@ -9,19 +9,22 @@
                the family did not write
     resume     each rank checks the output files  all_gather of the checks (always; empty without --resume),
                it owns; rank 0 decides            then broadcast of rank 0's decision (resume.start)
-    shared     owners create the files several    all_gather of status (only when the plan has shared files)
-               ranks write (writer.py)
+    shared     owners create the files several    all_gather of their tokens (only when the plan has shared
+               ranks write (output/writer.py)     files)
     per round: exchange  readers pack round k+1   all_to_all_single, asynchronous (errors travel with
                                                   the round's gather)
                assemble + write  owners            all_gather of bytes written (progress)
-    commit     owners rename their shared files   all_gather of the ranks' figures (always)
+    commit     owners commit their shared files   all_gather of the writers' receipts (only when the store needs
+                                                  them and the plan has shared files), then all_gather of the
+                                                  ranks' figures (always)
     finalize   rank 0: config, tokenizer, index   broadcast (comm.root_only); none when --resume found the
                                                   merge already complete
 
 discover (less the output checks), plan, checks and the rounds are shared with `verify` of a checkpoint
 (verify/checkpoint.py), through `plan_checkpoint` and `run_rounds`: the rounds hand each assembled target to a
 sink (sink.py), which for merge writes it into its output file (sink.FileSink) and for verify compares it with
-the reference. The engine knows neither formats and families nor what verify compares.
+the reference. The engine knows neither formats and families nor what verify compares, nor where the output
+lives: every byte it writes goes through the output store (output/store.py documents its calls).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from distmerge import discover as disc
-from distmerge import expect, input_tree, inventory, replicas, resume, unwritten
+from distmerge import expect, inventory, replicas, resume, unwritten
 from distmerge import plan as planning
 from distmerge.assemble import UnitBuild
 from distmerge.comm import Comm
@@ -44,13 +47,15 @@ from distmerge.exchange import Exchanger, Pending
 from distmerge.expect import Claim
 from distmerge.finalize import finalize
 from distmerge.formats import registry
+from distmerge.output import open_store
+from distmerge.output.store import Sharing, Store
+from distmerge.output.writer import ShardWriter
 from distmerge.plan import Plan
 from distmerge.prepare import OutputSettings, prepare_merge
 from distmerge.reader import Reader
 from distmerge.report import Progress
 from distmerge.results import MergeResult, RankStats
 from distmerge.sink import FileSink, Sink
-from distmerge.writer import ShardWriter
 
 # Fault-injection aid for tests that kill a rank mid-merge: a pause after every round. Zero otherwise.
 ROUND_DELAY_S = float(os.environ.get("DISTMERGE_TEST_ROUND_DELAY", "0"))
@@ -61,8 +66,8 @@ FAIL_AT = os.environ.get("DISTMERGE_TEST_FAIL_AT", "")
 
 @dataclass(frozen=True, kw_only=True)
 class MergeOptions:
-    input: Path
-    output: Path
+    input: Path | str  # a folder, or s3://bucket/prefix
+    output: Path | str
     format: str = "auto"
     hf_config: Path | None = None
     format_options: dict[str, Any] = field(default_factory=dict)  # the format's own (Megatron's iteration)
@@ -76,27 +81,29 @@ class MergeOptions:
 
 def merge(opts: MergeOptions, comm: Comm, progress: Progress) -> MergeResult:
     start = time.perf_counter()
-    out = Path(opts.output)
-    found = comm.root_only(lambda: _discover(opts))
+    store = open_store(opts.output)
+    found = comm.root_only(lambda: _discover(opts, store))
     scan = found.scan
     reader = Reader(scan, registry.get(scan.format))
     sink = None
     try:
-        plan = plan_checkpoint(found, reader, comm, opts.settings, host=lambda: _host(out), claims=opts.claims)
+        plan = plan_checkpoint(found, reader, comm, opts.settings, host=store.host, claims=opts.claims,
+                               sharing=store.sharing)
         run = resume.describe(plan, scan.files, resume.output_options(opts.settings, scan.format,
                                                                       opts.format_options, found.config))
-        begun = resume.start(out, plan, run, comm, resuming=opts.resume, checksum=opts.checksum)
+        begun = resume.start(store, plan, run, comm, resuming=opts.resume, checksum=opts.checksum)
         progress.say(begun.line)
         todo = planning.without_files(plan, list(begun.kept))
         if not begun.complete:  # progress counts only what this run writes
             progress.start(plan.total_bytes - _kept_bytes(plan, begun), len(plan.files), kept=len(begun.kept))
-        sink = FileSink(plan, out, run, comm.rank, checksum=opts.checksum)
+        sink = FileSink(plan, store, run, comm.rank, checksum=opts.checksum)
         sink.create_shared(begun.kept, comm)
         run_rounds(todo, comm, reader, sink, progress)
         progress.stop()
-        ranks = comm.gather(lambda: sink.commit_shared() or _stats(comm.rank, reader, sink.writers))
+        receipts = comm.gather(sink.receipts) if sink.needs_receipts else None
+        ranks = comm.gather(lambda: sink.commit_shared(receipts) or _stats(comm.rank, reader, sink.writers))
         copied = [] if begun.complete else comm.root_only(
-            lambda: finalize(out, plan, found.config, Path(found.hf_dir), scan.not_model_files))
+            lambda: finalize(store, plan, found.config, Path(found.hf_dir), scan.not_model_files))
     except BaseException:
         if sink is not None:
             sink.abort()
@@ -124,27 +131,28 @@ def merge(opts: MergeOptions, comm: Comm, progress: Progress) -> MergeResult:
 
 
 def plan_checkpoint(found: disc.Discovery, reader: Reader, comm: Comm, settings: OutputSettings,
-                    host: Callable[[], str], claims: tuple[Claim, ...] = ()) -> Plan:
+                    host: Callable[[], str], claims: tuple[Claim, ...] = (), sharing: Sharing | None = None) -> Plan:
     """Collective, after discovery, before any round (merge, and verify of a checkpoint): each rank opens the input
     files it reads and the inventories are gathered; every rank plans the same; the checks of small replicas and
     of the sources the family wrote into no unit run. Returns the plan with their notes, the same on every rank.
     `host()`: this rank's machine, as spread.py groups ranks that may write one file; `claims`: what the user
-    says the checkpoint is, checked against the plan (expect.py)."""
+    says the checkpoint is, checked against the plan (expect.py); `sharing`: what the output store lets several
+    ranks do with one file (None: what a local folder allows)."""
     readers = planning.assign_readers(found.scan.files, comm.world)
     mine = [i for i, r in enumerate(readers) if r == comm.rank]
     # inventories travel as columns (inventory.py says why), with the host of each rank (spread.py)
     gathered = comm.gather(lambda: (host(), inventory.pack(reader.open(mine))))
     hosts = _host_numbers([name for name, _ in gathered])
     prepared = comm.agree(lambda: _prepare(found, inventory.unpack([part for _, part in gathered]), comm.world,
-                                           settings, hosts, claims))
+                                           settings, hosts, claims, sharing))
     plan = prepared.plan
     checked = unwritten.check(plan, prepared.left_out, prepared.must_equal, comm, reader)
     return replace(plan, notes=(*plan.notes, *replicas.check(plan, comm, reader), *checked))
 
 
 def _prepare(found: disc.Discovery, fragments, world: int, settings: OutputSettings, hosts: tuple[int, ...],
-             claims: tuple[Claim, ...]):
-    prepared = prepare_merge(found, fragments, world, settings, hosts=hosts)
+             claims: tuple[Claim, ...], sharing: Sharing | None):
+    prepared = prepare_merge(found, fragments, world, settings, hosts=hosts, sharing=sharing)
     expect.check(claims, found.config, prepared.plan)
     return prepared
 
@@ -199,18 +207,12 @@ def _test_fault(k: int, rank: int) -> None:
         raise CorruptInputError(f"test fault (DISTMERGE_TEST_FAIL_AT) on rank {rank} in round {k}")
 
 
-def _discover(opts: MergeOptions) -> disc.Discovery:
+def _discover(opts: MergeOptions, store: Store) -> disc.Discovery:
     root = disc.check_input(opts.input)
-    out = disc.check_output(opts.output, opts.input, opts.overwrite or opts.resume)
+    store.check(str(opts.input), opts.overwrite or opts.resume)
     found = disc.discover(root, opts.format, opts.hf_config, opts.format_options, opts.base_model)
-    disc.prepare_output(out, keep_finished=opts.resume)
+    store.prepare(keep_finished=opts.resume)
     return found
-
-
-def _host(out: Path) -> str:
-    """This machine (input_tree.host_id: host name and boot id, since host names repeat across containers) and
-    its view of the output folder: its device (two containers of one machine may mount it apart)."""
-    return f"{input_tree.host_id()}:{os.stat(out).st_dev}"
 
 
 def _host_numbers(names: list[str]) -> tuple[int, ...]:

@@ -21,7 +21,7 @@ import json
 import os
 import socket
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -350,19 +350,19 @@ def read_json(path: Path, cap: int, what: str):
         raise InputError(f"{path} is not valid JSON ({str(err)[:120]}): fix or remove it") from None
 
 
-def copy_file(src: Path, dst: Path, cap: int = COPY_CAP) -> None:
-    """Copy one file from the config folder into the output: a regular file of bounded size, read from
-    the fd that was checked (never reopened by name)."""
+def read_chunks(src: Path, cap: int = COPY_CAP) -> Iterator[bytes]:
+    """One file of the config folder, for the output (tokenizer model, custom code), in 1 MiB pieces: a regular
+    file of bounded size, read from the fd that was checked (never reopened by name)."""
     fd, _ = open_input(src)
     try:
         if os.fstat(fd).st_size > cap:
             raise InputError(f"{src} is larger than distmerge copies ({cap:,} bytes): copy it yourself")
-        with open(fd, "rb", closefd=False) as f_in, open(dst, "wb") as f_out:
+        with open(fd, "rb", closefd=False) as f_in:
             copied = 0
             while data := f_in.read(1 << 20):
                 copied += len(data)
                 if copied > cap:
                     raise InputError(f"{src} grew past {cap:,} bytes while being copied")
-                f_out.write(data)
+                yield data
     finally:
         os.close(fd)

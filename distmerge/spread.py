@@ -11,17 +11,24 @@ ranks put 17% more than the mean on the busiest rank. Then the plan (pure, the s
     3. makes the writer with the most bytes of a file its owner.
 
 A file whose units land on several ranks is *shared*: its owner creates it (header, full size) before the
-first round, each writer pwrites its own units, and the owner renames it into place once every part is
-durable (engine.py). Ranks share files only within a host: processes writing disjoint ranges of one file
-through one page cache is what every local filesystem supports, while across nodes it would hang on the
-coherence of the shared filesystem (NFS clients cache and flush pages on their own).
+first round, each writer writes its own units, and the owner commits it once every part is durable (sink.py).
+Which ranks may share a file is the output store's to say (output/store.Sharing), and the engine hands it over as
+`hosts`: a local folder lets the ranks of one host share (processes writing disjoint ranges of one file through
+one page cache is what every local filesystem supports, while across nodes it would hang on the coherence of the
+shared filesystem: NFS clients cache and flush pages on their own); an object store lets any ranks share, but
+each writer's run of consecutive bytes becomes one or more parts of one multipart upload, and every part but the
+last must be at least 5 MiB: `min_run`. Then
+
+    4. a run shorter than `min_run` (but the file's last) goes to the writer of the run before it (the first:
+       after it), until none is left; a file that does not settle goes whole to its owner.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from distmerge.families.base import Unit
 
@@ -34,9 +41,11 @@ def balanced(loads: Sequence[int], tolerance: float = TOLERANCE) -> bool:
 
 
 def spread(units: Sequence[Unit], groups: Sequence[Sequence[int]], unit_bytes: Sequence[int],
-           local: Sequence[dict[int, int]], hosts: Sequence[int]) -> tuple[list[int], list[int]]:
+           local: Sequence[dict[int, int]], hosts: Sequence[int], min_run: int = 0,
+           key: Callable[[str], Any] = str) -> tuple[list[int], list[int]]:
     """(owner of each unit, owner of each file). `groups[f]` = the units of file f, `local[u]` = {rank: bytes of
-    unit u's sources that rank reads}, `hosts[r]` = the host of rank r (any hashable numbering)."""
+    unit u's sources that rank reads}, `hosts[r]` = the host of rank r (any hashable numbering); `min_run`: the
+    shortest run of bytes a writer may have (but a file's last), `key`: the order of target names in a file."""
     ranks_of: dict[int, list[int]] = defaultdict(list)
     for rank, host in enumerate(hosts):
         ranks_of[host].append(rank)
@@ -47,7 +56,47 @@ def spread(units: Sequence[Unit], groups: Sequence[Sequence[int]], unit_bytes: S
         mine = [u for f, g in enumerate(groups) if host_of_file[f] == host for u in g]
         for u, rank in _units_to_ranks(mine, unit_bytes, local, ranks).items():
             owner_of_unit[u] = rank
+    if min_run:
+        for g in groups:
+            _long_runs(units, g, owner_of_unit, min_run, key)
     return owner_of_unit, [_file_owner(g, unit_bytes, owner_of_unit) for g in groups]
+
+
+def writer_runs(pieces: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(start, end, writer) of the longest runs of consecutive pieces (nbytes, writer) that one writer writes, in
+    data bytes; pieces of no bytes belong to no run."""
+    runs: list[tuple[int, int, int]] = []
+    at = 0
+    for nbytes, writer in pieces:
+        if nbytes and runs and runs[-1][2] == writer:
+            runs[-1] = (runs[-1][0], at + nbytes, writer)
+        elif nbytes:
+            runs.append((at, at + nbytes, writer))
+        at += nbytes
+    return runs
+
+
+def _long_runs(units: Sequence[Unit], group: Sequence[int], owner_of_unit: list[int], min_run: int,
+               key: Callable[[str], Any]) -> None:
+    """Step 4: give the units of each short run to a neighbouring run's writer. A unit's targets need not be
+    neighbours in the file (QKV's q, k, v around o_proj), so a move may cut another run: at most one pass per
+    unit, then the file goes whole to one writer."""
+    order = sorted(((t.name, t.nbytes, i) for i in group for t in units[i].targets), key=lambda p: key(p[0]))
+    for _ in range(len(group) + 1):
+        runs = writer_runs([(nbytes, owner_of_unit[i]) for _, nbytes, i in order])
+        short = next((k for k, (s, e, _) in enumerate(runs[:-1]) if e - s < min_run), None)
+        if short is None:
+            return
+        start, end, _ = runs[short]
+        to = runs[short - 1][2] if short else runs[1][2]
+        at = 0
+        for _, nbytes, i in order:
+            if nbytes and start <= at < end:
+                owner_of_unit[i] = to
+            at += nbytes
+    whole = _file_owner(group, [sum(t.nbytes for t in u.targets) for u in units], owner_of_unit)
+    for i in group:
+        owner_of_unit[i] = whole
 
 
 def _files_to_hosts(file_bytes: list[int], ranks_of: dict[int, list[int]]) -> list[int]:

@@ -20,7 +20,7 @@ from distmerge.errors import CorruptInputError, InputError
 from distmerge.formats.safetensors_header import read_header
 from distmerge.formats.torch_private import torch_save
 from distmerge.formats.torch_private.restricted import TENSOR_GLOBALS, TensorRef
-from distmerge.output_files import INDEX_NAME
+from distmerge.output.names import INDEX_NAME
 
 TORCH_SUFFIXES = (".bin", ".pt", ".pth")
 # (kind, index file, single file), the order Hugging Face prefers them in.
