@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from distmerge import input_tree
+from distmerge import input_objects, input_tree
 from distmerge.errors import ConfigError, InputError
 from distmerge.formats import registry
 from distmerge.formats.base import Scan
@@ -58,8 +58,13 @@ def _check_hf_dir(tree: input_tree.InputTree, hf_dir: Path) -> None:
                          "follow it; pass --hf-config DIR with the model's config folder if you trust it") from None
 
 
-def check_input(input_dir: Path) -> Path:
-    """The input folder, resolved and walked once (input_tree.py): later lookups go through that walk."""
+def check_input(input_dir: Path | str) -> Path:
+    """The input folder, resolved and walked once (input_tree.py): later lookups go through that walk. An
+    object-store input (`s3://bucket/prefix`) is listed once and walked as its placeholders (input_objects.py)."""
+    if input_objects.is_url(input_dir):
+        root = Path(input_objects.listing(str(input_dir), input_tree.MAX_ENTRIES).root)
+        input_tree.load(root)
+        return root
     root = Path(input_dir).resolve()
     if not root.exists():
         raise InputError(f"input {input_dir} does not exist")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,7 +34,7 @@ class Reader:
         self.fmt = fmt
         self.files = scan.files
         self.opened: dict[int, OpenedFile] = {}
-        self._fds: dict[int, int] = {}
+        self._files: dict[int, Any] = {}  # input_tree.open_input: a file, or an object of an object-store input
         self.bytes_read = 0
         self._bounce = memoryview(bytearray(BOUNCE))
         input_tree.adopt(scan.walked, also=second)  # files are opened by the walk's record, on every rank
@@ -58,7 +59,11 @@ class Reader:
             self.bytes_read += dest.numel() * count
             return
         buf = memoryview(dest.numpy()).cast("B")
-        fd, done = self._fd(frag.file_index), 0
+        f, done = self._file(frag.file_index), 0
+        if f.fd < 0:  # an object of an object-store input: one ranged GET of exactly these bytes
+            self.bytes_read += f.readinto(buf, frag.byte_offset) * count
+            return
+        fd = f.fd
         while done < len(buf):
             got = os.preadv(fd, [buf[done:]], frag.byte_offset + done)
             if got == 0:
@@ -69,7 +74,14 @@ class Reader:
     def copy_to(self, frag: Fragment, put: Callable[[memoryview, int], None], out_offset: int, nbytes: int) -> None:
         """Copy the first nbytes of the fragment to `put(buffer, offset)` (the output file's pwrite), 1 MiB at a
         time. A read failure is this input file's error; put's own failures (a full disk) pass through."""
-        src, done, buf = self._fd(frag.file_index), 0, self._bounce
+        f, done, buf = self._file(frag.file_index), 0, self._bounce
+        if f.fd < 0:  # an object: one ranged GET, streamed in pieces
+            for piece in f.pieces(frag.byte_offset, nbytes):
+                put(memoryview(piece), out_offset + done)
+                done += len(piece)
+            self.bytes_read += done
+            return
+        src = f.fd
         while done < nbytes:
             try:
                 got = os.preadv(src, [buf[: min(BOUNCE, nbytes - done)]], frag.byte_offset + done)
@@ -85,15 +97,15 @@ class Reader:
         path = self.files[frag.file_index].path
         raise CorruptInputError(f"{path} ends before the bytes of {frag.key}: the file is truncated")
 
-    def _fd(self, index: int) -> int:
-        if index not in self._fds:
+    def _file(self, index: int) -> Any:
+        if index not in self._files:
             file = self.files[index]  # a second input root's file (--base-model) names its own folder
-            self._fds[index] = input_tree.open_input(Path(file.root or self.root) / file.path)[0]
-        return self._fds[index]
+            self._files[index] = input_tree.open_input(Path(file.root or self.root) / file.path)
+        return self._files[index]
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
         self.opened.clear()
         input_tree.adopt(None)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,22 +106,23 @@ def missing(err: BaseException) -> bool:
     return code_of(err) in MISSING
 
 
-def read_range(bucket: str, key: str, offset: int, into: memoryview, etag: str | None = None) -> int:
-    """Fill `into` with the object's bytes from `offset` (one ranged GET, its body read in 1 MiB pieces);
-    a body that breaks off is asked again for the rest. Returns the bytes read: fewer only at the object's end.
-    `etag`: the object as it was listed (a replaced object fails with PreconditionFailed)."""
+def stream_range(bucket: str, key: str, offset: int, nbytes: int, etag: str | None = None,
+                 piece: int = READ_PIECE) -> Iterator[bytes]:
+    """The object's bytes [offset, offset + nbytes) from one ranged GET, in pieces of at most `piece`; a body that
+    breaks off is asked again for the rest. Ends early only where the object ends. `etag`: the object as it was
+    listed (a replaced object fails with PreconditionFailed)."""
     done, tries = 0, 0
-    while done < len(into):
+    while done < nbytes:
         extra = {"IfMatch": etag} if etag else {}
-        body = client().get_object(Bucket=bucket, Key=key, Range=f"bytes={offset + done}-{offset + len(into) - 1}",
+        body = client().get_object(Bucket=bucket, Key=key, Range=f"bytes={offset + done}-{offset + nbytes - 1}",
                                    **extra)["Body"]
         try:
-            while done < len(into):
-                data = body.read(min(len(into) - done, READ_PIECE))
+            while done < nbytes:
+                data = body.read(min(nbytes - done, piece))
                 if not data:
-                    return done
-                into[done : done + len(data)] = data
+                    return
                 done += len(data)
+                yield data
         except _broken() as err:
             tries += 1
             if tries > BODY_RETRIES:
@@ -128,6 +130,14 @@ def read_range(bucket: str, key: str, offset: int, into: memoryview, etag: str |
             time.sleep(0.2 * 2**tries)
         finally:
             body.close()
+
+
+def read_range(bucket: str, key: str, offset: int, into: memoryview, etag: str | None = None) -> int:
+    """Fill `into` with the object's bytes from `offset` (stream_range); returns the bytes read."""
+    done = 0
+    for data in stream_range(bucket, key, offset, len(into), etag):
+        into[done : done + len(data)] = data
+        done += len(data)
     return done
 
 

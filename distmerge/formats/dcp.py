@@ -89,8 +89,7 @@ class DcpFormat(FormatDefaults):
         st = (root / METADATA).stat()
         names, by_file = _chunks_by_file(str(root / METADATA), st.st_mtime_ns, st.st_size)
         opened = OpenedFile(fragments=[], layout={"DCP chunk": 0})
-        fd, _ = input_tree.open_input(root / file.path)  # the file the walk listed, no link or FIFO in its place
-        try:
+        with input_tree.open_input(root / file.path) as fd:  # the file the walk listed, no link or FIFO instead
             for chunk in by_file.get(file.path, ()):
                 code = dtypes.code_of(chunk.dtype)
                 opened.fragments.append(Fragment(
@@ -99,8 +98,6 @@ class DcpFormat(FormatDefaults):
                     byte_offset=private.chunk_data_offset(fd, chunk, dtypes.itemsize(code)),
                 ))
                 opened.layout["DCP chunk"] += 1
-        finally:
-            os.close(fd)
         return opened
 
 

@@ -8,7 +8,6 @@ header is read (30 bytes and the name), whatever the file holds.
 
 from __future__ import annotations
 
-import os
 import struct
 from collections.abc import Iterable
 from pathlib import Path
@@ -22,17 +21,14 @@ LOCAL_SIGNATURE = 0x04034B50
 
 def saved_stem(path: Path) -> str | None:
     """The folder torch.save put the records under, or None (not a zip, or saved to a file object)."""
-    fd, _ = input_tree.open_input(path)
-    try:
-        head = os.pread(fd, LOCAL_HEADER.size, 0)
+    with input_tree.open_input(path) as f:
+        head = f.pread(LOCAL_HEADER.size, 0)
         if len(head) < LOCAL_HEADER.size:
             return None
         fields = LOCAL_HEADER.unpack(head)
         if fields[0] != LOCAL_SIGNATURE:
             return None
-        name = os.pread(fd, fields[9], LOCAL_HEADER.size).decode("utf-8", errors="replace")
-    finally:
-        os.close(fd)
+        name = f.pread(fields[9], LOCAL_HEADER.size).decode("utf-8", errors="replace")
     return name.split("/", 1)[0] if "/" in name else None
 
 

@@ -90,13 +90,12 @@ def metadata_budget(path: Path) -> pickle_scan.Budget:
 
 def read_metadata(path: Path) -> DcpMetadata:
     budget = metadata_budget(path)
-    fd, _ = input_tree.open_input(path)
-    with os.fdopen(fd, "rb") as f:
-        size = os.fstat(fd).st_size
+    with input_tree.open_input(path) as f:
+        size = f.size
         if size > budget.max_bytes:
             raise CorruptInputError(f"{path} is {size} bytes, over the limit of {budget.max_bytes} (max_bytes: "
                                     f"{METADATA_FLOOR} + the .distcp files' bytes) for a DCP metadata file")
-        raw = f.read(size + 1)  # what fstat saw (the budget may be far larger: sparse or huge .distcp files)
+        raw = f.pread(size + 1, 0)  # what fstat saw (the budget may be far larger: sparse or huge .distcp files)
         if len(raw) > size:
             raise CorruptInputError(f"{path} grew while distmerge read it: is a job still writing this checkpoint?")
     try:
@@ -155,14 +154,14 @@ LOCAL_HEADER = b"PK\x03\x04"
 PREFIX = 1 << 16  # data.pkl and the small records before the storage fit here in practice
 
 
-def chunk_data_offset(fd: int, chunk: Chunk, itemsize: int) -> int:
+def chunk_data_offset(fd: Any, chunk: Chunk, itemsize: int) -> int:
     """Absolute file offset of the chunk's first element. Raw chunks start at the blob. torch.save blobs
     write data.pkl first, then a few tiny records, then the storage: walking the zip's local headers in
     one read of the blob's start finds it; anything unusual goes through zipfile's central directory."""
     numel = math.prod(chunk.lengths)
     if chunk.length == numel * itemsize:
         return chunk.offset
-    head = os.pread(fd, min(chunk.length, PREFIX), chunk.offset)
+    head = fd.pread(min(chunk.length, PREFIX), chunk.offset)
     ref, at = None, 0
     while head[at : at + 4] == LOCAL_HEADER and at + 30 <= len(head):
         flags, method = struct.unpack_from("<HH", head, at + 6)
@@ -208,7 +207,7 @@ def _check_inside(ref: TensorRef, chunk: Chunk, itemsize: int, record_size: int,
                                 "(limit: views stay inside their record, records inside the blob)")
 
 
-def _offset_via_directory(fd: int, chunk: Chunk, itemsize: int) -> int:
+def _offset_via_directory(fd: Any, chunk: Chunk, itemsize: int) -> int:
     where = f"{chunk.file} (chunk of {chunk.fqn})"
     found = zip_records.records(fd, where, chunk.offset, chunk.length)
     pkl, prefix = zip_records.pickle_record(found, where)

@@ -15,10 +15,10 @@ The archive may sit inside a larger file (a DCP chunk blob in a `.distcp`): `sta
 from __future__ import annotations
 
 import io
-import os
 import struct
 import zipfile
 from dataclasses import dataclass
+from typing import Any
 
 from distmerge.errors import CorruptInputError
 
@@ -39,10 +39,10 @@ class ZipRecord:
 
 
 class Window(io.RawIOBase):
-    """A read-only view of bytes [start, start+length) of an open file, for zipfile."""
+    """A read-only view of bytes [start, start+length) of an open input file (input_tree.open_input), for zipfile."""
 
-    def __init__(self, fd: int, start: int, length: int) -> None:
-        self.fd, self.start, self.length, self.pos = fd, start, length, 0
+    def __init__(self, f: Any, start: int, length: int) -> None:
+        self.f, self.start, self.length, self.pos = f, start, length, 0
 
     def readable(self) -> bool:
         return True
@@ -59,15 +59,16 @@ class Window(io.RawIOBase):
 
     def readinto(self, buf) -> int:
         n = max(0, min(len(buf), self.length - self.pos))
-        data = os.pread(self.fd, n, self.start + self.pos)
+        data = self.f.pread(n, self.start + self.pos)
         buf[: len(data)] = data
         self.pos += len(data)
         return len(data)
 
 
-def records(fd: int, where: str, start: int = 0, length: int | None = None) -> dict[str, ZipRecord]:
-    """Every record of the archive by name, checked as the module docstring says."""
-    length = os.fstat(fd).st_size - start if length is None else length
+def records(fd: Any, where: str, start: int = 0, length: int | None = None) -> dict[str, ZipRecord]:
+    """Every record of the archive by name, checked as the module docstring says. `fd`: the file, opened by
+    input_tree.open_input (a file or an object of an object-store input: positional reads either way)."""
+    length = fd.size - start if length is None else length
     directory_at = _check_end_record(fd, where, start, length)
     try:
         with zipfile.ZipFile(Window(fd, start, length)) as archive:
@@ -95,10 +96,10 @@ def records(fd: int, where: str, start: int = 0, length: int | None = None) -> d
     return found
 
 
-def _check_end_record(fd: int, where: str, start: int, length: int) -> int:
+def _check_end_record(fd: Any, where: str, start: int, length: int) -> int:
     """The record count and directory size the end record declares, bounded; returns the directory's offset."""
     tail_len = min(length, 22 + 65535)
-    tail = os.pread(fd, tail_len, start + length - tail_len)
+    tail = fd.pread(tail_len, start + length - tail_len)
     at = tail.rfind(END)
     if at < 0 or at + 22 > len(tail):
         raise CorruptInputError(f"{where} is not a torch.save file (no zip directory): truncated or corrupt")
@@ -114,23 +115,23 @@ def _check_end_record(fd: int, where: str, start: int, length: int) -> int:
     return offset
 
 
-def _zip64_end(fd: int, where: str, start: int, length: int, tail: bytes, at: int) -> tuple[int, int, int]:
+def _zip64_end(fd: Any, where: str, start: int, length: int, tail: bytes, at: int) -> tuple[int, int, int]:
     locator = tail[at - 20 : at] if at >= 20 else b""
     if locator[:4] != ZIP64_LOCATOR:
         raise CorruptInputError(f"{where}: its zip end record is damaged (no zip64 locator)")
     (end_at,) = struct.unpack_from("<Q", locator, 8)
-    record = os.pread(fd, 56, start + end_at) if end_at + 56 <= length else b""
+    record = fd.pread(56, start + end_at) if end_at + 56 <= length else b""
     if record[:4] != ZIP64_END:
         raise CorruptInputError(f"{where}: its zip64 end record is damaged")
     count, size, offset = struct.unpack_from("<QQQ", record, 32)
     return count, size, offset
 
 
-def _data_start(fd: int, where: str, start: int, info: zipfile.ZipInfo) -> int:
+def _data_start(fd: Any, where: str, start: int, info: zipfile.ZipInfo) -> int:
     if info.header_offset < 0:  # zipfile shifts every offset by where it found the directory
         raise CorruptInputError(f"{where}: record {info.filename} is said to start before the archive: the file "
                                 "is damaged")
-    header = os.pread(fd, 30 + len(info.orig_filename.encode()), start + info.header_offset)
+    header = fd.pread(30 + len(info.orig_filename.encode()), start + info.header_offset)
     if len(header) < 30 or header[:4] != LOCAL_HEADER:
         raise CorruptInputError(f"{where}: record {info.filename} has no local header: the file is damaged")
     name_len, extra_len = struct.unpack_from("<HH", header, 26)
@@ -139,8 +140,8 @@ def _data_start(fd: int, where: str, start: int, info: zipfile.ZipInfo) -> int:
     return info.header_offset + 30 + name_len + extra_len
 
 
-def read(fd: int, record: ZipRecord, start: int = 0) -> bytes:
-    data = os.pread(fd, record.size, start + record.start)
+def read(fd: Any, record: ZipRecord, start: int = 0) -> bytes:
+    data = fd.pread(record.size, start + record.start)
     if len(data) != record.size:
         raise CorruptInputError(f"record {record.name} is cut short: the file is truncated")
     return data
