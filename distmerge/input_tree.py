@@ -269,6 +269,11 @@ class Opened:
         self.close()
 
 
+def readable(f: Any) -> Any:
+    """An opened input file as open_input gives it; a bare descriptor is wrapped (borrowed: never closed here)."""
+    return Opened(f, Path(fd_name(f))) if isinstance(f, int) else f
+
+
 def open_input(path: Path | str) -> Opened | input_objects.ObjectFile:
     """A file of the input opened for reading, checked against the walk's record (the module docstring says how);
     outside any walked input (--hf-config, --base-model: the user's own folders) any regular file its path

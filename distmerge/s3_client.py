@@ -50,9 +50,14 @@ def parse(url: str, what: str, error: type[Exception]) -> Location:
     return Location(bucket=bucket, prefix=prefix.strip("/"))
 
 
-@functools.cache
 def client() -> Any:
-    """This process's S3 client (thread-safe), made on first use."""
+    """This process's S3 client (thread-safe), made on first use (again if the endpoint or key changes)."""
+    return _client(os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"),
+                   os.environ.get("AWS_ACCESS_KEY_ID"))
+
+
+@functools.cache
+def _client(endpoint: str | None, key_id: str | None) -> Any:
     try:
         import boto3
         from botocore.config import Config

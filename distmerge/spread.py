@@ -19,8 +19,8 @@ shared filesystem: NFS clients cache and flush pages on their own); an object st
 each writer's run of consecutive bytes becomes one or more parts of one multipart upload, and every part but the
 last must be at least 5 MiB: `min_run`. Then
 
-    4. a run shorter than `min_run` (but the file's last) goes to the writer of the run before it (the first:
-       after it), until none is left; a file that does not settle goes whole to its owner.
+    4. a run shorter than `min_run` (but the file's last) takes the units that follow it, one at a time, until
+       it is long enough; a file that does not settle goes whole to its owner.
 """
 
 from __future__ import annotations
@@ -78,25 +78,49 @@ def writer_runs(pieces: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]
 
 def _long_runs(units: Sequence[Unit], group: Sequence[int], owner_of_unit: list[int], min_run: int,
                key: Callable[[str], Any]) -> None:
-    """Step 4: give the units of each short run to a neighbouring run's writer. A unit's targets need not be
-    neighbours in the file (QKV's q, k, v around o_proj), so a move may cut another run: at most one pass per
-    unit, then the file goes whole to one writer."""
-    order = sorted(((t.name, t.nbytes, i) for i in group for t in units[i].targets), key=lambda p: key(p[0]))
-    for _ in range(len(group) + 1):
-        runs = writer_runs([(nbytes, owner_of_unit[i]) for _, nbytes, i in order])
-        short = next((k for k, (s, e, _) in enumerate(runs[:-1]) if e - s < min_run), None)
-        if short is None:
+    """Step 4: a run shorter than min_run (but the file's last) goes to the writer of the run before it when its
+    own writer has at least as many of the file's bytes, else takes the unit that follows it (or goes to the next
+    run's writer if that one has fewer bytes): runs of about min_run alternate where units were small, and the
+    writers stay close to even. A unit's targets need not be neighbours in the file (QKV's q, k, v around
+    o_proj), so a move may cut another run: past two moves per unit, the file goes whole to one writer."""
+    order = sorted(((t.name, t.nbytes, i) for i in group for t in units[i].targets if t.nbytes),
+                   key=lambda p: key(p[0]))
+    for _ in range(2 * len(group) + 1):
+        found = _short_run(order, owner_of_unit, min_run)
+        if found is None:
             return
-        start, end, _ = runs[short]
-        to = runs[short - 1][2] if short else runs[1][2]
-        at = 0
+        start, end = found
+        writer, after = owner_of_unit[order[start][2]], owner_of_unit[order[end][2]]
+        load: dict[int, int] = defaultdict(int)
         for _, nbytes, i in order:
-            if nbytes and start <= at < end:
-                owner_of_unit[i] = to
-            at += nbytes
+            load[owner_of_unit[i]] += nbytes
+        before = owner_of_unit[order[start - 1][2]] if start else None
+        if before is not None and load[writer] >= load[before]:
+            _give(order[start:end], owner_of_unit, before)
+        elif load[writer] > load[after]:
+            _give(order[start:end], owner_of_unit, after)
+        else:
+            owner_of_unit[order[end][2]] = writer
     whole = _file_owner(group, [sum(t.nbytes for t in u.targets) for u in units], owner_of_unit)
     for i in group:
         owner_of_unit[i] = whole
+
+
+def _give(pieces: list[tuple[str, int, int]], owner_of_unit: list[int], writer: int) -> None:
+    for _, _, unit in pieces:
+        owner_of_unit[unit] = writer
+
+
+def _short_run(order: list[tuple[str, int, int]], owner_of_unit: list[int], min_run: int) -> tuple[int, int] | None:
+    """(first, end) positions in `order` of the first run shorter than min_run that is not the file's last."""
+    length, begin = 0, 0
+    for at, (_, nbytes, unit) in enumerate(order):
+        if at and owner_of_unit[unit] != owner_of_unit[order[at - 1][2]]:
+            if length < min_run:
+                return begin, at
+            length, begin = 0, at
+        length += nbytes
+    return None
 
 
 def _files_to_hosts(file_bytes: list[int], ranks_of: dict[int, list[int]]) -> list[int]:

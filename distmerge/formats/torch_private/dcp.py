@@ -161,6 +161,7 @@ def chunk_data_offset(fd: Any, chunk: Chunk, itemsize: int) -> int:
     numel = math.prod(chunk.lengths)
     if chunk.length == numel * itemsize:
         return chunk.offset
+    fd = input_tree.readable(fd)
     head = fd.pread(min(chunk.length, PREFIX), chunk.offset)
     ref, at = None, 0
     while head[at : at + 4] == LOCAL_HEADER and at + 30 <= len(head):

@@ -20,6 +20,7 @@ import zipfile
 from dataclasses import dataclass
 from typing import Any
 
+from distmerge import input_tree
 from distmerge.errors import CorruptInputError
 
 # A 671B model's FSDP rank file holds ~92k tensors, so ~92k storage records (+5 small ones): 5x headroom.
@@ -68,6 +69,7 @@ class Window(io.RawIOBase):
 def records(fd: Any, where: str, start: int = 0, length: int | None = None) -> dict[str, ZipRecord]:
     """Every record of the archive by name, checked as the module docstring says. `fd`: the file, opened by
     input_tree.open_input (a file or an object of an object-store input: positional reads either way)."""
+    fd = input_tree.readable(fd)
     length = fd.size - start if length is None else length
     directory_at = _check_end_record(fd, where, start, length)
     try:
@@ -141,7 +143,7 @@ def _data_start(fd: Any, where: str, start: int, info: zipfile.ZipInfo) -> int:
 
 
 def read(fd: Any, record: ZipRecord, start: int = 0) -> bytes:
-    data = fd.pread(record.size, start + record.start)
+    data = input_tree.readable(fd).pread(record.size, start + record.start)
     if len(data) != record.size:
         raise CorruptInputError(f"record {record.name} is cut short: the file is truncated")
     return data
