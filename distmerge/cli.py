@@ -265,6 +265,7 @@ def _internal(err: Exception) -> DistmergeError:
 def _run_merge(args: argparse.Namespace) -> int:
     from distmerge.comm import process_group, resolve_device
     from distmerge.engine import MergeOptions, merge
+    from distmerge.output import is_url
     from distmerge.report import Progress, print_summary, summary_json
 
     opts = MergeOptions(
@@ -274,6 +275,11 @@ def _run_merge(args: argparse.Namespace) -> int:
         resume=args.resume, checksum=args.checksum,
     )
     opts = verl_cli.merge_options(opts, args.verl)
+    if is_url(args.output) and (args.verify_against is not None or getattr(args.verl, "upload", None)):
+        err = InputError("--verify-against and --hf_upload_path read the merged folder: with an s3:// --output, "
+                         "verify or upload the model from a local copy")
+        err.before_group = True
+        raise err
     if args.verify_against is not None and not args.verify_against.exists():  # before hours of merging
         err = InputError(f"--verify-against {args.verify_against} does not exist: pass the reference model")
         err.before_group = True
