@@ -242,8 +242,8 @@ def adopt(walked: Walked | None, *, also: bool = False) -> None:
 
 # -- opening: through the record, never by a path the file system resolves --------------------------------
 class Opened:
-    """A file of the input opened for reading: positional reads on its descriptor. (An object of an object-store
-    input opens as an input_objects.ObjectFile: the same attributes and methods, no descriptor.)"""
+    """A file of the input opened for reading: positional reads on its descriptor (an object of an object-store
+    input opens as an input_objects.ObjectFile: the same attributes and methods, no descriptor)."""
 
     def __init__(self, fd: int, real: Path) -> None:
         self.fd, self.real = fd, real
@@ -257,7 +257,7 @@ class Opened:
         """Bytes into buf from `offset`; may be short (the caller reads on)."""
         return os.preadv(self.fd, [buf], offset)
 
-    def close(self) -> None:
+    def close(self, *_exc: object) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -265,20 +265,18 @@ class Opened:
     def __enter__(self) -> Opened:
         return self
 
-    def __exit__(self, *_exc: object) -> None:
-        self.close()
+    __exit__ = close
 
 
 def readable(f: Any) -> Any:
     """An opened input file as open_input gives it; a bare descriptor is wrapped (borrowed: never closed here)."""
-    return Opened(f, Path(fd_name(f))) if isinstance(f, int) else f
+    return Opened(f, Path(f"/dev/fd/{f}")) if isinstance(f, int) else f
 
 
 def open_input(path: Path | str) -> Opened | input_objects.ObjectFile:
     """A file of the input opened for reading, checked against the walk's record (the module docstring says how);
     outside any walked input (--hf-config, --base-model: the user's own folders) any regular file its path
-    leads to. One line (InputError) when the file is not the one listed. A placeholder of an object-store input
-    opens as its object (input_objects.py)."""
+    leads to; a placeholder of an object-store input: its object. One line when the file is not the one listed."""
     tree = tree_for(path)
     if tree is not None:
         real, entry = tree._checked(path, "file")
@@ -342,12 +340,6 @@ def _open_beneath(shown: Path | str, root: Path, rel: str, size: int | None, ide
                          f"{listed}): it changed after the input was listed; merge a checkpoint nothing else is "
                          "writing")
     return fd
-
-
-def fd_name(fd: int) -> str:
-    """A file name that opens the very file `fd` holds, whatever now lies at its path: for libraries that
-    open by name (torch.load with mmap), so they read the file that was checked."""
-    return f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else f"/dev/fd/{fd}"
 
 
 def read_small(path: Path, cap: int, what: str) -> bytes:

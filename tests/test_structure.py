@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "distmerge"
 MAX_LINES = 400
 # Lower layers never import higher ones. A module not listed belongs to its package's layer.
 LAYERS = {
-    0: ("errors", "dtypes", "results", "input_tree"),
+    0: ("errors", "dtypes", "results", "input_tree", "input_objects", "s3_client"),
     1: ("formats", "comm", "transforms"),
     2: ("families",),
     3: ("plan", "spread", "reader", "output", "discover", "inventory"),

@@ -17,7 +17,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -114,7 +113,7 @@ def main() -> int:
                 print(f"  {lib:8} upload {figures['upload']:6.2f} s  read {figures['read']:6.2f} s  peak RSS "
                       f"{usage.ru_maxrss / 1e6:.0f} MB  CPU {usage.ru_utime + usage.ru_stime:.2f} s", flush=True)
     mb = args.size / 1e6
-    print(f"\n| client | upload MB/s | ranged read MB/s | peak RSS | client CPU s |\n|---|---|---|---|---|")
+    print("\n| client | upload MB/s | ranged read MB/s | peak RSS | client CPU s |\n|---|---|---|---|---|")
     for lib, runs in results.items():
         up = sorted(r[0] for r in runs)[len(runs) // 2]
         rd = sorted(r[1] for r in runs)[len(runs) // 2]
