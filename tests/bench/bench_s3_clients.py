@@ -38,24 +38,24 @@ if lib == "boto3":
     c = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=key_id, aws_secret_access_key=secret,
                      region_name="us-east-1", config=Config(max_pool_connections=16))
     t = time.perf_counter()
-    up = c.create_multipart_upload(Bucket="b", Key=key)["UploadId"]
+    up = c.create_multipart_upload(Bucket="bench", Key=key)["UploadId"]
     with ThreadPoolExecutor(4) as pool:
-        tags = list(pool.map(lambda p: c.upload_part(Bucket="b", Key=key, UploadId=up, PartNumber=p[0],
+        tags = list(pool.map(lambda p: c.upload_part(Bucket="bench", Key=key, UploadId=up, PartNumber=p[0],
                                                          Body=data[: p[1]])["ETag"], parts))
-    c.complete_multipart_upload(Bucket="b", Key=key, UploadId=up, MultipartUpload={"Parts": [
+    c.complete_multipart_upload(Bucket="bench", Key=key, UploadId=up, MultipartUpload={"Parts": [
         {"PartNumber": p[0], "ETag": e} for p, e in zip(parts, tags)]})
     out["upload"] = time.perf_counter() - t
     t = time.perf_counter()
     def get(p):
         start = (p[0] - 1) * PART
-        return len(c.get_object(Bucket="b", Key=key, Range=f"bytes={start}-{start + p[1] - 1}")["Body"].read())
+        return len(c.get_object(Bucket="bench", Key=key, Range=f"bytes={start}-{start + p[1] - 1}")["Body"].read())
     with ThreadPoolExecutor(4) as pool:
         got = sum(pool.map(get, parts))
     out["read"] = time.perf_counter() - t
 elif lib == "obstore":
     import obstore
     from obstore.store import S3Store
-    s = S3Store("b", endpoint=endpoint, access_key_id=key_id, secret_access_key=secret, region="us-east-1",
+    s = S3Store("bench", endpoint=endpoint, access_key_id=key_id, secret_access_key=secret, region="us-east-1",
                 client_options={"allow_http": True}, virtual_hosted_style_request=False)
     t = time.perf_counter()
     obstore.put(s, key, (data[: n] for _, n in parts), chunk_size=PART, max_concurrency=4)
@@ -71,17 +71,17 @@ else:
     import s3fs
     fs = s3fs.S3FileSystem(key=key_id, secret=secret, endpoint_url=endpoint)
     t = time.perf_counter()
-    up = fs.call_s3("create_multipart_upload", Bucket="b", Key=key)["UploadId"]
+    up = fs.call_s3("create_multipart_upload", Bucket="bench", Key=key)["UploadId"]
     with ThreadPoolExecutor(4) as pool:
-        tags = list(pool.map(lambda p: fs.call_s3("upload_part", Bucket="b", Key=key, UploadId=up,
+        tags = list(pool.map(lambda p: fs.call_s3("upload_part", Bucket="bench", Key=key, UploadId=up,
                                                       PartNumber=p[0], Body=data[: p[1]])["ETag"], parts))
-    fs.call_s3("complete_multipart_upload", Bucket="b", Key=key, UploadId=up, MultipartUpload={"Parts": [
+    fs.call_s3("complete_multipart_upload", Bucket="bench", Key=key, UploadId=up, MultipartUpload={"Parts": [
         {"PartNumber": p[0], "ETag": e} for p, e in zip(parts, tags)]})
     out["upload"] = time.perf_counter() - t
     t = time.perf_counter()
     def get(p):
         start = (p[0] - 1) * PART
-        return len(fs.cat_file(f"b/{key}", start=start, end=start + p[1]))
+        return len(fs.cat_file(f"bench/{key}", start=start, end=start + p[1]))
     with ThreadPoolExecutor(4) as pool:
         got = sum(pool.map(get, parts))
     out["read"] = time.perf_counter() - t
@@ -97,7 +97,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     with s3_server() as env:
-        client(env).create_bucket(Bucket="b")
+        client(env).create_bucket(Bucket="bench")
         results: dict[str, list] = {}
         for repeat in range(args.repeats):
             for lib in ("boto3", "obstore", "s3fs")[repeat % 3:] + ("boto3", "obstore", "s3fs")[: repeat % 3]:
