@@ -8,7 +8,6 @@ allow-list, no torch.load), their tensors views of one mapping of the file.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -150,7 +149,7 @@ class TensorFiles:
         if loc.file not in self._open:
             path = Path(self.side.files[loc.file])
             if self.side.kind == "safetensors":
-                self._open[loc.file] = (input_tree.open_input(path)[0], read_header(path))
+                self._open[loc.file] = (input_tree.open_input(path), read_header(path))
             else:
                 self._open[loc.file] = load_torch(path)
         handle = self._open[loc.file]
@@ -160,17 +159,17 @@ class TensorFiles:
     def close(self) -> None:
         for handle in self._open.values():
             if isinstance(handle, tuple):
-                os.close(handle[0])
+                handle[0].close()
         self._open.clear()  # .bin mappings close when dropped
 
 
-def _pread_tensor(fd: int, header: Any, name: str, path: str) -> torch.Tensor:
+def _pread_tensor(f: Any, header: Any, name: str, path: str) -> torch.Tensor:
     entry = header.entries[name]
     dtype, nbytes = dtypes.torch_dtype(entry.dtype), entry.nbytes
     data = bytearray(nbytes)
     view, done = memoryview(data), 0
     while done < nbytes:
-        got = os.preadv(fd, [view[done:]], entry.start + done)
+        got = f.readinto(view[done:], entry.start + done)
         if got == 0:
             raise CorruptInputError(f"{path} ends inside {name}: the file is truncated")
         done += got
