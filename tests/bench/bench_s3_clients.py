@@ -111,7 +111,7 @@ def main() -> int:
                 results.setdefault(lib, []).append((figures["upload"], figures["read"], usage.ru_maxrss * 1024,
                                                     usage.ru_utime + usage.ru_stime))
                 print(f"  {lib:8} upload {figures['upload']:6.2f} s  read {figures['read']:6.2f} s  peak RSS "
-                      f"{usage.ru_maxrss / 1e6:.0f} MB  CPU {usage.ru_utime + usage.ru_stime:.2f} s", flush=True)
+                      f"{usage.ru_maxrss * 1024 / 1e6:.0f} MB  CPU {usage.ru_utime + usage.ru_stime:.2f} s", flush=True)
     mb = args.size / 1e6
     print("\n| client | upload MB/s | ranged read MB/s | peak RSS | client CPU s |\n|---|---|---|---|---|")
     for lib, runs in results.items():
