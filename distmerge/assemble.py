@@ -26,6 +26,7 @@ from distmerge.families.base import Unit
 from distmerge.formats.base import Fragment
 from distmerge.plan import Plan
 from distmerge.reader import Reader
+from distmerge.reads import Batch
 
 # Transforms that keep a prefix of the source's bytes, in order: a direct unit may apply them by clipping.
 PREFIX_TRANSFORMS = ("identity", "trim_rows")
@@ -74,7 +75,9 @@ class UnitBuild:
     def fragments(self) -> list[tuple[str, Fragment]]:
         return [(s.meta.name, f) for s in self.sources for f in s.fragments]
 
-    def place_local(self, source: str, frag: Fragment, reader: Reader) -> None:
+    def place_local(self, source: str, frag: Fragment, reader: Reader | Batch) -> None:
+        """A fragment this rank reads, placed as it arrives: at once from a file, when the batch runs from an
+        object store (reads.py); `finish` comes after either."""
         if self.direct and reader.can_copy(frag):
             offset, nbytes = self._kept(source, frag)
             if nbytes:
@@ -84,9 +87,7 @@ class UnitBuild:
         if run is not None:
             reader.read_into(frag, run)  # straight into the source tensor: no second copy
             return
-        data = torch.empty(frag.nbytes, dtype=torch.uint8)
-        reader.read_into(frag, data)
-        self.place_received(source, frag, data)
+        reader.read_into(frag, then=lambda data: self.place_received(source, frag, data))
 
     def place_received(self, source: str, frag: Fragment, data: torch.Tensor) -> None:
         if self.direct:

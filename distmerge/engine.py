@@ -231,10 +231,12 @@ def _build(plan: Plan, units, pending: Pending, comm: Comm, reader: Reader, sink
     me = comm.rank
     builds = [UnitBuild(plan.units[i], plan, sink.output(i), comm.device) for i in units if plan.owner_of_unit[i] == me]
     try:
+        reads = reader.batch()  # an object-store input: the round's local fragments in few GETs (reads.py)
         for build in builds:
             for source, frag in build.fragments():
                 if plan.readers[frag.file_index] == me:
-                    build.place_local(source, frag, reader)
+                    build.place_local(source, frag, reads)
+        reads.run()
     finally:
         received = pending.wait()  # the collective completes even when local work failed
     for build in builds:

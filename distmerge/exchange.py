@@ -100,10 +100,12 @@ class Exchanger:
         if self._send[slot_set].numel() < total:
             self._send[slot_set] = torch.empty(total, dtype=torch.uint8)
         buf, at = self._send[slot_set][:total], 0
+        reads = self.reader.batch()  # an object-store input: neighbouring fragments in one GET (reads.py)
         for frags in outgoing:
             for f in frags:
-                self.reader.read_into(f, buf[at : at + f.nbytes])
+                reads.read_into(f, buf[at : at + f.nbytes])
                 at += slot(f.nbytes)
+        reads.run()
         return buf
 
     def _recv_buffer(self, total: int, slot_set: int) -> torch.Tensor:

@@ -15,10 +15,12 @@ rewrites any message that names a placeholder (comm.py applies it to every error
 from __future__ import annotations
 
 import atexit
+import bisect
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -135,10 +137,46 @@ def shown(message: str) -> str:
     return message
 
 
+@dataclass(frozen=True, kw_only=True)
+class Expected:
+    """Bytes [at, at + length) of an object must pass `check` (which raises CorruptInputError) before any byte of
+    [at, until) is handed out: a zip record's local header, whose place and length the zip directory predicted
+    (zip_records), checked by whichever read first reaches the record instead of by a GET of its own."""
+
+    at: int
+    length: int
+    until: int
+    check: Callable[[bytes], None]
+
+
+class _Checks:
+    """The checks of one object not yet made in this process, sorted by `at`; their guarded ranges are disjoint."""
+
+    def __init__(self, items: list[Expected]) -> None:
+        self.items = sorted(items, key=lambda c: c.at)
+        self.starts = [c.at for c in self.items]
+        self.done: set[int] = set()
+
+    def due(self, lo: int, hi: int) -> list[Expected]:
+        """The checks a read of [lo, hi) must make, in file order."""
+        k = bisect.bisect_left(self.starts, hi) - 1
+        out = []
+        while k >= 0 and self.items[k].until > lo:
+            if self.items[k].at not in self.done:
+                out.append(self.items[k])
+            k -= 1
+        return out[::-1]
+
+
+_CHECKS: dict[tuple[str, str, str], _Checks] = {}  # (bucket, key, etag) -> its checks, in this process
+_CHECKS_LOCK = threading.Lock()
+
+
 class ObjectFile:
     """An object of the input opened for reading (input_tree.open_input): positional reads by ranged GETs."""
 
     fd = -1  # no descriptor: nothing can map it (torch_save.mapped_views reads the views' bytes instead)
+    remote = True  # reads cost a request each: callers that can ask for many ranges at once do (reader.Batch)
 
     def __init__(self, made: Listing, rel: str) -> None:
         if rel not in made.objects:
@@ -147,45 +185,113 @@ class ObjectFile:
         self.size, _, self.etag = made.objects[rel]
         self.ident = ("s3", made.bucket, made.key(rel))
         self.real = Path(made.root) / rel
+        self.known: list[tuple[int, bytes]] = []  # regions already read while this file is open (keep)
+
+    def keep(self, offset: int, data: bytes) -> None:
+        """Serve later reads inside [offset, offset + len(data)) from these bytes (a zip's directory, its head)
+        while this file is open, instead of asking the store again."""
+        self.known.append((offset, data))
+
+    def expect(self, checks: list[Expected]) -> None:
+        """Checks to make before the bytes they guard are handed out, by any read of this object in this process
+        (zip_records: the records' local headers). Those whose bytes are already kept are made now."""
+        made = _Checks(checks)
+        with _CHECKS_LOCK:
+            _CHECKS[(self.made.bucket, self.made.key(self.rel), self.etag)] = made
+        for check in checks:
+            data = self._kept(check.at, check.length)
+            if data is not None:
+                check.check(data)
+                made.done.add(check.at)
 
     def readinto(self, buf: memoryview, offset: int) -> int:
         """Fill buf from `offset`; short only where the object ends."""
         want = max(0, min(len(buf), self.size - offset))
         if not want:
             return 0
-        try:
-            got = s3_client.read_range(self.made.bucket, self.made.key(self.rel), offset, buf[:want], self.etag)
-        except s3_client.sdk_errors() as err:
-            raise CorruptInputError(f"cannot read {self.made.url_of(self.rel)}: {s3_client.describe(err)}") from None
-        if got < want:
-            raise CorruptInputError(f"{self.made.url_of(self.rel)} ended at byte {offset + got:,}, listed with "
-                                    f"{self.size:,}: a short read (the object changed, or the store cut it short)")
-        return got
+        data = self._kept(offset, want)
+        if data is not None:
+            buf[:want] = data
+            return want
+
+        def put(piece: memoryview, at: int) -> None:
+            buf[at : at + len(piece)] = piece
+
+        self.read_spans(offset, offset + want, [(offset, want, put)])
+        return want
 
     def pread(self, nbytes: int, offset: int) -> bytes:
         buf = bytearray(max(0, min(nbytes, self.size - offset)))
         self.readinto(memoryview(buf), offset)
         return bytes(buf)
 
-    def pieces(self, offset: int, nbytes: int) -> Iterator[bytes]:
-        """Bytes [offset, offset + nbytes) from one ranged GET in pieces of PIECE, for streaming into an output."""
-        done = 0
+    def read_spans(self, start: int, end: int, spans: list[tuple[int, int, Callable[[memoryview, int], None]]]) \
+            -> None:
+        """One ranged GET of bytes [start, end), streamed in pieces of PIECE: each span (offset, nbytes,
+        deliver) inside it, sorted by offset, gets its bytes as `deliver(piece, position in the span)` as they
+        arrive (nothing the size of the GET is held). The checks `expect` left on the bytes it reaches are made
+        first (the GET starts early enough to include them). One line naming the object on a failed or short
+        read."""
+        first = 0
+
+        def deliver(piece: memoryview, pos: int) -> None:
+            nonlocal first
+            stop = pos + len(piece)
+            while first < len(spans) and spans[first][0] + spans[first][1] <= pos:
+                first += 1
+            for offset, nbytes, put in spans[first:]:
+                if offset >= stop:
+                    break
+                lo, hi = max(offset, pos), min(offset + nbytes, stop)
+                if lo < hi:
+                    put(piece[lo - pos : hi - pos], lo - offset)
+
         try:
-            for data in s3_client.stream_range(self.made.bucket, self.made.key(self.rel), offset, nbytes, self.etag,
-                                               PIECE):
-                done += len(data)
-                yield data
+            done = self._stream(start, end, deliver)
         except s3_client.sdk_errors() as err:
             raise CorruptInputError(f"cannot read {self.made.url_of(self.rel)}: {s3_client.describe(err)}") from None
-        if done < nbytes:
-            raise CorruptInputError(f"{self.made.url_of(self.rel)} ended at byte {offset + done:,}, listed with "
+        if done < end:
+            raise CorruptInputError(f"{self.made.url_of(self.rel)} ended at byte {done:,}, listed with "
                                     f"{self.size:,}: a short read (the object changed, or the store cut it short)")
 
+    def _stream(self, start: int, end: int, deliver: Callable[[memoryview, int], None]) -> int:
+        """GET [start, end), widened to the checks due there; returns where the bytes stopped (end, or the
+        object's end if it is shorter than listed)."""
+        with _CHECKS_LOCK:
+            checks = _CHECKS.get((self.made.bucket, self.made.key(self.rel), self.etag))
+            due = checks.due(start, end) if checks is not None else []
+        lo = min([start, *(c.at for c in due)])
+        hi = max([end, *(c.at + c.length for c in due)])
+        pos, k, held = lo, 0, bytearray()
+        for data in s3_client.stream_range(self.made.bucket, self.made.key(self.rel), lo, hi - lo, self.etag, PIECE):
+            view, stop = memoryview(data), pos + len(data)
+            while k < len(due) and due[k].at < stop:  # header bytes before the data they guard: checked first
+                c = due[k]
+                held += view[max(c.at, pos) - pos : min(c.at + c.length, stop) - pos]
+                if len(held) < c.length:
+                    break
+                c.check(bytes(held))
+                checks.done.add(c.at)
+                k, held = k + 1, bytearray()
+            a, b = max(pos, start), min(stop, end)
+            if a < b:
+                deliver(view[a - pos : b - pos], a)
+            pos = stop
+        if k < len(due):  # the object ended inside a header
+            due[k].check(bytes(held))
+        return min(pos, end)
+
+    def _kept(self, offset: int, nbytes: int) -> bytes | None:
+        for at, data in self.known:
+            if at <= offset and offset + nbytes <= at + len(data):
+                return data[offset - at : offset - at + nbytes]
+        return None
+
     def close(self) -> None:
-        pass
+        self.known = []
 
     def __enter__(self) -> ObjectFile:
         return self
 
     def __exit__(self, *_exc: object) -> None:
-        pass
+        self.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from distmerge import dtypes, input_tree
 from distmerge.errors import CorruptInputError
 from distmerge.formats import registry
 from distmerge.formats.base import Fragment, InputFormat, OpenedFile, Scan
+from distmerge.reads import Batch
 
 # The copy of a fragment into an output file goes through one reused buffer of this size: preadv from the input,
 # pwrite into the output, 1 MiB each (writer.WRITE_CHUNK). copy_file_range, used before, splices 64 KiB at a time
@@ -37,6 +39,8 @@ class Reader:
         self._files: dict[int, Any] = {}  # input_tree.open_input: a file, or an object of an object-store input
         self.bytes_read = 0
         self._bounce = memoryview(bytearray(BOUNCE))
+        self._taken: dict[int, list[tuple[int, int]]] = {}
+        self._pool: ThreadPoolExecutor | None = None
         input_tree.adopt(scan.walked, also=second)  # files are opened by the walk's record, on every rank
 
     def open(self, indices: list[int]) -> list[Fragment]:
@@ -50,9 +54,18 @@ class Reader:
     def can_copy(self, frag: Fragment) -> bool:
         return frag.byte_offset >= 0
 
-    def read_into(self, frag: Fragment, dest: torch.Tensor, count: bool = True) -> None:
-        """Fill `dest` (CPU, contiguous uint8 of the fragment's size) with the fragment's bytes; `count`:
-        add them to bytes_read (the summary's `read`: bytes the output is made of)."""
+    def read_into(self, frag: Fragment, dest: torch.Tensor | None = None, count: bool = True,
+                  then: Callable[[torch.Tensor], None] | None = None) -> None:
+        """Fill `dest` (CPU, contiguous uint8 of the fragment's size; None: a buffer made here) with the fragment's
+        bytes, then call `then(dest)`; `count`: add them to bytes_read (the summary's `read`: bytes the output is
+        made of). reads.Batch takes the same calls and may make them later."""
+        if dest is None:
+            dest = torch.empty(frag.nbytes, dtype=torch.uint8)
+        self._read_into(frag, dest, count)
+        if then is not None:
+            then(dest)
+
+    def _read_into(self, frag: Fragment, dest: torch.Tensor, count: bool) -> None:
         if frag.byte_offset < 0:
             view = self.opened[frag.file_index].views[(frag.key, frag.offsets)]
             dest.view(dtypes.torch_dtype(frag.dtype)).view(frag.lengths).copy_(view)
@@ -76,10 +89,9 @@ class Reader:
         time. A read failure is this input file's error; put's own failures (a full disk) pass through."""
         f, done, buf = self._file(frag.file_index), 0, self._bounce
         if f.fd < 0:  # an object: one ranged GET, streamed in pieces
-            for piece in f.pieces(frag.byte_offset, nbytes):
-                put(memoryview(piece), out_offset + done)
-                done += len(piece)
-            self.bytes_read += done
+            f.read_spans(frag.byte_offset, frag.byte_offset + nbytes,
+                         [(frag.byte_offset, nbytes, lambda piece, at: put(piece, out_offset + at))])
+            self.bytes_read += nbytes
             return
         src = f.fd
         while done < nbytes:
@@ -92,6 +104,35 @@ class Reader:
             put(buf[:got], out_offset + done)
             done += got
         self.bytes_read += done
+
+    def batch(self) -> Batch:
+        """Reads to make together (reads.Batch): a round's packing, an owner's local fragments."""
+        return Batch(self)
+
+    def remote(self, frag: Fragment) -> bool:
+        """The fragment's bytes come from an object store (a request each) rather than a file or a mapped view."""
+        return frag.byte_offset >= 0 and self._file(frag.file_index).fd < 0
+
+    def taken(self, index: int) -> list[tuple[int, int]] | None:
+        """(start, end) of every fragment of an input file this rank opened, sorted: bytes a batch may not read
+        in passing, since they are read in another round (each input byte once). None: a file it did not open."""
+        opened = self.opened.get(index)
+        if opened is None:
+            return None
+        if index not in self._taken:
+            self._taken[index] = sorted((f.byte_offset, f.byte_offset + f.nbytes) for f in opened.fragments
+                                        if f.byte_offset >= 0)
+        return self._taken[index]
+
+    def file(self, index: int) -> Any:
+        """The input file, opened once (input_tree.open_input): a file, or an object of an object-store input."""
+        return self._file(index)
+
+    def pool(self, threads: int) -> ThreadPoolExecutor:
+        """Threads for a batch's GETs, made on first use."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="distmerge-read")
+        return self._pool
 
     def _truncated(self, frag: Fragment) -> None:
         path = self.files[frag.file_index].path
@@ -108,4 +149,8 @@ class Reader:
             f.close()
         self._files.clear()
         self.opened.clear()
+        self._taken.clear()
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
         input_tree.adopt(None)

@@ -13,12 +13,12 @@ LAYERS = {
     0: ("errors", "dtypes", "results", "input_tree", "input_objects", "s3_client"),
     1: ("formats", "comm", "transforms"),
     2: ("families",),
-    3: ("plan", "spread", "reader", "output", "discover", "inventory"),
+    3: ("plan", "spread", "reader", "reads", "output", "discover", "inventory"),
     4: ("prepare", "exchange", "assemble", "replicas", "unwritten", "resume", "finalize", "report", "expect", "sink"),
     5: ("engine", "inspect", "verify", "cli_options", "hub", "api"),
     6: ("cli", "__main__", "verl_cli"),
 }
-ENGINE = ("plan", "spread", "reader", "output", "discover", "prepare", "exchange", "assemble", "replicas",
+ENGINE = ("plan", "spread", "reader", "reads", "output", "discover", "prepare", "exchange", "assemble", "replicas",
           "unwritten", "resume", "finalize", "engine", "inspect", "inventory", "sink")
 
 

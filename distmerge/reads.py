@@ -1,0 +1,170 @@
+"""Reads made together: the fragments one phase of a round reads (exchange's packing for the other ranks, an
+owner's local fragments), handed to a `Batch` before any is read.
+
+A fragment of a local file is read at once, in call order, exactly as `Reader.read_into` / `copy_to` read it
+(pread into memory, or through the 1 MiB bounce buffer into an output file): a batch changes nothing on disk.
+
+A fragment of an object (an object-store input) waits for `run`, where each object's ranges are sorted and
+neighbours are merged into one ranged GET when only bytes no fragment holds lie between them (a zip record's data
+descriptor and the next local header, about a hundred bytes: `Reader.taken` says where fragments are, so no byte
+read in another round is read here in passing). Requests, not bytes, are what an object store charges time for
+(a round trip each on S3; the whole object's read on some servers: docs/benchmarks.md, "Object stores"), and a
+rank file's fragments of one round lie mostly side by side, so a round costs a few GETs per object instead of one
+per fragment. A merged GET is never held whole: its pieces (input_objects.PIECE) go to their fragments'
+destinations as they arrive (a send buffer's slot, a source tensor, an output file's part), so memory stays what
+the round's destinations already are, whatever the GET's length. A few GETs of one batch are in flight at once
+(THREADS); their pieces are handed over one at a time (the destinations are not thread-safe: an upload's parts).
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import defaultdict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from distmerge.formats.base import Fragment
+
+GAP = 1 << 16  # the most bytes between two ranges read in one GET (none of them a fragment's)
+THREADS = 4  # GETs of one batch in flight
+
+
+class Reader(Protocol):
+    """What a batch asks of reader.Reader (which makes batches: this module does not import it)."""
+
+    bytes_read: int
+
+    def can_copy(self, frag: Fragment) -> bool: ...
+
+    def remote(self, frag: Fragment) -> bool: ...
+
+    def taken(self, index: int) -> list[tuple[int, int]] | None: ...
+
+    def file(self, index: int) -> Any: ...
+
+    def pool(self, threads: int) -> ThreadPoolExecutor: ...
+
+    def read_into(self, frag: Fragment, dest: torch.Tensor | None = None, count: bool = True,
+                  then: Callable[[torch.Tensor], None] | None = None) -> None: ...
+
+    def copy_to(self, frag: Fragment, put: Callable[[memoryview, int], None], out_offset: int,
+                nbytes: int) -> None: ...
+
+
+@dataclass(kw_only=True)
+class _Job:
+    """One fragment's bytes [offset, offset + nbytes) of the input, and where they go."""
+
+    frag: Fragment
+    offset: int
+    nbytes: int
+    put: Callable[[memoryview, int], None] | None = None  # an output file's pwrite (copy_to), at out_offset + i
+    out_offset: int = 0
+    dest: torch.Tensor | None = None  # uint8 (read_into); made when the first piece arrives if None
+    then: Callable[[torch.Tensor], None] | None = None  # called with dest once it is full
+    count: bool = True
+    got: int = 0
+    view: memoryview | None = field(default=None, repr=False)
+
+    def deliver(self, piece: memoryview, at: int) -> None:
+        if self.put is not None:
+            self.put(piece, self.out_offset + at)
+        else:
+            if self.view is None:
+                if self.dest is None:
+                    self.dest = torch.empty(self.nbytes, dtype=torch.uint8)
+                self.view = memoryview(self.dest.numpy()).cast("B")
+            self.view[at : at + len(piece)] = piece
+        self.got += len(piece)
+        if self.got == self.nbytes and self.then is not None:
+            self.then(self.dest)
+            self.dest = self.view = None
+
+
+class Batch:
+    """The reads of one phase of a round; `run` makes those still waiting (the module docstring says how)."""
+
+    def __init__(self, reader: Reader) -> None:
+        self.reader = reader
+        self.jobs: dict[int, list[_Job]] = defaultdict(list)  # input file -> its fragments waiting
+
+    def can_copy(self, frag: Fragment) -> bool:
+        return self.reader.can_copy(frag)
+
+    def read_into(self, frag: Fragment, dest: torch.Tensor | None = None, count: bool = True,
+                  then: Callable[[torch.Tensor], None] | None = None) -> None:
+        """Reader.read_into: the fragment's bytes into `dest` (None: a buffer made when they arrive), then
+        `then(dest)`."""
+        if not self.reader.remote(frag):
+            self.reader.read_into(frag, dest, count, then)
+            return
+        self.jobs[frag.file_index].append(_Job(frag=frag, offset=frag.byte_offset, nbytes=frag.nbytes, dest=dest,
+                                               then=then, count=count))
+
+    def copy_to(self, frag: Fragment, put: Callable[[memoryview, int], None], out_offset: int, nbytes: int) -> None:
+        """The fragment's first nbytes to `put(buffer, out_offset + i)` (Reader.copy_to)."""
+        if not self.reader.remote(frag):
+            self.reader.copy_to(frag, put, out_offset, nbytes)
+            return
+        self.jobs[frag.file_index].append(_Job(frag=frag, offset=frag.byte_offset, nbytes=nbytes, put=put,
+                                               out_offset=out_offset))
+
+    def run(self) -> None:
+        """Read every fragment still waiting: each object's merged ranges, a few GETs at once."""
+        runs = [(index, run) for index, jobs in self.jobs.items() for run in self._runs(index, jobs)]
+        self.jobs.clear()
+        if not runs:
+            return
+        lock = threading.Lock()
+        if len(runs) == 1:
+            self._read(*runs[0], lock)
+            return
+        pool = self.reader.pool(THREADS)
+        futures = [pool.submit(self._read, index, run, lock) for index, run in runs]
+        wait(futures)  # every GET over before an error is raised: nothing writes into a buffer after
+        for future in futures:
+            future.result()
+
+    def _runs(self, index: int, jobs: list[_Job]) -> list[list[_Job]]:
+        """The jobs of one object in file order, cut where the bytes between two neighbours are many or hold
+        another fragment's."""
+        jobs.sort(key=lambda j: j.offset)
+        taken = self.reader.taken(index)
+        runs: list[list[_Job]] = []
+        end = 0
+        for job in jobs:
+            if runs and (job.offset <= end or job.offset - end <= GAP and not _holds(taken, end, job.offset)):
+                runs[-1].append(job)
+                end = max(end, job.offset + job.nbytes)
+            else:
+                runs.append([job])
+                end = job.offset + job.nbytes
+        return runs
+
+    def _read(self, index: int, run: list[_Job], lock: threading.Lock) -> None:
+        def put(job: _Job) -> Callable[[memoryview, int], None]:
+            def deliver(piece: memoryview, at: int) -> None:
+                with lock:
+                    job.deliver(piece, at)
+            return deliver
+
+        start, end = run[0].offset, max(j.offset + j.nbytes for j in run)
+        self.reader.file(index).read_spans(start, end, [(j.offset, j.nbytes, put(j)) for j in run])
+        with lock:
+            self.reader.bytes_read += sum(j.nbytes for j in run if j.count)
+
+
+def _holds(taken: list[tuple[int, int]] | None, start: int, end: int) -> bool:
+    """Whether a fragment's bytes lie in [start, end) (taken: sorted (start, end) of every fragment of the file;
+    None: not known here, so any byte may be one)."""
+    if taken is None:
+        return True
+    k = bisect.bisect_left(taken, (start, -1))
+    if k > 0 and taken[k - 1][1] > start:
+        return True
+    return k < len(taken) and taken[k][0] < end
