@@ -231,18 +231,18 @@ def _build(plan: Plan, units, pending: Pending, comm: Comm, reader: Reader, sink
     me = comm.rank
     builds = [UnitBuild(plan.units[i], plan, sink.output(i), comm.device) for i in units if plan.owner_of_unit[i] == me]
     try:
-        reads = reader.batch()  # an object-store input: the round's local fragments in few GETs (reads.py)
+        reads = reader.batch()
         for build in builds:
             for source, frag in build.fragments():
-                if plan.readers[frag.file_index] == me:
+                if plan.readers[frag.file_index] == me and frag not in pending.held:
                     build.place_local(source, frag, reads)
         reads.run()
     finally:
         received = pending.wait()  # the collective completes even when local work failed
     for build in builds:
         for source, frag in build.fragments():
-            if plan.readers[frag.file_index] != me:
-                build.place_received(source, frag, received[frag])
+            if plan.readers[frag.file_index] != me or frag in pending.held:  # held: read from an object store
+                build.place_received(source, frag, received[frag])  # with the packing (exchange.held_back)
         build.finish()
     sink.round_done()
     return sum(t.nbytes for build in builds for t in build.unit.targets)
