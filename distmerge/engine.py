@@ -177,6 +177,8 @@ def run_in_lockstep(works: tuple[Work, ...], comm: Comm, progress: Progress) -> 
     side, then round k of the other, so that an owner holds both sides' targets of a round together). Each
     work's exchange of round k+1 travels while round k is assembled; a work with fewer rounds idles."""
     exchangers = [Exchanger(w.todo, comm, w.reader) for w in works]
+    for w in works:
+        w.reader.plan_reads(w.todo, comm.rank)
     depth = max((len(w.todo.rounds) for w in works), default=0)
 
     def start(k: int) -> list[Pending]:

@@ -171,6 +171,20 @@ class _Checks:
 _CHECKS: dict[tuple[str, str, str], _Checks] = {}  # (bucket, key, etag) -> its checks, in this process
 _CHECKS_LOCK = threading.Lock()
 
+# Small reads at either end of an object are remembered by the process: discovery reads the ends of a rank file
+# several times (copies.first_copy hashes 64 KiB at each end, archive_name reads the first record's name,
+# zip_records the directory at the end and the pickle at the start), each a GET of its own otherwise.
+ENDS = 1 << 16
+ENDS_KEPT = 256  # objects whose ends are remembered (the oldest forgotten first): at most 32 MiB
+_ENDS: dict[tuple[str, str, str], list[tuple[int, bytes]]] = {}
+
+
+def _remember(ident: tuple[str, str, str], offset: int, data: bytes) -> None:
+    with _CHECKS_LOCK:
+        _ENDS.setdefault(ident, []).append((offset, data))
+        while len(_ENDS) > ENDS_KEPT:
+            del _ENDS[next(iter(_ENDS))]
+
 
 class ObjectFile:
     """An object of the input opened for reading (input_tree.open_input): positional reads by ranged GETs."""
@@ -186,6 +200,7 @@ class ObjectFile:
         self.ident = ("s3", made.bucket, made.key(rel))
         self.real = Path(made.root) / rel
         self.known: list[tuple[int, bytes]] = []  # regions already read while this file is open (keep)
+        self._id = (made.bucket, made.key(rel), self.etag)
 
     def keep(self, offset: int, data: bytes) -> None:
         """Serve later reads inside [offset, offset + len(data)) from these bytes (a zip's directory, its head)
@@ -197,7 +212,7 @@ class ObjectFile:
         (zip_records: the records' local headers). Those whose bytes are already kept are made now."""
         made = _Checks(checks)
         with _CHECKS_LOCK:
-            _CHECKS[(self.made.bucket, self.made.key(self.rel), self.etag)] = made
+            _CHECKS[self._id] = made
         for check in checks:
             data = self._kept(check.at, check.length)
             if data is not None:
@@ -218,6 +233,8 @@ class ObjectFile:
             buf[at : at + len(piece)] = piece
 
         self.read_spans(offset, offset + want, [(offset, want, put)])
+        if want <= ENDS and (offset == 0 or offset + want == self.size):
+            _remember(self._id, offset, bytes(buf[:want]))
         return want
 
     def pread(self, nbytes: int, offset: int) -> bytes:
@@ -258,7 +275,7 @@ class ObjectFile:
         """GET [start, end), widened to the checks due there; returns where the bytes stopped (end, or the
         object's end if it is shorter than listed)."""
         with _CHECKS_LOCK:
-            checks = _CHECKS.get((self.made.bucket, self.made.key(self.rel), self.etag))
+            checks = _CHECKS.get(self._id)
             due = checks.due(start, end) if checks is not None else []
         lo = min([start, *(c.at for c in due)])
         hi = max([end, *(c.at + c.length for c in due)])
@@ -282,7 +299,7 @@ class ObjectFile:
         return min(pos, end)
 
     def _kept(self, offset: int, nbytes: int) -> bytes | None:
-        for at, data in self.known:
+        for at, data in (*self.known, *_ENDS.get(self._id, ())):
             if at <= offset and offset + nbytes <= at + len(data):
                 return data[offset - at : offset - at + nbytes]
         return None

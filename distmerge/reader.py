@@ -6,7 +6,7 @@ a file replaced by a link or a FIFO after discovery is refused, never followed."
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -17,6 +17,7 @@ from distmerge import dtypes, input_tree
 from distmerge.errors import CorruptInputError
 from distmerge.formats import registry
 from distmerge.formats.base import Fragment, InputFormat, OpenedFile, Scan
+from distmerge.plan import Plan
 from distmerge.reads import Batch
 
 # The copy of a fragment into an output file goes through one reused buffer of this size: preadv from the input,
@@ -41,6 +42,10 @@ class Reader:
         self._bounce = memoryview(bytearray(BOUNCE))
         self._taken: dict[int, list[tuple[int, int]]] = {}
         self._pool: ThreadPoolExecutor | None = None
+        self._planned: dict[int, dict[tuple[int, int], Fragment]] = {}  # plan_reads: file -> range -> fragment
+        self._done: set[Fragment] = set()  # read by a batch
+        self._kept: dict[Fragment, torch.Tensor] = {}  # read in passing, for a later round
+        self.kept_bytes = 0
         input_tree.adopt(scan.walked, also=second)  # files are opened by the walk's record, on every rank
 
     def open(self, indices: list[int]) -> list[Fragment]:
@@ -123,6 +128,42 @@ class Reader:
             self._taken[index] = sorted((f.byte_offset, f.byte_offset + f.nbytes) for f in opened.fragments
                                         if f.byte_offset >= 0)
         return self._taken[index]
+
+    def plan_reads(self, plan: Plan, rank: int) -> None:
+        """The fragments this rank reads in the rounds to come (before the first): a batch may read one early, in
+        passing, and keep it for its round (reads.py)."""
+        self._planned.clear()
+        self._done.clear()
+        self._kept.clear()
+        self.kept_bytes = 0
+        for units in plan.rounds:
+            for i in units:
+                for frag in (f for name in plan.units[i].sources for f in plan.sources[name].fragments):
+                    if plan.readers[frag.file_index] == rank and frag.byte_offset >= 0:
+                        at = (frag.byte_offset, frag.byte_offset + frag.nbytes)
+                        self._planned.setdefault(frag.file_index, {}).setdefault(at, frag)
+
+    def later(self, index: int, ranges: list[tuple[int, int]]) -> list[Fragment] | None:
+        """The planned fragments at these byte ranges of a file, none read yet; None if a range is another's."""
+        planned = self._planned.get(index, {})
+        found = [planned.get(r) for r in dict.fromkeys(ranges)]
+        if any(f is None or f in self._done or f in self._kept for f in found):
+            return None
+        return found
+
+    def keep(self, frag: Fragment, data: torch.Tensor) -> None:
+        """A fragment read in passing, held for the round that needs it (`kept`)."""
+        self._kept[frag] = data
+        self.kept_bytes += frag.nbytes
+
+    def kept(self, frag: Fragment) -> torch.Tensor | None:
+        data = self._kept.pop(frag, None)
+        if data is not None:
+            self.kept_bytes -= frag.nbytes
+        return data
+
+    def read_done(self, frags: Iterable[Fragment]) -> None:
+        self._done.update(frags)
 
     def file(self, index: int) -> Any:
         """The input file, opened once (input_tree.open_input): a file, or an object of an object-store input."""

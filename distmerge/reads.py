@@ -21,7 +21,7 @@ from __future__ import annotations
 import bisect
 import threading
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -30,7 +30,9 @@ import torch
 
 from distmerge.formats.base import Fragment
 
-GAP = 1 << 16  # the most bytes between two ranges read in one GET (none of them a fragment's)
+GAP = 1 << 16  # the most bytes between two ranges read in one GET that are no fragment's (zip headers)
+HOLE = 8 << 20  # the most bytes between two ranges read in one GET, fragments of a later round included
+KEEP = 64 << 20  # the most bytes of later rounds' fragments a reader holds (Reader.keep)
 THREADS = 4  # GETs of one batch in flight
 
 
@@ -44,6 +46,16 @@ class Reader(Protocol):
     def remote(self, frag: Fragment) -> bool: ...
 
     def taken(self, index: int) -> list[tuple[int, int]] | None: ...
+
+    def later(self, index: int, ranges: list[tuple[int, int]]) -> list[Fragment] | None: ...
+
+    def keep(self, frag: Fragment, data: torch.Tensor) -> None: ...
+
+    def kept(self, frag: Fragment) -> torch.Tensor | None: ...
+
+    def read_done(self, frags: Iterable[Fragment]) -> None: ...
+
+    kept_bytes: int
 
     def file(self, index: int) -> Any: ...
 
@@ -92,6 +104,7 @@ class Batch:
     def __init__(self, reader: Reader) -> None:
         self.reader = reader
         self.jobs: dict[int, list[_Job]] = defaultdict(list)  # input file -> its fragments waiting
+        self.keeping = 0  # bytes of later rounds' fragments this batch reads in passing
 
     def can_copy(self, frag: Fragment) -> bool:
         return self.reader.can_copy(frag)
@@ -100,6 +113,12 @@ class Batch:
                   then: Callable[[torch.Tensor], None] | None = None) -> None:
         """Reader.read_into: the fragment's bytes into `dest` (None: a buffer made when they arrive), then
         `then(dest)`."""
+        kept = self.reader.kept(frag)
+        if kept is not None:  # read in passing by an earlier round's GET
+            dest = kept if dest is None else dest.copy_(kept)
+            if then is not None:
+                then(dest)
+            return
         if not self.reader.remote(frag):
             self.reader.read_into(frag, dest, count, then)
             return
@@ -108,6 +127,10 @@ class Batch:
 
     def copy_to(self, frag: Fragment, put: Callable[[memoryview, int], None], out_offset: int, nbytes: int) -> None:
         """The fragment's first nbytes to `put(buffer, out_offset + i)` (Reader.copy_to)."""
+        kept = self.reader.kept(frag)
+        if kept is not None:
+            put(memoryview(kept.numpy())[:nbytes], out_offset)
+            return
         if not self.reader.remote(frag):
             self.reader.copy_to(frag, put, out_offset, nbytes)
             return
@@ -131,20 +154,46 @@ class Batch:
             future.result()
 
     def _runs(self, index: int, jobs: list[_Job]) -> list[list[_Job]]:
-        """The jobs of one object in file order, cut where the bytes between two neighbours are many or hold
-        another fragment's."""
+        """The jobs of one object in file order, cut where what lies between two neighbours cannot be read in
+        passing (`_through`)."""
         jobs.sort(key=lambda j: j.offset)
-        taken = self.reader.taken(index)
         runs: list[list[_Job]] = []
         end = 0
         for job in jobs:
-            if runs and (job.offset <= end or job.offset - end <= GAP and not _holds(taken, end, job.offset)):
-                runs[-1].append(job)
-                end = max(end, job.offset + job.nbytes)
-            else:
+            passing = None if not runs else [] if job.offset <= end else self._through(index, end, job.offset)
+            if passing is None:
                 runs.append([job])
                 end = job.offset + job.nbytes
+                continue
+            for frag in passing:  # another round's fragments in the way: read now, kept for their round
+                self.keeping += frag.nbytes
+                runs[-1].append(_Job(frag=frag, offset=frag.byte_offset, nbytes=frag.nbytes,
+                                     then=lambda data, frag=frag: self.reader.keep(frag, data)))
+            runs[-1].append(job)
+            end = max(end, job.offset + job.nbytes)
         return runs
+
+    def _through(self, index: int, start: int, end: int) -> list[Fragment] | None:
+        """What to read in passing to join two neighbours across bytes [start, end): nothing (at most GAP bytes, no
+        fragment's), or the fragments this rank reads in a later round, each wholly inside, with at most GAP other
+        bytes, at most HOLE in all and what is kept staying under KEEP; None when the GET must stop before."""
+        taken = self.reader.taken(index)
+        if end - start > HOLE or taken is None:
+            return None
+        k = bisect.bisect_left(taken, (start, -1))
+        k -= k > 0 and taken[k - 1][1] > start
+        inside = []
+        while k < len(taken) and taken[k][0] < end:
+            inside.append(taken[k])
+            k += 1
+        if not inside:
+            return [] if end - start <= GAP else None
+        later = self.reader.later(index, inside)
+        if later is None or end - start - sum(f.nbytes for f in later) > GAP:
+            return None
+        if self.reader.kept_bytes + self.keeping + sum(f.nbytes for f in later) > KEEP:
+            return None
+        return later
 
     def _read(self, index: int, run: list[_Job], lock: threading.Lock) -> None:
         def put(job: _Job) -> Callable[[memoryview, int], None]:
@@ -154,17 +203,10 @@ class Batch:
             return deliver
 
         start, end = run[0].offset, max(j.offset + j.nbytes for j in run)
+        run.sort(key=lambda j: j.offset)  # read_spans wants them in file order
         self.reader.file(index).read_spans(start, end, [(j.offset, j.nbytes, put(j)) for j in run])
         with lock:
             self.reader.bytes_read += sum(j.nbytes for j in run if j.count)
+            self.reader.read_done(j.frag for j in run)
 
 
-def _holds(taken: list[tuple[int, int]] | None, start: int, end: int) -> bool:
-    """Whether a fragment's bytes lie in [start, end) (taken: sorted (start, end) of every fragment of the file;
-    None: not known here, so any byte may be one)."""
-    if taken is None:
-        return True
-    k = bisect.bisect_left(taken, (start, -1))
-    if k > 0 and taken[k - 1][1] > start:
-        return True
-    return k < len(taken) and taken[k][0] < end

@@ -31,6 +31,7 @@ LOCAL_HEADER = b"PK\x03\x04"
 END = b"PK\x05\x06"
 ZIP64_LOCATOR = b"PK\x06\x07"
 ZIP64_END = b"PK\x06\x06"
+OBJECT_TAIL = 1 << 16  # an object's tail read first (input_objects remembers reads of this size at its ends)
 HEAD = 1 << 16  # an object's first GET: its first records' headers, up to the first record that ends past this
 
 
@@ -108,9 +109,13 @@ def records(fd: Any, where: str, start: int = 0, length: int | None = None) -> d
 
 def _check_end_record(fd: Any, where: str, start: int, length: int) -> int:
     """The record count and directory size the end record declares, bounded; returns the directory's offset."""
-    tail_len = min(length, 22 + 65535)
-    tail = fd.pread(tail_len, start + length - tail_len)
     remote = getattr(fd, "remote", False)  # an object: zipfile's reads of the directory served from kept bytes
+    tail_len = min(length, 22 + 65535)
+    tail = fd.pread(OBJECT_TAIL, start + length - OBJECT_TAIL) if remote and length > OBJECT_TAIL else b""
+    if END in tail:  # the end record lies in the last 22 bytes but for a comment: this tail holds it
+        tail_len = OBJECT_TAIL
+    else:
+        tail = fd.pread(tail_len, start + length - tail_len)
     if remote:
         fd.keep(start + length - tail_len, tail)
     at = tail.rfind(END)
