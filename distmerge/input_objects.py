@@ -129,6 +129,12 @@ def source_of(path: str) -> tuple[Listing, str] | None:
     return None
 
 
+def remote(path: Path | str) -> bool:
+    """Whether a path is a placeholder of an object-store input: each read of it is a request, worth making
+    several at once (copies.first_copy)."""
+    return source_of(os.path.abspath(path)) is not None
+
+
 def shown(message: str) -> str:
     """A message with every placeholder path written as the object's URL."""
     for root, made in _LISTINGS.items():

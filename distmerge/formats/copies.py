@@ -18,15 +18,17 @@ Two checks, cheap first:
 from __future__ import annotations
 
 import hashlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from distmerge import input_tree
+from distmerge import input_objects, input_tree
 from distmerge.formats.torch_private import zip_records
 
 HASHED = 64 * 1024  # bytes hashed at each end of a file to tell copies apart
 SAMPLES, BLOCK = 16, 4096  # payload blocks fingerprinted per file
 COMPARED = 1 << 20  # bytes compared at a time when two fingerprints agree
+CONCURRENT = 8  # objects of an object-store input whose ends are read at once
 
 
 def first_copy(paths: list[Path]) -> tuple[Path, Path] | None:
@@ -42,12 +44,19 @@ def first_copy(paths: list[Path]) -> tuple[Path, Path] | None:
             by_size.setdefault(f.size, []).append(path)
     for group in (g for g in by_size.values() if len(g) > 1):
         digests: dict[str, Path] = {}
-        for path in group:
-            digest = _ends_digest(path)
+        for path, digest in zip(group, _ends_digests(group), strict=True):
             if digest in digests:
                 return digests[digest], path
             digests[digest] = path
     return None
+
+
+def _ends_digests(paths: list[Path]) -> list[str]:
+    """Each file's ends digest; an object store's objects several at once (two GETs each: a round trip apiece)."""
+    if not input_objects.remote(paths[0]):
+        return [_ends_digest(p) for p in paths]
+    with ThreadPoolExecutor(max_workers=CONCURRENT, thread_name_prefix="distmerge-ends") as pool:
+        return list(pool.map(_ends_digest, paths))
 
 
 def _ends_digest(path: Path) -> str:
