@@ -15,15 +15,17 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
 
-from distmerge import spread
+from distmerge import input_tree, spread
 from distmerge.families.base import Target, Unit
 from distmerge.output import s3 as object_store
 from distmerge.output.store import FileLayout
@@ -213,3 +215,90 @@ def test_spread_leaves_no_short_run_but_the_last():
         assert shortest == KiB if not min_run else shortest >= min_run
         written = [sum(e - s for s, e, w in runs if w == rank) for rank in (0, 1)]
         assert abs(written[0] - written[1]) <= 16 * KiB, written
+
+
+# --- requests: a rank file in a few GETs, each byte once ----------------------------------------------------------
+
+def spy_gets(monkeypatch) -> list[tuple[str, int, int]]:
+    """Every ranged GET this process makes from now on: (object name, first byte, bytes)."""
+    from distmerge import s3_client
+
+    made, real = [], s3_client.stream_range
+
+    def counted(bucket, key, offset, nbytes, *args, **kwargs):
+        made.append((key.rsplit("/", 1)[-1], offset, nbytes))
+        yield from real(bucket, key, offset, nbytes, *args, **kwargs)
+    monkeypatch.setattr(s3_client, "stream_range", counted)
+    return made
+
+
+@pytest.mark.parametrize("budget", ["128MiB", "24KB"])  # one round; many, a rank file read across them
+def test_a_rank_file_is_read_in_a_few_gets_each_byte_once(s3, cases, monkeypatch, tmp_path, budget):
+    """Read with one GET per record header and one per fragment, the FSDP rank files cost about 2 x 28 GETs each;
+    now the directory and the head are one GET each (the local headers checked by the reads that reach them), and
+    a round's fragments of one object one GET (another round's in the way read in passing and kept): the data is
+    read once, the ends (64 KiB each) at most twice. At a 24 KB budget a round holds about one tensor."""
+    ckpt, disk = cases["fsdp"]
+    made = spy_gets(monkeypatch)
+    assert merge_inproc("--input", "s3://ckpt/fsdp", "--output", tmp_path / "out", "--budget", budget) == 0
+    assert without_records(files_of(tmp_path / "out")) == without_records(files_of(disk))
+    for rank_file in sorted(p.name for p in ckpt.glob("model_world_size_2_rank_*.pt")):
+        gets = [(offset, n) for name, offset, n in made if name == rank_file]
+        size = (ckpt / rank_file).stat().st_size
+        with zipfile.ZipFile(ckpt / rank_file) as archive:
+            records = len(archive.infolist())
+        assert len(gets) <= (6 if budget == "128MiB" else records - 4), (records, gets)  # 24KB: ~1 tensor a round
+        assert sum(n for _, n in gets) <= size + 3 * 65536, gets
+    monkeypatch.undo()
+
+
+def test_a_damaged_local_header_is_found_by_the_read_that_reaches_it(s3, cases, tmp_path, capsys):
+    """The records' local headers are not read one by one from an object store: each is checked by the GET that
+    reaches its record. One in the middle of a rank file names another record: the merge from the bucket stops
+    with the line the disk merge gives, and writes no model."""
+    _, s3c = s3
+    ckpt = cases["fsdp"][0]
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpt, bad)
+    path = bad / "model_world_size_2_rank_1.pt"
+    with zipfile.ZipFile(path) as archive:
+        info = sorted(archive.infolist(), key=lambda i: i.header_offset)[len(archive.infolist()) // 2]
+    data = bytearray(path.read_bytes())
+    data[info.header_offset + 30 + len(info.filename) - 1] ^= 1  # the last letter of the name it gives
+    path.write_bytes(bytes(data))
+    upload_tree(s3c, bad, "ckpt", "damaged")
+    line = f"record {info.filename}'s local header names another record"
+    assert merge_inproc("--input", bad, "--output", tmp_path / "from-disk") == 1
+    assert line in capsys.readouterr().err
+    assert merge_inproc("--input", "s3://ckpt/damaged", "--output", tmp_path / "from-s3") == 1
+    err = capsys.readouterr().err
+    assert line in err and "s3://ckpt/damaged/model_world_size_2_rank_1.pt" in err, err
+    assert not (tmp_path / "from-s3" / "model.safetensors.index.json").exists()
+
+
+def test_records_of_an_object_are_those_of_the_file(s3, cases, tmp_path):
+    """zip_records on an object (data starts from the zip directory, headers checked in passing) finds what it
+    finds on the file, for torch.save's layout and for another writer's (records apart, no data descriptors:
+    the head disagrees with the prediction, and every local header is read instead)."""
+    from distmerge import input_objects
+    from distmerge.formats.torch_private import zip_records
+
+    _, s3c = s3
+    saved = cases["fsdp"][0] / "model_world_size_2_rank_0.pt"
+    spaced = tmp_path / "spaced.pt"
+    with zipfile.ZipFile(saved) as src, open(spaced, "wb") as raw, zipfile.ZipFile(raw, "w") as out:
+        for info in sorted(src.infolist(), key=lambda i: i.header_offset):
+            out.writestr(info.filename, src.read(info))
+            raw.write(b"\0" * 100)  # bytes between records, which torch.save never leaves
+    for path in (saved, spaced):
+        s3c.upload_file(str(path), "ckpt", f"records/{path.name}")
+    listed = input_objects.listing("s3://ckpt/records", 100)
+    for path in (saved, spaced):
+        with input_tree.open_input(path) as f:
+            want = zip_records.records(f, str(path))
+        with input_objects.ObjectFile(listed, path.name) as obj:
+            got = zip_records.records(obj, str(path))
+            assert got == want
+            for record in want.values():  # each record's bytes, its local header checked on the way
+                with input_tree.open_input(path) as f:
+                    assert zip_records.read(obj, record) == zip_records.read(f, record)
