@@ -4,9 +4,15 @@ The listing (one paginated LIST, at discovery, on rank 0) is laid out as a tree 
 and sparse files of each object's size and time, in a private temporary folder. Every format detects, lists and
 sizes the checkpoint there exactly as it does a folder (input_tree walks it; no format knows the difference),
 and no byte of it is ever read: input_tree.open_input hands out an `ObjectFile` for each placeholder, whose reads
-are ranged GETs of exactly the bytes asked for, pinned to the ETag the listing saw (an object replaced since is
-an error, not a mix of two checkpoints). The listing travels to every rank with the scan (input_tree.Walked), and
-a rank on another host lays out the same placeholders at the same path before it opens anything.
+are ranged GETs, pinned to the ETag the listing saw (an object replaced since is an error, not a mix of two
+checkpoints). The listing travels to every rank with the scan (input_tree.Walked), and a rank on another host
+lays out the same placeholders at the same path before it opens anything.
+
+A request costs a round trip on S3 (and, on some servers, a read of the whole object), so reads are few and
+large: one GET can feed many destinations (`read_spans`: reads.Batch merges a round's fragments of an object);
+bytes read at discovery are served again from memory while the file is open (`keep`: a zip's directory and
+head) and, for the first and last 64 KiB of an object, for the whole process (`ENDS`); and a check that would
+have cost a GET of its own (a zip record's local header) waits for the read that reaches its bytes (`expect`).
 
 Errors name the object (`s3://bucket/prefix/model_world_size_2_rank_0.pt`), not its placeholder: `shown`
 rewrites any message that names a placeholder (comm.py applies it to every error that crosses ranks).
@@ -27,7 +33,7 @@ from pathlib import Path
 from distmerge import s3_client
 from distmerge.errors import CorruptInputError, InputError
 
-PIECE = 1 << 20  # a fragment streamed into an output file arrives in pieces of this size (reader.copy_to)
+PIECE = 1 << 20  # a GET's body is handed to its destinations in pieces of this size (nothing holds it whole)
 
 
 @dataclass(frozen=True, kw_only=True)
