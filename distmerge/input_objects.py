@@ -33,6 +33,7 @@ from pathlib import Path
 from distmerge import s3_client
 from distmerge.errors import CorruptInputError, InputError
 
+WIDEN = 1 << 16  # a GET starts at most this much earlier to take in a header to check (Expected)
 PIECE = 1 << 20  # a GET's body is handed to its destinations in pieces of this size (nothing holds it whole)
 
 
@@ -236,8 +237,8 @@ class ObjectFile:
         want = max(0, min(len(buf), self.size - offset))
         if not want:
             return 0
-        data = self._kept(offset, want)
-        if data is not None:
+        data = self._kept(offset, want) if not self._due(offset, offset + want) else None
+        if data is not None:  # no check waits on these bytes: those of kept regions are made when kept (expect)
             buf[:want] = data
             return want
 
@@ -284,11 +285,17 @@ class ObjectFile:
                                     f"{self.size:,}: a short read (the object changed, or the store cut it short)")
 
     def _stream(self, start: int, end: int, deliver: Callable[[memoryview, int], None]) -> int:
-        """GET [start, end), widened to the checks due there; returns where the bytes stopped (end, or the
-        object's end if it is shorter than listed)."""
+        """GET [start, end), widened to the checks due there (a header further than WIDEN before `start`, which a
+        read from the middle of a large record reaches, is read alone instead); returns where the bytes stopped
+        (end, or the object's end if it is shorter than listed)."""
         with _CHECKS_LOCK:
             checks = _CHECKS.get(self._id)
             due = checks.due(start, end) if checks is not None else []
+        for c in [c for c in due if c.at + c.length < start - WIDEN]:
+            c.check(b"".join(s3_client.stream_range(self.made.bucket, self.made.key(self.rel), c.at, c.length,
+                                                    self.etag)))
+            checks.done.add(c.at)
+            due.remove(c)
         lo = min([start, *(c.at for c in due)])
         hi = max([end, *(c.at + c.length for c in due)])
         pos, k, held = lo, 0, bytearray()
@@ -309,6 +316,11 @@ class ObjectFile:
         if k < len(due):  # the object ended inside a header
             due[k].check(bytes(held))
         return min(pos, end)
+
+    def _due(self, start: int, end: int) -> list[Expected]:
+        with _CHECKS_LOCK:
+            checks = _CHECKS.get(self._id)
+            return checks.due(start, end) if checks is not None else []
 
     def _kept(self, offset: int, nbytes: int) -> bytes | None:
         for at, data in (*self.known, *_ENDS.get(self._id, ())):

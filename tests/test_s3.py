@@ -302,3 +302,27 @@ def test_records_of_an_object_are_those_of_the_file(s3, cases, tmp_path):
             for record in want.values():  # each record's bytes, its local header checked on the way
                 with input_tree.open_input(path) as f:
                     assert zip_records.read(obj, record) == zip_records.read(f, record)
+
+
+def test_a_read_inside_a_large_record_checks_its_header_apart(s3, monkeypatch, tmp_path):
+    """A read from the middle of a large record, whose local header is not yet checked, checks it with a GET of its
+    own few bytes rather than starting the read at the header (up to the whole record early)."""
+    import torch
+
+    from distmerge import input_objects
+    from distmerge.formats.torch_private import zip_records
+
+    _, s3c = s3
+    path = tmp_path / "three.pt"
+    torch.save({"a": torch.zeros(100_000), "b": torch.arange(200_000, dtype=torch.float32),
+                "c": torch.zeros(100_000)}, path)
+    s3c.upload_file(str(path), "ckpt", "inside/three.pt")
+    listed = input_objects.listing("s3://ckpt/inside", 10)
+    with input_objects.ObjectFile(listed, "three.pt") as obj:
+        middle = max(zip_records.records(obj, str(path)).values(), key=lambda r: r.size)  # data/1, 800 KB
+    at = middle.start + 300_000
+    made = spy_gets(monkeypatch)
+    with input_objects.ObjectFile(listed, "three.pt") as obj:
+        assert obj.pread(1024, at) == path.read_bytes()[at : at + 1024]
+    assert len(made) == 2 and sum(n for *_, n in made) < 1024 + 100, made  # the header, then the bytes asked
+    monkeypatch.undo()
