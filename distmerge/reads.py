@@ -5,15 +5,17 @@ A fragment of a local file is read at once, in call order, exactly as `Reader.re
 (pread into memory, or through the 1 MiB bounce buffer into an output file): a batch changes nothing on disk.
 
 A fragment of an object (an object-store input) waits for `run`, where each object's ranges are sorted and
-neighbours are merged into one ranged GET when only bytes no fragment holds lie between them (a zip record's data
-descriptor and the next local header, about a hundred bytes: `Reader.taken` says where fragments are, so no byte
-read in another round is read here in passing). Requests, not bytes, are what an object store charges time for
-(a round trip each on S3; the whole object's read on some servers: docs/benchmarks.md, "Object stores"), and a
-rank file's fragments of one round lie mostly side by side, so a round costs a few GETs per object instead of one
-per fragment. A merged GET is never held whole: its pieces (input_objects.PIECE) go to their fragments'
-destinations as they arrive (a send buffer's slot, a source tensor, an output file's part), so memory stays what
-the round's destinations already are, whatever the GET's length. A few GETs of one batch are in flight at once
-(THREADS); their pieces are handed over one at a time (the destinations are not thread-safe: an upload's parts).
+neighbours are merged into one ranged GET across what lies between them: bytes no fragment holds (a zip record's
+data descriptor and the next local header, about a hundred bytes), or fragments this rank reads in a later round
+(a round ends inside a layer whose tensors the file orders otherwise), read now and kept for their round
+(Reader.keep: at most HOLE between two ranges, KEEP held in all), so that every byte is still read once. Requests,
+not bytes, are what an object store charges time for (a round trip each on S3; the whole object's read on some
+servers: docs/benchmarks.md, "Object stores"), and a round's fragments of a rank file lie mostly side by side, so
+a round costs a GET or two per object instead of one per fragment. A merged GET is never held whole: its pieces
+(input_objects.PIECE) go to their fragments' destinations as they arrive (a send buffer's slot, a source tensor,
+an output file's part), so memory stays what the round's destinations already are, whatever the GET's length.
+A few GETs of one batch are in flight at once (THREADS); their pieces are handed over one at a time (the
+destinations are not thread-safe: an upload's parts).
 """
 
 from __future__ import annotations
