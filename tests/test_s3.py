@@ -154,6 +154,22 @@ def rank_pid(torchrun_pid: int, rank: int) -> int:
     raise AssertionError(f"no worker with RANK={rank} under torchrun {torchrun_pid}")
 
 
+def test_the_api_takes_urls_as_the_command_line_does(s3, cases):
+    """distmerge.merge(input, output) with s3:// URLs (the options table's `location` kind: a URL kept as typed,
+    never folded into the folder `s3:/b/p`), in this process; a path-like object stays a folder."""
+    import distmerge
+    from distmerge import options
+
+    values = options.from_keywords("merge", {"input": "s3://ckpt/dcp", "output": Path("s3://models/x")})
+    assert values["input"] == "s3://ckpt/dcp" and values["output"] == Path("s3:/models/x")
+    _, s3c = s3
+    result = distmerge.merge("s3://ckpt/dcp", "s3://models/dcp-api")
+    assert result.output == "s3://models/dcp-api"
+    got, want = download_tree(s3c, "models", "dcp-api"), files_of(cases["dcp"][1])
+    assert without_records(got) == without_records(want)
+    assert not (REPO / "s3:").exists()
+
+
 # --- one line for what cannot be read or written -------------------------------------------------------------
 
 def test_a_missing_prefix_is_one_line(s3, tmp_path, capsys):
