@@ -26,6 +26,7 @@ from distmerge.families.base import Unit
 from distmerge.formats.base import Fragment
 from distmerge.plan import Plan
 from distmerge.reader import Reader
+from distmerge.reads import Batch
 
 # Transforms that keep a prefix of the source's bytes, in order: a direct unit may apply them by clipping.
 PREFIX_TRANSFORMS = ("identity", "trim_rows")
@@ -89,13 +90,12 @@ class UnitBuild:
             return self._view[start : start + frag.nbytes] if start + frag.nbytes <= self._size else None
         return None if self.direct else self._run_in_source(source, frag)
 
-    def place_local(self, source: str, frag: Fragment, reader: Reader) -> None:
-        if self.stage is not None:  # a fragment the target keeps only part of (trim_rows): read, then clip
-            data = torch.empty(frag.nbytes, dtype=torch.uint8)
-            reader.read_into(frag, data)
-            self.place_received(source, frag, data)
-            return
-        if self.direct and reader.can_copy(frag):
+    def place_local(self, source: str, frag: Fragment, reader: Reader | Batch) -> None:
+        """A fragment this rank reads, placed as it arrives: at once from a file, when the batch runs from an
+        object store (reads.py); `finish` comes after either. A staged unit's fragment that take_local did not
+        place (one the target keeps only part of: trim_rows; any of an object-store input's) is read, then
+        clipped into the stage (place_received)."""
+        if self.direct and self.stage is None and reader.can_copy(frag):
             offset, nbytes = self._kept(source, frag)
             if nbytes:
                 self.writer.copy_in(lambda put: reader.copy_to(frag, put, offset, nbytes), nbytes)
@@ -104,9 +104,7 @@ class UnitBuild:
         if run is not None:
             reader.read_into(frag, run)  # straight into the source tensor: no second copy
             return
-        data = torch.empty(frag.nbytes, dtype=torch.uint8)
-        reader.read_into(frag, data)
-        self.place_received(source, frag, data)
+        reader.read_into(frag, then=lambda data: self.place_received(source, frag, data))
 
     def place_received(self, source: str, frag: Fragment, data: torch.Tensor | memoryview) -> None:
         """Place a fragment's bytes (a received slot, or what place_local read): a uint8 tensor or a memoryview."""

@@ -221,10 +221,16 @@ def _run_merge(args: argparse.Namespace) -> int:
     """`distmerge merge`: the API's merge (api.run_merge) in the group api.job_group gives, then what only the
     command does: --json-summary, --verify-against, verl's upload."""
     from distmerge import api
+    from distmerge.output import is_url
     from distmerge.report import summary_json
 
     values = options.from_namespace(args, "merge")
     opts = verl_cli.merge_options(api.merge_request(values), args.verl)
+    if is_url(args.output) and (args.verify_against is not None or getattr(args.verl, "upload", None)):
+        err = InputError("--verify-against and --hf_upload_path read the merged folder: with an s3:// --output, "
+                         "verify or upload the model from a local copy")
+        err.before_group = True
+        raise err
     if args.verify_against is not None and not args.verify_against.exists():  # before hours of merging
         err = InputError(f"--verify-against {args.verify_against} does not exist: pass the reference model")
         err.before_group = True

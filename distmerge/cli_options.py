@@ -22,7 +22,7 @@ TITLES: dict[str, dict[str, str | None]] = {
                "reference": "when --reference is a checkpoint: how to read it",
                "output": "when either side is a checkpoint: the merge to check", "run": "run"},
 }
-TYPES = {"path": Path, "size": parse_size, "float": float, "text": None}
+TYPES = {"path": Path, "location": options.location, "size": parse_size, "float": float, "text": None}
 
 
 def add_options(parser: argparse.ArgumentParser, command: str) -> None:

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from distmerge import errors
+from distmerge import errors, input_objects
 from distmerge.errors import DistmergeError, InputError
 
 T = TypeVar("T")
@@ -221,8 +221,9 @@ class Comm:
     def _attempt(self, work: Callable[[], T]) -> T | Failure:
         try:
             return work()
-        except DistmergeError as err:
-            return Failure(rank=self.rank, kind=type(err).__name__, message=str(err), trace=traceback.format_exc())
+        except DistmergeError as err:  # an object-store input's objects by their names, not their placeholders'
+            return Failure(rank=self.rank, kind=type(err).__name__, message=input_objects.shown(str(err)),
+                           trace=traceback.format_exc())
         except Exception as err:  # a bug or an environment fault: still one line, on every rank
             message = f"internal error on rank {self.rank}: {type(err).__name__}: {err} (rerun with --debug)"
             return Failure(rank=self.rank, kind="DistmergeError", message=message, trace=traceback.format_exc())

@@ -1,21 +1,20 @@
-"""Rank 0's first look: input and output checks, format detection, the file listing and the config.
+"""Rank 0's first look: input checks, format detection, the file listing and the config (the output store
+checks the output: output/store.py).
 
 Nothing here reads tensor data. The result is broadcast so every rank plans from the same listing.
 """
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from distmerge import input_tree
-from distmerge.errors import ConfigError, InputError, OutputError
+from distmerge import input_objects, input_tree
+from distmerge.errors import ConfigError, InputError
 from distmerge.formats import registry
 from distmerge.formats.base import Scan
-from distmerge.output_files import FINISHED, INDEX_NAME, PARTIAL, RECORDS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,8 +58,13 @@ def _check_hf_dir(tree: input_tree.InputTree, hf_dir: Path) -> None:
                          "follow it; pass --hf-config DIR with the model's config folder if you trust it") from None
 
 
-def check_input(input_dir: Path) -> Path:
-    """The input folder, resolved and walked once (input_tree.py): later lookups go through that walk."""
+def check_input(input_dir: Path | str) -> Path:
+    """The input folder, resolved and walked once (input_tree.py): later lookups go through that walk. An
+    object-store input (`s3://bucket/prefix`) is listed once and walked as its placeholders (input_objects.py)."""
+    if input_objects.is_url(input_dir):
+        root = Path(input_objects.listing(str(input_dir), input_tree.MAX_ENTRIES).root)
+        input_tree.load(root)
+        return root
     root = Path(input_dir).resolve()
     if not root.exists():
         raise InputError(f"input {input_dir} does not exist")
@@ -83,32 +87,3 @@ def read_config(hf_dir: Path) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise ConfigError(f"{path} is not a JSON object; fix it or pass --hf-config DIR")
     return config
-
-
-def check_output(output_dir: Path, input_dir: Path, overwrite: bool) -> Path:
-    """Refuse outputs that would touch the input or clobber work; never modify anything here."""
-    out, src = Path(output_dir).resolve(), Path(input_dir).resolve()
-    if out == src or src in out.parents:
-        raise OutputError(f"output {output_dir} is inside the input {input_dir}: choose a folder outside it")
-    if out.exists() and not out.is_dir():
-        raise OutputError(f"output {output_dir} exists and is not a folder")
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise OutputError(
-            f"output {output_dir} is not empty: pass --overwrite to replace its model files, or --resume to "
-            "finish an interrupted merge"
-        )
-    return out
-
-
-def prepare_output(out: Path, keep_finished: bool = False) -> None:
-    """Create the folder and remove the old index first, so a stale model never looks done. --overwrite
-    also removes earlier model files and their records; --resume keeps them for resume.py to judge."""
-    out.mkdir(parents=True, exist_ok=True)
-    if not keep_finished:  # --resume: resume.start removes it once it knows the merge is not already complete
-        (out / INDEX_NAME).unlink(missing_ok=True)
-    patterns = PARTIAL if keep_finished else PARTIAL + FINISHED
-    for pattern in patterns:
-        for path in out.glob(pattern):
-            path.unlink()
-    if not keep_finished:
-        shutil.rmtree(out / RECORDS, ignore_errors=True)

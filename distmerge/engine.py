@@ -9,19 +9,22 @@
                the family did not write
     resume     each rank checks the output files  all_gather of the checks (always; empty without --resume),
                it owns; rank 0 decides            then broadcast of rank 0's decision (resume.start)
-    shared     owners create the files several    all_gather of status (only when the plan has shared files)
-               ranks write (writer.py)
+    shared     owners create the files several    all_gather of their tokens (only when the plan has shared
+               ranks write (output/writer.py)     files)
     per round: exchange  readers pack round k+1   all_to_all_single, asynchronous (errors travel with
                                                   the round's gather)
                assemble + write  owners            all_gather of bytes written (progress)
-    commit     owners rename their shared files   all_gather of the ranks' figures (always)
+    commit     owners commit their shared files   all_gather of the writers' receipts (only when the store needs
+                                                  them and the plan has shared files), then all_gather of the
+                                                  ranks' figures (always)
     finalize   rank 0: config, tokenizer, index   broadcast (comm.root_only); none when --resume found the
                                                   merge already complete
 
 discover (less the output checks), plan, checks and the rounds are shared with `verify` of a checkpoint
 (verify/checkpoint.py), through `plan_checkpoint` and `run_rounds`: the rounds hand each assembled target to a
 sink (sink.py), which for merge writes it into its output file (sink.FileSink) and for verify compares it with
-the reference. The engine knows neither formats and families nor what verify compares.
+the reference. The engine knows neither formats and families nor what verify compares, nor where the output
+lives: every byte it writes goes through the output store (output/store.py documents its calls).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from distmerge import discover as disc
-from distmerge import expect, input_tree, inventory, replicas, resume, unwritten
+from distmerge import expect, inventory, replicas, resume, unwritten
 from distmerge import plan as planning
 from distmerge.assemble import UnitBuild
 from distmerge.comm import Comm
@@ -45,13 +48,15 @@ from distmerge.exchange import Exchanger, Pending
 from distmerge.expect import Claim
 from distmerge.finalize import finalize
 from distmerge.formats import registry
+from distmerge.output import open_store
+from distmerge.output.store import Sharing, Store
+from distmerge.output.writer import ShardWriter
 from distmerge.plan import Plan
 from distmerge.prepare import OutputSettings, prepare_merge
 from distmerge.reader import Reader
 from distmerge.report import Progress
 from distmerge.results import Laps, MergeResult, RankStats
 from distmerge.sink import FileSink, Sink
-from distmerge.writer import ShardWriter
 
 # Fault-injection aid for tests that kill a rank mid-merge: a pause after every round. Zero otherwise.
 ROUND_DELAY_S = float(os.environ.get("DISTMERGE_TEST_ROUND_DELAY", "0"))
@@ -62,8 +67,8 @@ FAIL_AT = os.environ.get("DISTMERGE_TEST_FAIL_AT", "")
 
 @dataclass(frozen=True, kw_only=True)
 class MergeOptions:
-    input: Path
-    output: Path
+    input: Path | str  # a folder, or s3://bucket/prefix
+    output: Path | str
     format: str = "auto"
     hf_config: Path | None = None
     format_options: dict[str, Any] = field(default_factory=dict)  # the format's own (Megatron's iteration)
@@ -78,8 +83,8 @@ class MergeOptions:
 def merge(opts: MergeOptions, comm: Comm, progress: Progress) -> MergeResult:
     start = time.perf_counter()
     laps = Laps()
-    out = Path(opts.output)
-    found = comm.root_only(lambda: _discover(opts))
+    store = open_store(opts.output)
+    found = comm.root_only(lambda: _discover(opts, store))
     laps.lap("discover")
     scan = found.scan
     reader = Reader(scan, registry.get(scan.format))
@@ -87,23 +92,24 @@ def merge(opts: MergeOptions, comm: Comm, progress: Progress) -> MergeResult:
     collecting = gc.isenabled()  # the cyclic GC rests while the inventories, the plan and the rounds run:
     gc.disable()  # millions of long-lived fragments walked in every full collection (W=256: 30% of the CPU)
     try:
-        plan = plan_checkpoint(found, reader, comm, opts.settings, host=lambda: _host(out), claims=opts.claims,
-                               laps=laps)
+        plan = plan_checkpoint(found, reader, comm, opts.settings, host=store.host, claims=opts.claims,
+                               sharing=store.sharing, laps=laps)
         run = resume.describe(plan, scan.files, resume.output_options(opts.settings, scan.format,
                                                                       opts.format_options, found.config))
-        begun = resume.start(out, plan, run, comm, resuming=opts.resume, checksum=opts.checksum)
+        begun = resume.start(store, plan, run, comm, resuming=opts.resume, checksum=opts.checksum)
         progress.say(begun.line)
         todo = planning.without_files(plan, list(begun.kept))
         if not begun.complete:  # progress counts only what this run writes
             progress.start(plan.total_bytes - _kept_bytes(plan, begun), len(plan.files), kept=len(begun.kept))
-        sink = FileSink(plan, out, run, comm.rank, checksum=opts.checksum)
+        sink = FileSink(plan, store, run, comm.rank, checksum=opts.checksum)
         sink.create_shared(begun.kept, comm)
         run_rounds(todo, comm, reader, sink, progress)
         progress.stop()
         laps.lap("rounds")
-        ranks = comm.gather(lambda: sink.commit_shared() or _stats(comm.rank, reader, sink.writers, laps))
+        receipts = comm.gather(sink.receipts) if sink.needs_receipts else None
+        ranks = comm.gather(lambda: sink.commit_shared(receipts) or _stats(comm.rank, reader, sink.writers, laps))
         copied = [] if begun.complete else comm.root_only(
-            lambda: finalize(out, plan, found.config, Path(found.hf_dir), scan.not_model_files))
+            lambda: finalize(store, plan, found.config, Path(found.hf_dir), scan.not_model_files))
     except BaseException:
         if sink is not None:
             sink.abort()
@@ -133,12 +139,14 @@ def merge(opts: MergeOptions, comm: Comm, progress: Progress) -> MergeResult:
 
 
 def plan_checkpoint(found: disc.Discovery, reader: Reader, comm: Comm, settings: OutputSettings,
-                    host: Callable[[], str], claims: tuple[Claim, ...] = (), laps: Laps | None = None) -> Plan:
+                    host: Callable[[], str], claims: tuple[Claim, ...] = (), sharing: Sharing | None = None,
+                    laps: Laps | None = None) -> Plan:
     """Collective, after discovery, before any round (merge, and verify of a checkpoint): each rank opens the input
     files it reads and the inventories are gathered; every rank plans the same; the checks of small replicas and
     of the sources the family wrote into no unit run. Returns the plan with their notes, the same on every rank.
     `host()`: this rank's machine, as spread.py groups ranks that may write one file; `claims`: what the user
-    says the checkpoint is, checked against the plan (expect.py); `laps`: the phases' times, when kept."""
+    says the checkpoint is, checked against the plan (expect.py); `sharing`: what the output store lets several
+    ranks do with one file (None: what a local folder allows); `laps`: the phases' times, when kept."""
     laps = laps if laps is not None else Laps()
     readers = planning.assign_readers(found.scan.files, comm.world)
     mine = [i for i, r in enumerate(readers) if r == comm.rank]
@@ -147,7 +155,7 @@ def plan_checkpoint(found: disc.Discovery, reader: Reader, comm: Comm, settings:
     laps.lap("open")
     hosts = _host_numbers([name for name, _ in gathered])
     prepared = comm.agree(lambda: _prepare(found, inventory.unpack([part for _, part in gathered]), comm.world,
-                                           settings, hosts, claims))
+                                           settings, hosts, claims, sharing))
     laps.lap("plan")
     plan = prepared.plan
     checked = unwritten.check(plan, prepared.left_out, prepared.must_equal, comm, reader)
@@ -155,8 +163,8 @@ def plan_checkpoint(found: disc.Discovery, reader: Reader, comm: Comm, settings:
 
 
 def _prepare(found: disc.Discovery, fragments, world: int, settings: OutputSettings, hosts: tuple[int, ...],
-             claims: tuple[Claim, ...]):
-    prepared = prepare_merge(found, fragments, world, settings, hosts=hosts)
+             claims: tuple[Claim, ...], sharing: Sharing | None):
+    prepared = prepare_merge(found, fragments, world, settings, hosts=hosts, sharing=sharing)
     expect.check(claims, found.config, prepared.plan)
     return prepared
 
@@ -182,6 +190,9 @@ def run_in_lockstep(works: tuple[Work, ...], comm: Comm, progress: Progress) -> 
     side, then round k of the other, so that an owner holds both sides' targets of a round together). Each
     work's exchange of round k+1 travels while round k is assembled; a work with fewer rounds idles."""
     exchangers = [Exchanger(w.todo, comm, w.reader, w.send_sets) for w in works]
+    for w in works:
+        if w.reader.objects:  # an object-store input: a GET may read a later round's fragments in passing
+            w.reader.plan_reads(w.todo, comm.rank)
     depth = max((len(w.todo.rounds) for w in works), default=0)
 
     def start(k: int) -> list[Pending]:
@@ -212,18 +223,12 @@ def _test_fault(k: int, rank: int) -> None:
         raise CorruptInputError(f"test fault (DISTMERGE_TEST_FAIL_AT) on rank {rank} in round {k}")
 
 
-def _discover(opts: MergeOptions) -> disc.Discovery:
+def _discover(opts: MergeOptions, store: Store) -> disc.Discovery:
     root = disc.check_input(opts.input)
-    out = disc.check_output(opts.output, opts.input, opts.overwrite or opts.resume)
+    store.check(str(opts.input), opts.overwrite or opts.resume)
     found = disc.discover(root, opts.format, opts.hf_config, opts.format_options, opts.base_model)
-    disc.prepare_output(out, keep_finished=opts.resume)
+    store.prepare(keep_finished=opts.resume)
     return found
-
-
-def _host(out: Path) -> str:
-    """This machine (input_tree.host_id: host name and boot id, since host names repeat across containers) and
-    its view of the output folder: its device (two containers of one machine may mount it apart)."""
-    return f"{input_tree.host_id()}:{os.stat(out).st_dev}"
 
 
 def _host_numbers(names: list[str]) -> tuple[int, ...]:
@@ -242,24 +247,43 @@ def _build(plan: Plan, units, pending: Pending, comm: Comm, reader: Reader, sink
     me = comm.rank
     builds = [UnitBuild(plan.units[i], plan, sink.output(i), comm.device) for i in units if plan.owner_of_unit[i] == me]
     try:
-        filled, rest = [], []
-        for build in builds:
-            for source, frag in build.fragments():
-                if plan.readers[frag.file_index] == me:
-                    dest = build.take_local(source, frag) if reader.can_copy(frag) else None
-                    (rest.append((build, source, frag)) if dest is None else filled.append((frag, dest)))
-        reader.fill(filled)  # small fragments that lie close in a file come in one read
-        for build, source, frag in rest:
-            build.place_local(source, frag, reader)
+        _place_local(builds, plan, me, reader, pending.held)
     finally:
         received = pending.wait()  # the collective completes even when local work failed
+    held = pending.held
     for build in builds:
         for source, frag in build.fragments():
             if (reader_of := plan.readers[frag.file_index]) != me:
                 build.place_received(source, frag, received.take(reader_of, frag))
+            elif held and frag in held:  # read from an object store with the packing (exchange.held_back)
+                build.place_received(source, frag, held[frag])
         build.finish()
     sink.round_done()
     return sum(t.nbytes for build in builds for t in build.unit.targets)
+
+
+def _place_local(builds: list[UnitBuild], plan: Plan, me: int, reader: Reader, held: dict) -> None:
+    """The fragments this rank reads for its own units. Files: small fragments that lie close in a file come in
+    one read (Reader.fill), straight into their place where they have one (UnitBuild.take_local). An object
+    store: every read of the round handed to one batch (reads.Batch: neighbours in one GET), less those read
+    with the packing (`held`)."""
+    if reader.objects:
+        reads = reader.batch()
+        for build in builds:
+            for source, frag in build.fragments():
+                if plan.readers[frag.file_index] == me and frag not in held:
+                    build.place_local(source, frag, reads)
+        reads.run()
+        return
+    filled, rest = [], []
+    for build in builds:
+        for source, frag in build.fragments():
+            if plan.readers[frag.file_index] == me:
+                dest = build.take_local(source, frag) if reader.can_copy(frag) else None
+                (rest.append((build, source, frag)) if dest is None else filled.append((frag, dest)))
+    reader.fill(filled)
+    for build, source, frag in rest:
+        build.place_local(source, frag, reader)
 
 
 def _stats(rank: int, reader: Reader, writers: dict[int, ShardWriter], laps: Laps) -> RankStats:

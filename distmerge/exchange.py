@@ -20,7 +20,7 @@ its own timer the same within noise (docs/benchmarks.md, "verify of a checkpoint
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -47,14 +47,25 @@ def lanes(plan: Plan, units: tuple[int, ...]) -> dict[tuple[int, int], list[Frag
     return out
 
 
+def held_back(plan: Plan, units: tuple[int, ...], me: int, reader: Reader) -> list[Fragment]:
+    """The fragments this rank reads for its own units this round that come from an object store: read with the
+    round's packing, in the same GETs (reads.py: a round's fragments of one object lie mostly side by side, the
+    owners' interleaved), and held until the round is assembled, as if received from this rank. A local file's
+    are read when the round is assembled (assemble.py), straight into their place."""
+    return [frag for i in units if plan.owner_of_unit[i] == me for name in plan.units[i].sources
+            for frag in plan.sources[name].fragments if plan.readers[frag.file_index] == me and reader.remote(frag)]
+
+
 @dataclass
 class Pending:
-    """An exchange in flight; `wait` returns what other ranks read for this one (uint8 views)."""
+    """An exchange in flight; `wait` returns what other ranks read for this one (uint8 views); `held`: what this
+    rank read for its own units with the packing (an object-store input: exchange.held_back), by fragment."""
 
     work: object
     recv: torch.Tensor | None
     incoming: list[list[Fragment]]
     failed: BaseException | None = None  # this rank's packing error, raised once the collective is done
+    held: dict[Fragment, torch.Tensor] = field(default_factory=dict)
 
     def drain(self) -> None:
         """Let the collective finish (every rank started it), whatever this rank's packing did."""
@@ -97,6 +108,7 @@ class Exchanger:
         self._send = [torch.empty(0, dtype=torch.uint8)] * 2
         self._recv = [torch.empty(0, dtype=torch.uint8, device=comm.device)] * 2
         self._last: Pending | None = None  # the round started last: still in flight when the next one is packed
+        self._held = [torch.empty(0, dtype=torch.uint8)] * 2
 
     def start(self, units: tuple[int, ...], slot_set: int = 0) -> Pending:
         """Pack what this rank read for others and start sending, in buffer set `slot_set` (0 or 1: the
@@ -108,9 +120,10 @@ class Exchanger:
 
     def _start(self, units: tuple[int, ...], slot_set: int) -> Pending:
         crossing = lanes(self.plan, units)
-        if not crossing:
-            return Pending(None, None, [])
         me, world = self.comm.rank, self.comm.world
+        own = held_back(self.plan, units, me, self.reader) if self.reader.objects else []
+        if not crossing and not own:
+            return Pending(None, None, [])
         outgoing = [crossing.get((me, d), []) for d in range(world)]
         incoming = [crossing.get((s, me), []) for s in range(world)]
         send_splits = [sum(slot(f.nbytes) for f in frags) for frags in outgoing]
@@ -118,27 +131,50 @@ class Exchanger:
         # No collective before sending: a rank whose read fails still sends (garbage of the planned size)
         # and raises at wait(), inside the round's gather, where every rank learns of it. So owners start
         # writing round k while readers are still packing round k+1.
-        failed = None
+        failed, held = None, {}
         try:
-            send = self._pack(outgoing, sum(send_splits), slot_set if self.send_sets == 2 else 0)
+            send, held = self._pack(outgoing, sum(send_splits), own, slot_set if self.send_sets == 2 else 0,
+                                    slot_set)
         except Exception as err:
             failed = err
             send = torch.zeros(sum(send_splits), dtype=torch.uint8)
+        if not crossing:  # the same on every rank (the plan's): no collective this round
+            return Pending(None, None, [], failed, held)
         recv = self._recv_buffer(sum(recv_splits), slot_set)
         work = self.comm.all_to_all_async(recv, send.to(self.comm.device), send_splits, recv_splits)
-        return Pending(work, recv, incoming, failed)
+        return Pending(work, recv, incoming, failed, held)
 
-    def _pack(self, outgoing: list[list[Fragment]], total: int, slot_set: int) -> torch.Tensor:
-        if self._send[slot_set].numel() < total:
-            self._send[slot_set] = torch.empty(total, dtype=torch.uint8)
-        buf, at, pairs = self._send[slot_set][:total], 0, []
-        view = memoryview(buf.numpy()).cast("B") if total else memoryview(b"")
+    def _pack(self, outgoing: list[list[Fragment]], total: int, own: list[Fragment], slot_set: int,
+              held_set: int) -> tuple[torch.Tensor, dict[Fragment, torch.Tensor]]:
+        buf = self._buffer(self._send, total, slot_set)
+        if not self.reader.objects:  # files: small fragments that touch in one read each (Reader.fill)
+            at, pairs = 0, []
+            view = memoryview(buf.numpy()).cast("B") if total else memoryview(b"")
+            for frags in outgoing:
+                for f in frags:
+                    pairs.append((f, view[at : at + f.nbytes]))
+                    at += slot(f.nbytes)
+            self.reader.fill(pairs)
+            return buf, {}
+        hold = self._buffer(self._held, sum(slot(f.nbytes) for f in own), held_set)
+        reads, at = self.reader.batch(), 0  # an object-store input: neighbouring fragments in one GET (reads.py)
         for frags in outgoing:
             for f in frags:
-                pairs.append((f, view[at : at + f.nbytes]))
+                reads.read_into(f, buf[at : at + f.nbytes])
                 at += slot(f.nbytes)
-        self.reader.fill(pairs)
-        return buf
+        held, at = {}, 0
+        for f in own:
+            held[f] = hold[at : at + f.nbytes]
+            reads.read_into(f, held[f])
+            at += slot(f.nbytes)
+        reads.run()
+        return buf, held
+
+    @staticmethod
+    def _buffer(kept: list[torch.Tensor], total: int, slot_set: int) -> torch.Tensor:
+        if kept[slot_set].numel() < total:
+            kept[slot_set] = torch.empty(total, dtype=torch.uint8)
+        return kept[slot_set][:total]
 
     def _recv_buffer(self, total: int, slot_set: int) -> torch.Tensor:
         if self._recv[slot_set].numel() < total:

@@ -1,5 +1,5 @@
-"""Finalize (rank 0, after every output file is renamed into place): config, tokenizer and generation
-config, custom code, and last the index, the commit marker of a finished merge."""
+"""Finalize (rank 0, after every output file is committed): config, tokenizer and generation config, custom code,
+and last the index, the commit marker of a finished merge. Everything goes through the output store."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from distmerge import dtypes, fp8, input_tree
-from distmerge.output_files import INDEX_NAME, MODEL_FILES, atomic_write_text
+from distmerge.output.names import INDEX_NAME, MODEL_FILES
+from distmerge.output.store import Store
 from distmerge.plan import Plan
 from distmerge.resume import write_manifest
 
@@ -29,19 +30,19 @@ def main_dtype(plan: Plan) -> str | None:
     return by_bytes.most_common(1)[0][0] if by_bytes else None
 
 
-def write_config(out: Path, config: dict[str, Any], dtype: str | None) -> None:
+def write_config(out: Store, config: dict[str, Any], dtype: str | None) -> None:
     """config.json with the dtype updated: transformers 5 reads `dtype`, 4.x `torch_dtype`."""
     config = dict(config)
     if dtype:
         keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["torch_dtype"]
         for key in keys:
             config[key] = dtypes.hf_dtype_name(dtype)
-    atomic_write_text(out / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
+    out.write_small("config.json", (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
 
 
-def copy_hf_files(hf_dir: Path, out: Path, skip: tuple[str, ...] = ()) -> list[str]:
+def copy_hf_files(hf_dir: Path, out: Store, skip: tuple[str, ...] = ()) -> list[str]:
     """Tokenizer, generation config, chat template, custom code: regular files only, never links, each
-    opened once and checked (input_tree.copy_file). Inside the input the listing is the one discovery
+    opened once and checked (input_tree.read_chunks). Inside the input the listing is the one discovery
     walked, so a config folder that leads out of the input is never read. `skip`: what the format knows
     to be the trainer's own (a Trainer checkpoint folder doubles as the config folder)."""
     tree = input_tree.tree_for(hf_dir)
@@ -51,35 +52,35 @@ def copy_hf_files(hf_dir: Path, out: Path, skip: tuple[str, ...] = ()) -> list[s
     for name in names:
         if name == "config.json" or name in skip or name.endswith(SKIP_SUFFIXES):
             continue
-        input_tree.copy_file(hf_dir / name, out / name)
+        out.put_stream(name, input_tree.read_chunks(hf_dir / name))
         copied.append(name)
     return copied
 
 
-def remove_strays(out: Path, plan: Plan) -> None:
+def remove_strays(out: Store, plan: Plan) -> None:
     """Model files of an earlier, differently split run that --resume left behind."""
     planned = {f.name for f in plan.files}
     for pattern in MODEL_FILES:
-        for path in out.glob(pattern):
-            if path.name not in planned:
-                path.unlink()
+        for name in out.list(pattern):
+            if name not in planned:
+                out.remove(name)
 
 
-def write_extra_files(out: Path, plan: Plan) -> None:
+def write_extra_files(out: Store, plan: Plan) -> None:
     """JSON files a family asked for (a LoRA adapter's adapter_config.json)."""
     for rel, content in plan.extra_files.items():
-        atomic_write_text(out / rel, json.dumps(content, indent=2, sort_keys=True) + "\n")
+        out.write_small(rel, (json.dumps(content, indent=2, sort_keys=True) + "\n").encode())
 
 
-def write_index(out: Path, plan: Plan) -> None:
+def write_index(out: Store, plan: Plan) -> None:
     files = plan.model_files
     weight_map = {t.name: f.name for f in files for t in f.targets}
     total = sum(f.nbytes for f in files)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    atomic_write_text(out / INDEX_NAME, json.dumps(index, indent=2) + "\n")
+    out.write_small(INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
 
 
-def finalize(out: Path, plan: Plan, config: dict[str, Any], hf_dir: Path, skip: tuple[str, ...] = ()) -> list[str]:
+def finalize(out: Store, plan: Plan, config: dict[str, Any], hf_dir: Path, skip: tuple[str, ...] = ()) -> list[str]:
     if not plan.model_files:  # only other groups (a LoRA adapter without its base): no config.json, no index, so
         write_manifest(out, plan)  # nothing looks like a model; the family's JSON (adapter_config.json) comes last
         write_extra_files(out, plan)

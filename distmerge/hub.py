@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from distmerge.errors import DistmergeError
-from distmerge.output_files import INDEX_NAME, RECORDS
+from distmerge.output.names import INDEX_NAME, RECORDS
 
 NOT_UPLOADED = [f"{RECORDS}/*"]  # --resume's records: of this machine's run, not of the model
 

@@ -21,10 +21,12 @@ import json
 import os
 import socket
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from distmerge import input_objects
 from distmerge.errors import InputError
 
 MAX_ENTRIES = 1_000_000  # entries walked under one input folder; a checkpoint folder has far fewer
@@ -172,8 +174,7 @@ def load(root: Path) -> InputTree:
 
 
 def forget() -> None:
-    """Drop this process's walks and records (the end of a call of the API: a walk holds an entry per file of
-    the input, and a training job outlives its merges)."""
+    """Drop this process's walks and records (an API call's end: a job outlives its merges, a walk is per file)."""
     _TREES.clear()
     _ADOPTED.clear()
 
@@ -204,6 +205,7 @@ class Walked:
     host: str  # host_id() of the walking process
     files: dict[str, tuple[str, int, int, int]] = field(default_factory=dict)  # path -> (inside, size, dev, ino)
     folders: dict[str, str] = field(default_factory=dict)  # folders whose unlisted files are opened (scan root)
+    listing: Any = None  # input_objects.Listing: the walked folder holds the placeholders of an object-store input
 
 
 def host_id() -> str:
@@ -221,7 +223,8 @@ def record(folder: Path | str, paths: Iterable[Path | str]) -> Walked | None:
     tree = tree_for(folder)
     if tree is None:
         return None
-    walked = Walked(root=str(tree.root), host=host_id())
+    remote = input_objects.source_of(str(tree.root))
+    walked = Walked(root=str(tree.root), host=host_id(), listing=remote[0] if remote else None)
     walked.folders[os.path.abspath(folder)] = str(tree.folder(folder).relative_to(tree.root))
     for path in paths:
         real, entry = tree._checked(path, "file")
@@ -239,33 +242,69 @@ def adopt(walked: Walked | None, *, also: bool = False) -> None:
         _ADOPTED.clear()
     if walked is not None:
         _ADOPTED.append(walked)
+        if walked.listing is not None:  # the placeholders formats look at, on this host too
+            input_objects.lay_out(walked.listing)
 
 
 # -- opening: through the record, never by a path the file system resolves --------------------------------
-def open_input(path: Path | str) -> tuple[int, Path]:
-    """An fd for a file of the input, checked against the walk's record (the module docstring says how);
+class Opened:
+    """An input file opened for reading: positional reads on its descriptor (input_objects.ObjectFile: same API)."""
+
+    def __init__(self, fd: int, real: Path) -> None:
+        st = os.fstat(fd)
+        self.fd, self.real, self.size, self.ident = fd, real, st.st_size, (st.st_dev, st.st_ino)
+
+    def pread(self, nbytes: int, offset: int) -> bytes:
+        return os.pread(self.fd, nbytes, offset)
+
+    def readinto(self, buf: memoryview, offset: int) -> int:
+        return os.preadv(self.fd, [buf], offset)  # bytes into buf from `offset`; may be short (the caller reads on)
+
+    def close(self, *_exc: object) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> Opened:
+        return self
+
+    __exit__ = close
+
+
+def readable(f: Any) -> Any:
+    """An opened input file as open_input gives it; a bare descriptor is wrapped (borrowed: never closed here)."""
+    return Opened(f, Path(f"/dev/fd/{f}")) if isinstance(f, int) else f
+
+
+def open_input(path: Path | str) -> Opened | input_objects.ObjectFile:
+    """A file of the input opened for reading, checked against the walk's record (the module docstring says how);
     outside any walked input (--hf-config, --base-model: the user's own folders) any regular file its path
-    leads to. One line (InputError) when the file is not the one listed."""
+    leads to; a placeholder of an object-store input: its object. One line when the file is not the one listed."""
     tree = tree_for(path)
     if tree is not None:
         real, entry = tree._checked(path, "file")
         rel = str(real.relative_to(tree.root))
-        return _open_beneath(path, tree.root, rel, entry.size, (entry.dev, entry.ino)), real
+        if (remote := input_objects.source_of(str(tree.root))) is not None:
+            return input_objects.ObjectFile(remote[0], os.path.normpath(os.path.join(remote[1], rel)))
+        return Opened(_open_beneath(path, tree.root, rel, entry.size, (entry.dev, entry.ino)), real)
     full = os.path.abspath(path)
     for walked in _ADOPTED:
         if full in walked.files:
             rel, size, dev, ino = walked.files[full]
+            if walked.listing is not None:
+                return input_objects.ObjectFile(walked.listing, rel)
             same_host = walked.host == host_id()
-            return _open_beneath(path, Path(walked.root), rel, size, (dev, ino) if same_host else None), \
-                Path(walked.root) / rel
+            return Opened(_open_beneath(path, Path(walked.root), rel, size, (dev, ino) if same_host else None),
+                          Path(walked.root) / rel)
         folder = next((f for f in walked.folders if Path(full).is_relative_to(f)), None)
         if folder is not None:  # an unlisted file of the save (DCP's .metadata): no link on the way, regular
             rel = os.path.normpath(os.path.join(walked.folders[folder], os.path.relpath(full, folder)))
-            return _open_beneath(path, Path(walked.root), rel, None, None), Path(walked.root) / rel
+            return input_objects.ObjectFile(walked.listing, rel) if walked.listing is not None else \
+                Opened(_open_beneath(path, Path(walked.root), rel, None, None), Path(walked.root) / rel)
     real = Path(os.path.realpath(path))
     if not real.is_file():
         raise InputError(f"{path} is not a regular file")
-    return _open_beneath(path, real.parent, real.name, None, None), real
+    return Opened(_open_beneath(path, real.parent, real.name, None, None), real)
 
 
 _FOLDER = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -305,26 +344,16 @@ def _open_beneath(shown: Path | str, root: Path, rel: str, size: int | None, ide
     return fd
 
 
-def fd_name(fd: int) -> str:
-    """A file name that opens the very file `fd` holds, whatever now lies at its path: for libraries that
-    open by name (torch.load with mmap), so they read the file that was checked."""
-    return f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else f"/dev/fd/{fd}"
-
-
 def read_small(path: Path, cap: int, what: str) -> bytes:
     """The whole of a small file, refused (one line) when it is bigger than `cap`."""
-    fd, _ = open_input(path)
-    try:
-        size = os.fstat(fd).st_size
-        chunks, got = [], 0
+    with open_input(path) as f:
+        size, chunks, got = f.size, [], 0
         while size <= cap and got <= cap:
-            data = os.read(fd, min(1 << 20, cap + 1 - got))
+            data = f.pread(min(1 << 20, cap + 1 - got), got)
             if not data:
                 break
             chunks.append(data)
             got += len(data)
-    finally:
-        os.close(fd)
     if size > cap or got > cap:
         raise InputError(f"{path} is larger than a {what} can be ({max(size, got):,} bytes, limit {cap:,}): "
                          "not the file distmerge expects; fix or remove it")
@@ -357,19 +386,15 @@ def read_json(path: Path, cap: int, what: str):
         raise InputError(f"{path} is not valid JSON ({str(err)[:120]}): fix or remove it") from None
 
 
-def copy_file(src: Path, dst: Path, cap: int = COPY_CAP) -> None:
-    """Copy one file from the config folder into the output: a regular file of bounded size, read from
-    the fd that was checked (never reopened by name)."""
-    fd, _ = open_input(src)
-    try:
-        if os.fstat(fd).st_size > cap:
+def read_chunks(src: Path, cap: int = COPY_CAP) -> Iterator[bytes]:
+    """One file of the config folder, for the output (tokenizer model, custom code), in 1 MiB pieces: a regular
+    file of bounded size, read from the fd that was checked (never reopened by name)."""
+    with open_input(src) as f:
+        if f.size > cap:
             raise InputError(f"{src} is larger than distmerge copies ({cap:,} bytes): copy it yourself")
-        with open(fd, "rb", closefd=False) as f_in, open(dst, "wb") as f_out:
-            copied = 0
-            while data := f_in.read(1 << 20):
-                copied += len(data)
-                if copied > cap:
-                    raise InputError(f"{src} grew past {cap:,} bytes while being copied")
-                f_out.write(data)
-    finally:
-        os.close(fd)
+        copied = 0
+        while data := f.pread(1 << 20, copied):
+            copied += len(data)
+            if copied > cap:
+                raise InputError(f"{src} grew past {cap:,} bytes while being copied")
+            yield data

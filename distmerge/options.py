@@ -35,8 +35,9 @@ QUANTIZE_CHOICES = {"fp8-block": "DeepSeek-V3/Qwen3-FP8 layout, float32 scale pe
 COMMANDS = ("merge", "inspect", "verify")
 API = ("merge", "verify")  # the commands distmerge.api offers
 # How each kind of value is parsed on the command line, and how the API's signature spells it.
-KINDS = {"path": "str | os.PathLike", "size": "int | str", "float": "float", "text": "str", "switch": "bool",
-         "value": "int | str", "group": "torch.distributed.ProcessGroup"}
+# "location": a folder, or an object-store URL (docs/storage.md) kept as typed (location()).
+KINDS = {"path": "str | os.PathLike", "location": "str | os.PathLike", "size": "int | str", "float": "float",
+         "text": "str", "switch": "bool", "value": "int | str", "group": "torch.distributed.ProcessGroup"}
 
 
 def parse_size(text: str) -> int:
@@ -51,6 +52,11 @@ def parse_size(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"size must be at least 1 byte: {text!r}")
     return int(value)
+
+
+def location(value: str) -> Path | str:
+    """A folder, or an object-store URL kept as typed (a Path would fold s3://b/p into the folder s3:/b/p)."""
+    return value if "://" in value else Path(value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,10 +118,10 @@ OPTIONS: tuple[Opt | str, ...] = (
         help="write a PNG of max rel diff and cosine by layer and kind (attention, MLP, norms, embeddings/head); "
              "needs matplotlib: pip install 'distmerge[plot]'"),
     # the input and how to read it
-    Opt(name="input", flags=("--input", "-i"), commands=MERGE, group="input", kind="path", required=True,
-        help="checkpoint folder (e.g. .../actor)"),
-    Opt(name="input", flags=("input",), commands=("inspect",), group="input", kind="path", required=True,
-        help="checkpoint folder (e.g. .../actor)"),
+    Opt(name="input", flags=("--input", "-i"), commands=MERGE, group="input", kind="location", required=True,
+        help="checkpoint folder (e.g. .../actor) or s3://bucket/prefix"),
+    Opt(name="input", flags=("input",), commands=("inspect",), group="input", kind="location", required=True,
+        help="checkpoint folder (e.g. .../actor) or s3://bucket/prefix"),
     FORMAT,
     Opt(name="hf_config", flags=("--hf-config",), commands=ALL, group="input", kind="path", metavar="DIR",
         help="folder with config.json (default: huggingface/ inside the input, or beside it)"),
@@ -123,8 +129,8 @@ OPTIONS: tuple[Opt | str, ...] = (
     # verify's --reference when it is a checkpoint: the twins of the input rows above (REFERENCE_TWINS)
     REFERENCE_OPTIONS,
     # what the merged model looks like
-    Opt(name="output", flags=("--output", "-o"), commands=MERGE, group="output", kind="path", required=True,
-        help="folder for the merged model"),
+    Opt(name="output", flags=("--output", "-o"), commands=MERGE, group="output", kind="location", required=True,
+        help="folder for the merged model, or s3://bucket/prefix"),
     Opt(name="dtype", flags=("--dtype",), commands=ALL, group="output", default="keep", choices=CAST_NAMES,
         help="cast floating tensors (default: keep the checkpoint's dtype)"),
     Opt(name="quantize", flags=("--quantize",), commands=ALL, group="output", choices=tuple(QUANTIZE_CHOICES),
@@ -294,6 +300,8 @@ def _parsed(row: Opt, value: Any) -> Any:
         return value
     if row.kind == "path":
         return Path(os.fspath(value))
+    if row.kind == "location":
+        return location(os.fspath(value))
     if isinstance(value, bool):
         raise TypeError(f"not a {row.kind}")
     if row.kind == "size" and isinstance(value, int):

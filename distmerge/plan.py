@@ -22,7 +22,8 @@ from distmerge import dtypes, fp8, spread
 from distmerge.errors import LayoutError
 from distmerge.families.base import SourceMeta, Target, Unit
 from distmerge.formats.base import Fragment, InputFile
-from distmerge.output_files import GROUP_FILES, model_file_names
+from distmerge.output.names import GROUP_FILES, model_file_names
+from distmerge.output.store import Sharing
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -255,8 +256,10 @@ def make_plan(
     extra_files: dict[str, dict] | None = None,
     notes: tuple[str, ...] = (),
     hosts: tuple[int, ...] | None = None,
+    sharing: Sharing | None = None,
 ) -> Plan:
-    """`hosts[r]`: the host of rank r (ranks of one host may share a file); None: all on one host."""
+    """`hosts[r]`: the host of rank r (ranks of one host may share a file); None: all on one host. `sharing`: what
+    the output store lets several ranks do with one file (None: a local folder's rule)."""
     model = [i for i, u in enumerate(units) if u.targets[0].group == "model"]
     groups = split_files(units, max_shard_bytes, model) if model else []  # only an adapter: no model files
     names = model_file_names(len(groups))
@@ -272,9 +275,11 @@ def make_plan(
         for i in group:
             owner_of[i] = owners[f]
     readers = assign_readers(files, world)
-    if world > 1 and not spread.balanced(_loads(sizes, owners, world)):
+    sharing = sharing or Sharing(within="host")
+    if world > 1 and sharing.within != "none" and not spread.balanced(_loads(sizes, owners, world)):
         owner_of, owners = spread.spread(units, groups, [sum(t.nbytes for t in u.targets) for u in units],
-                                         _local_bytes(units, sources, readers), hosts or (0,) * world)
+                                         _local_bytes(units, sources, readers), hosts or (0,) * world,
+                                         min_run=sharing.min_run, key=natural_key)
     out, file_of = [], [0] * len(units)
     for f, group in enumerate(groups):
         targets = sorted((t for i in group for t in units[i].targets), key=lambda t: natural_key(t.name))

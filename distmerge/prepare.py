@@ -23,6 +23,8 @@ from distmerge.dtypes import CAST_CHOICES
 from distmerge.errors import InputError
 from distmerge.families.base import FamilyContext, LoraOptions, claim, quantize
 from distmerge.formats.base import BASE_MODEL_PREFIX, Fragment
+from distmerge.output import is_url
+from distmerge.output.store import Sharing
 from distmerge.plan import Plan
 
 
@@ -34,7 +36,7 @@ class OutputSettings:
     max_shard_bytes: int = 5 * 10**9
     budget_bytes: int = 128 * 2**20
     lora: LoraOptions = field(default_factory=LoraOptions)
-    output: Path = Path()
+    output: Path | str = Path()  # a folder, or an object-store URL
     quantize: str | None = None  # a --quantize choice (fp8.SCHEMES): linear weights in FP8
 
 
@@ -56,8 +58,9 @@ def plan_merge(found: Discovery, fragments: list[Fragment], world: int, settings
 
 
 def prepare_merge(found: Discovery, fragments: list[Fragment], world: int, settings: OutputSettings,
-                  hosts: tuple[int, ...] | None = None) -> Prepared:
-    """`hosts[r]`: the host of rank r, for plan.make_plan (None: every rank on one host)."""
+                  hosts: tuple[int, ...] | None = None, sharing: Sharing | None = None) -> Prepared:
+    """`hosts[r]`: the host of rank r, for plan.make_plan (None: every rank on one host); `sharing`: what the
+    output store lets several ranks do with one file (None: a local folder's rule)."""
     scan = found.scan
     sources = planning.merge_inventories(fragments, scan.files)
     # The checkpoint's own tensors go to the family's claim; a second input root's (--base-model) ride along.
@@ -68,7 +71,7 @@ def prepare_merge(found: Discovery, fragments: list[Fragment], world: int, setti
         raise InputError(f"{scan.root}: the rank files hold no tensors")
     family = claim(list(metas), found.config, scan.hints)
     ctx = FamilyContext(config=found.config, cast=CAST_CHOICES[settings.dtype], hints=scan.hints, lora=settings.lora,
-                        output=str(Path(settings.output).resolve()), base_weights=base)
+                        output=_shown(settings.output), base_weights=base)
     result = family.units(metas, ctx)
     quantized = None
     if settings.quantize:  # after the family: its targets carry Hugging Face names, which the table matches
@@ -86,7 +89,12 @@ def prepare_merge(found: Discovery, fragments: list[Fragment], world: int, setti
         extra_files=result.extra_files,
         notes=tuple(result.notes),
         hosts=hosts,
+        sharing=sharing,
     )
     # finalize writes them into config.json, and the quantization_config when quantized
     plan = replace(plan, config_updates=dict(result.config_updates), quantized=quantized)
     return Prepared(plan=plan, left_out=dict(result.left_out), must_equal=tuple(result.must_equal))
+
+
+def _shown(output: Path | str) -> str:
+    return str(output) if is_url(output) else str(Path(output).resolve())

@@ -22,27 +22,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 from distmerge.comm import Comm
 from distmerge.dtypes import CAST_CHOICES, hf_dtype_name
 from distmerge.formats import registry
 from distmerge.formats.base import InputFile
-from distmerge.output_files import (
-    INDEX_NAME,
-    MANIFEST,
-    RECORDS,
-    RUN_RECORD,
-    atomic_write_text,
-    fsync_dir,
-    record_path,
-)
+from distmerge.output.names import INDEX_NAME, MANIFEST, RECORDS, RUN_RECORD, record_name
+from distmerge.output.store import Store
+from distmerge.output.writer import header_bytes
 from distmerge.plan import OutputFile, Plan
 from distmerge.prepare import OutputSettings
-from distmerge.writer import header_bytes
 
 # Beside the index, what a finished merge has written (finalize writes them before the index).
 FINISHED_MARKS = (INDEX_NAME, MANIFEST, "config.json")
@@ -110,103 +101,84 @@ def describe(plan: Plan, inputs: tuple[InputFile, ...], options: dict) -> RunRec
                      inputs={f.path: [f.size, f.mtime_ns] for f in inputs})
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def record_done(out: Path, file: OutputFile, run: RunRecord, checksum: bool) -> None:
-    """Called by the owner right after the file is renamed into place. The first file this run finishes also
-    brings run.json to this run, so a run that finished nothing leaves nothing behind."""
-    _record_run(out, file, run)
-    path = out / file.name
-    record = {"fingerprint": run.fingerprint, "name": file.name, "bytes": path.stat().st_size,
+def record_done(store: Store, file: OutputFile, run: RunRecord, checksum: bool) -> None:
+    """Called by the owner right after the file is committed. The first file this run finishes also brings
+    run.json to this run, so a run that finished nothing leaves nothing behind."""
+    _record_run(store, file, run)
+    record = {"fingerprint": run.fingerprint, "name": file.name, "bytes": store.size(file.name),
               "tensors": [t.name for t in file.targets]}
     if checksum:
-        record["sha256"] = sha256_of(path)
-    _write_record(out, file.name, record)
+        record["sha256"] = store.sha256(file.name)
+    _write_record(store, file.name, record)
 
 
-def _record_run(out: Path, file: OutputFile, run: RunRecord) -> None:
-    """Owners race here with the same content: each renames from its own temporary name (one per file)."""
-    path = out / RUN_RECORD
-    if (_read_json(path) or {}).get("fingerprint") == run.fingerprint:
+def _record_run(store: Store, file: OutputFile, run: RunRecord) -> None:
+    """Owners race here with the same content: each writes from its own temporary name (one per file)."""
+    if (_read_json(store, RUN_RECORD) or {}).get("fingerprint") == run.fingerprint:
         return
-    temp = record_path(out, file.name).with_suffix(".run.partial")
-    temp.parent.mkdir(parents=True, exist_ok=True)
-    with open(temp, "w") as f:
-        f.write(json.dumps(asdict(run), indent=1) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temp, path)
-    fsync_dir(path.parent)
+    temp = record_name(file.name).removesuffix(".json") + ".run.partial"
+    store.write_small(RUN_RECORD, (json.dumps(asdict(run), indent=1) + "\n").encode(), temp=temp)
 
 
-def start(out: Path, plan: Plan, run: RunRecord, comm: Comm, *, resuming: bool, checksum: bool) -> Resumption:
+def start(store: Store, plan: Plan, run: RunRecord, comm: Comm, *, resuming: bool, checksum: bool) -> Resumption:
     """Every rank, before any output file is written: which files to keep (only with --resume)."""
-    checks = comm.gather(lambda: check_own_files(out, plan, run.fingerprint, comm.rank, checksum) if resuming else [])
+    checks = comm.gather(lambda: check_own_files(store, plan, run.fingerprint, comm.rank, checksum)
+                         if resuming else [])
     found = sorted((c for part in checks for c in part), key=lambda c: c.index)
-    return comm.root_only(lambda: _begin(out, plan, run, found, resuming, checksum))
+    return comm.root_only(lambda: _begin(store, plan, run, found, resuming, checksum))
 
 
-def check_own_files(out: Path, plan: Plan, fp: str, rank: int, checksum: bool) -> list[FileCheck]:
-    return [_check(out, i, f, fp, checksum) for i, f in enumerate(plan.files) if f.owner == rank]
+def check_own_files(store: Store, plan: Plan, fp: str, rank: int, checksum: bool) -> list[FileCheck]:
+    return [_check(store, i, f, fp, checksum) for i, f in enumerate(plan.files) if f.owner == rank]
 
 
-def _check(out: Path, index: int, file: OutputFile, fp: str, checksum: bool) -> FileCheck:
-    record = _read_json(record_path(out, file.name))
+def _check(store: Store, index: int, file: OutputFile, fp: str, checksum: bool) -> FileCheck:
+    record = _read_json(store, record_name(file.name))
     if record is None or record.get("fingerprint") != fp:
         return FileCheck(index=index)
-    path = out / file.name
-    if not _intact(path, file, record):
+    if not _intact(store, file, record):
         return FileCheck(index=index, stale=True)
     wanted = dict(record)
     if checksum and "sha256" not in wanted:  # hashed now: the manifest has a sha256 for every file or none
-        wanted["sha256"] = sha256_of(path)
+        wanted["sha256"] = store.sha256(file.name)
     elif not checksum:
         wanted.pop("sha256", None)
     return FileCheck(index=index, record=wanted, rewrite=wanted != record)
 
 
-def _intact(path: Path, file: OutputFile, record: dict) -> bool:
-    if not path.is_file():
-        return False
+def _intact(store: Store, file: OutputFile, record: dict) -> bool:
     head = header_bytes(file.targets)[0]
-    if path.stat().st_size != len(head) + file.nbytes:
+    if store.size(file.name) != len(head) + file.nbytes:
         return False
-    with open(path, "rb") as f:
-        if f.read(len(head)) != head:
-            return False
-    return "sha256" not in record or record["sha256"] == sha256_of(path)
+    if store.read_range(file.name, 0, len(head)) != head:
+        return False
+    return "sha256" not in record or record["sha256"] == store.sha256(file.name)
 
 
-def _begin(out: Path, plan: Plan, run: RunRecord, found: list[FileCheck], resuming: bool,
+def _begin(store: Store, plan: Plan, run: RunRecord, found: list[FileCheck], resuming: bool,
            checksum: bool) -> Resumption:
     """Rank 0: decide; unless the merge is already complete, mark the output unfinished (run.json is this run's
     once it finishes a file: until then it describes the run that wrote the kept files)."""
     kept = tuple(c.index for c in found if c.record is not None)
-    earlier = _read_run(out)
-    if resuming and _complete(out, plan, run, found, earlier, checksum):
-        return Resumption(kept=kept, complete=True, line=f"resume: {out} is already complete (same input and "
+    earlier = _read_run(store)
+    if resuming and _complete(store, plan, run, found, earlier, checksum):
+        return Resumption(kept=kept, complete=True, line=f"resume: {store.url} is already complete (same input and "
                           f"options, all {len(plan.files)} file(s) checked): nothing to do, nothing rewritten")
-    finished = (out / INDEX_NAME).is_file()
-    (out / INDEX_NAME).unlink(missing_ok=True)  # from here on this output is unfinished
+    finished = store.size(INDEX_NAME) is not None
+    store.remove(INDEX_NAME)  # from here on this output is unfinished
     for c in found:
         if c.record is not None and c.rewrite:
-            _write_record(out, plan.files[c.index].name, c.record)
+            _write_record(store, plan.files[c.index].name, c.record)
     before = "the finished run" if finished else "the interrupted run"
     return Resumption(kept=kept, line=explain(plan, run, earlier, found, before) if resuming else "")
 
 
-def _complete(out: Path, plan: Plan, run: RunRecord, found: list[FileCheck], earlier: RunRecord | None,
+def _complete(store: Store, plan: Plan, run: RunRecord, found: list[FileCheck], earlier: RunRecord | None,
               checksum: bool) -> bool:
     every_file = len(found) == len(plan.files) and all(c.record is not None for c in found)
     hashes_missing = checksum and any(c.rewrite for c in found)  # --checksum asks for more than is there
     return (every_file and not hashes_missing and earlier is not None and earlier.fingerprint == run.fingerprint
-            and all((out / name).is_file() for name in FINISHED_MARKS))
+            and all(store.size(name) is not None for name in FINISHED_MARKS))
 
 
 def explain(plan: Plan, run: RunRecord, earlier: RunRecord | None, found: list[FileCheck],
@@ -248,36 +220,36 @@ def _shown(value: Any) -> str:
     return "unset" if value is None else str(value)
 
 
-def write_manifest(out: Path, plan: Plan) -> None:
+def write_manifest(store: Store, plan: Plan) -> None:
     """Per file: tensors, bytes and (with --checksum) sha256, from the owners' records. Records of files this
     merge does not have (an earlier, differently split run's, removed by finalize) go too."""
-    planned = {record_path(out, f.name) for f in plan.files} | {out / RUN_RECORD}
-    for path in (out / RECORDS).glob("*.json"):
-        if path not in planned:
-            path.unlink()
+    planned = {record_name(f.name) for f in plan.files} | {RUN_RECORD}
+    for name in store.list(f"{RECORDS}/*.json"):
+        if name not in planned:
+            store.remove(name)
     files = []
     for f in plan.files:
-        record = json.loads(record_path(out, f.name).read_text())
+        record = json.loads(store.read(record_name(f.name)) or b"")
         record.pop("fingerprint", None)
         files.append(record)
-    atomic_write_text(out / MANIFEST, json.dumps({"files": files}, indent=1) + "\n")
+    store.write_small(MANIFEST, (json.dumps({"files": files}, indent=1) + "\n").encode())
 
 
-def _write_record(out: Path, name: str, record: dict) -> None:
-    atomic_write_text(record_path(out, name), json.dumps(record, indent=1) + "\n")
+def _write_record(store: Store, name: str, record: dict) -> None:
+    store.write_small(record_name(name), (json.dumps(record, indent=1) + "\n").encode())
 
 
-def _read_run(out: Path) -> RunRecord | None:
-    data = _read_json(out / RUN_RECORD)
+def _read_run(store: Store) -> RunRecord | None:
+    data = _read_json(store, RUN_RECORD)
     try:
         return RunRecord(**data) if data is not None else None
     except TypeError:  # another distmerge version's run.json
         return None
 
 
-def _read_json(path: Path) -> dict | None:
+def _read_json(store: Store, name: str) -> dict | None:
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(store.read(name) or b"")
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None

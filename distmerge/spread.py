@@ -11,17 +11,24 @@ ranks put 17% more than the mean on the busiest rank. Then the plan (pure, the s
     3. makes the writer with the most bytes of a file its owner.
 
 A file whose units land on several ranks is *shared*: its owner creates it (header, full size) before the
-first round, each writer pwrites its own units, and the owner renames it into place once every part is
-durable (engine.py). Ranks share files only within a host: processes writing disjoint ranges of one file
-through one page cache is what every local filesystem supports, while across nodes it would hang on the
-coherence of the shared filesystem (NFS clients cache and flush pages on their own).
+first round, each writer writes its own units, and the owner commits it once every part is durable (sink.py).
+Which ranks may share a file is the output store's to say (output/store.Sharing), and the engine hands it over as
+`hosts`: a local folder lets the ranks of one host share (processes writing disjoint ranges of one file through
+one page cache is what every local filesystem supports, while across nodes it would hang on the coherence of the
+shared filesystem: NFS clients cache and flush pages on their own); an object store lets any ranks share, but
+each writer's run of consecutive bytes becomes one or more parts of one multipart upload, and every part but the
+last must be at least 5 MiB: `min_run`. Then
+
+    4. a run shorter than `min_run` (but the file's last) takes the units that follow it, one at a time, until
+       it is long enough; a file that does not settle goes whole to its owner.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from distmerge.families.base import Unit
 
@@ -34,9 +41,11 @@ def balanced(loads: Sequence[int], tolerance: float = TOLERANCE) -> bool:
 
 
 def spread(units: Sequence[Unit], groups: Sequence[Sequence[int]], unit_bytes: Sequence[int],
-           local: Sequence[dict[int, int]], hosts: Sequence[int]) -> tuple[list[int], list[int]]:
+           local: Sequence[dict[int, int]], hosts: Sequence[int], min_run: int = 0,
+           key: Callable[[str], Any] = str) -> tuple[list[int], list[int]]:
     """(owner of each unit, owner of each file). `groups[f]` = the units of file f, `local[u]` = {rank: bytes of
-    unit u's sources that rank reads}, `hosts[r]` = the host of rank r (any hashable numbering)."""
+    unit u's sources that rank reads}, `hosts[r]` = the host of rank r (any hashable numbering); `min_run`: the
+    shortest run of bytes a writer may have (but a file's last), `key`: the order of target names in a file."""
     ranks_of: dict[int, list[int]] = defaultdict(list)
     for rank, host in enumerate(hosts):
         ranks_of[host].append(rank)
@@ -47,7 +56,71 @@ def spread(units: Sequence[Unit], groups: Sequence[Sequence[int]], unit_bytes: S
         mine = [u for f, g in enumerate(groups) if host_of_file[f] == host for u in g]
         for u, rank in _units_to_ranks(mine, unit_bytes, local, ranks).items():
             owner_of_unit[u] = rank
+    if min_run:
+        for g in groups:
+            _long_runs(units, g, owner_of_unit, min_run, key)
     return owner_of_unit, [_file_owner(g, unit_bytes, owner_of_unit) for g in groups]
+
+
+def writer_runs(pieces: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(start, end, writer) of the longest runs of consecutive pieces (nbytes, writer) that one writer writes, in
+    data bytes; pieces of no bytes belong to no run."""
+    runs: list[tuple[int, int, int]] = []
+    at = 0
+    for nbytes, writer in pieces:
+        if nbytes and runs and runs[-1][2] == writer:
+            runs[-1] = (runs[-1][0], at + nbytes, writer)
+        elif nbytes:
+            runs.append((at, at + nbytes, writer))
+        at += nbytes
+    return runs
+
+
+def _long_runs(units: Sequence[Unit], group: Sequence[int], owner_of_unit: list[int], min_run: int,
+               key: Callable[[str], Any]) -> None:
+    """Step 4: a run shorter than min_run (but the file's last) goes to the writer of the run before it when its
+    own writer has at least as many of the file's bytes, else takes the unit that follows it (or goes to the next
+    run's writer if that one has fewer bytes): runs of about min_run alternate where units were small, and the
+    writers stay close to even. A unit's targets need not be neighbours in the file (QKV's q, k, v around
+    o_proj), so a move may cut another run: past two moves per unit, the file goes whole to one writer."""
+    order = sorted(((t.name, t.nbytes, i) for i in group for t in units[i].targets if t.nbytes),
+                   key=lambda p: key(p[0]))
+    for _ in range(2 * len(group) + 1):
+        found = _short_run(order, owner_of_unit, min_run)
+        if found is None:
+            return
+        start, end = found
+        writer, after = owner_of_unit[order[start][2]], owner_of_unit[order[end][2]]
+        load: dict[int, int] = defaultdict(int)
+        for _, nbytes, i in order:
+            load[owner_of_unit[i]] += nbytes
+        before = owner_of_unit[order[start - 1][2]] if start else None
+        if before is not None and load[writer] >= load[before]:
+            _give(order[start:end], owner_of_unit, before)
+        elif load[writer] > load[after]:
+            _give(order[start:end], owner_of_unit, after)
+        else:
+            owner_of_unit[order[end][2]] = writer
+    whole = _file_owner(group, [sum(t.nbytes for t in u.targets) for u in units], owner_of_unit)
+    for i in group:
+        owner_of_unit[i] = whole
+
+
+def _give(pieces: list[tuple[str, int, int]], owner_of_unit: list[int], writer: int) -> None:
+    for _, _, unit in pieces:
+        owner_of_unit[unit] = writer
+
+
+def _short_run(order: list[tuple[str, int, int]], owner_of_unit: list[int], min_run: int) -> tuple[int, int] | None:
+    """(first, end) positions in `order` of the first run shorter than min_run that is not the file's last."""
+    length, begin = 0, 0
+    for at, (_, nbytes, unit) in enumerate(order):
+        if at and owner_of_unit[unit] != owner_of_unit[order[at - 1][2]]:
+            if length < min_run:
+                return begin, at
+            length, begin = 0, at
+        length += nbytes
+    return None
 
 
 def _files_to_hosts(file_bytes: list[int], ranks_of: dict[int, list[int]]) -> list[int]:

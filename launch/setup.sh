@@ -13,8 +13,9 @@ quiet() { "$@" >"$log" 2>&1 || { cat "$log"; echo "setup failed: $*" >&2; exit 1
 quiet .venv/bin/python -m pip install --upgrade pip
 quiet .venv/bin/python -m pip install "$TORCH_SPEC"
 # '.[test]' includes matplotlib, which the tests of `verify --plot` need (the 'plot' extra, optional for users), and
-# compressed-tensors, which `--quantize fp8-channel` needs and its tests read the output back with (the 'fp8' extra)
-quiet .venv/bin/python -m pip install -e '.[test,plot,fp8]'
+# compressed-tensors, which `--quantize fp8-channel` needs and its tests read the output back with (the 'fp8' extra),
+# and moto's S3 server, which tests/test_s3.py starts on 127.0.0.1 for the object-store tests (boto3: the 's3' extra)
+quiet .venv/bin/python -m pip install -e '.[test,plot,fp8,s3]'
 # The Megatron test fixtures save real checkpoints with megatron-core; --no-deps keeps the pinned torch
 # (its import needs only numpy and packaging, which the line above brought).
 quiet .venv/bin/python -m pip install --no-deps "${MEGATRON_SPEC:-megatron-core==0.16.1}"
@@ -25,4 +26,4 @@ quiet .venv/bin/python -m pip install "${DEEPSPEED_SPEC:-deepspeed==0.19.8}"
 # (triton and datasets, imported by modules the fixtures never run, are stubbed in tests/fixtures/torchtitan_cases.py).
 quiet .venv/bin/python -m pip install --no-deps "${TORCHTITAN_SPEC:-torchtitan==0.3.0}" spmd_types==0.2.3 torchdata==0.11.0
 quiet .venv/bin/python -m pip install tyro tensorboard
-.venv/bin/python -c 'import torch, transformers, safetensors, matplotlib, distmerge; print(f"setup ok: torch {torch.__version__}, transformers {transformers.__version__}, distmerge {distmerge.__version__}")'
+.venv/bin/python -c 'import torch, transformers, safetensors, matplotlib, boto3, moto.server, distmerge; print(f"setup ok: torch {torch.__version__}, transformers {transformers.__version__}, distmerge {distmerge.__version__}")'

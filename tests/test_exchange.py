@@ -50,6 +50,8 @@ class Group:
 class Reader:
     """Fills fragment k (file k) with the byte k + 1: each round's bytes tell which round they are."""
 
+    objects = False  # files, not an object store: the exchange packs with fill
+
     def read_into(self, frag: Fragment, out: torch.Tensor) -> None:
         out.fill_(frag.file_index + 1)
 

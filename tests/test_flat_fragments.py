@@ -21,9 +21,9 @@ from distmerge.assemble import UnitBuild
 from distmerge.errors import LayoutError
 from distmerge.families.base import Target, Unit
 from distmerge.formats.base import Fragment, InputFile, Scan
+from distmerge.output.writer import ShardWriter
 from distmerge.plan import make_plan, merge_inventories
 from distmerge.reader import Reader
-from distmerge.writer import ShardWriter
 
 SHAPE = (5, 7)  # 35 elements: cut at 13 and 20, mid-row both times
 

@@ -16,12 +16,12 @@ import torch
 from safetensors import safe_open
 
 from distmerge import reader as reader_module
-from distmerge import writeback
 from distmerge.errors import CorruptInputError, OutputError
 from distmerge.families.base import Target
 from distmerge.formats.base import Fragment, InputFile, Scan
+from distmerge.output import writeback
+from distmerge.output.writer import ShardWriter
 from distmerge.reader import BOUNCE, Reader
-from distmerge.writer import ShardWriter
 
 MiB = 1 << 20
 
@@ -145,7 +145,7 @@ def test_a_read_failure_names_the_input_and_a_write_failure_the_output(tmp_path:
         raise OSError(28, "No space left on device")
 
     with monkeypatch.context() as m:
-        m.setattr("distmerge.writer.os.pwrite", no_space)
+        m.setattr("distmerge.output.local.os.pwrite", no_space)
         with pytest.raises(OutputError, match="cannot write .*model.safetensors: No space left on device"):
             copy_whole_named(reader, frag, writer)
     writer.abort()

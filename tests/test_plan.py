@@ -10,7 +10,7 @@ from distmerge.errors import LayoutError
 from distmerge.families.base import FamilyContext, SourceMeta
 from distmerge.families.hf import HF
 from distmerge.formats.base import Fragment, InputFile
-from distmerge.output_files import model_file_names as file_names
+from distmerge.output.names import model_file_names as file_names
 from distmerge.plan import assign_owners, assign_readers, make_plan, merge_inventories, natural_key
 
 

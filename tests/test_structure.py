@@ -10,15 +10,15 @@ PACKAGE = Path(__file__).resolve().parents[1] / "distmerge"
 MAX_LINES = 400
 # Lower layers never import higher ones. A module not listed belongs to its package's layer.
 LAYERS = {
-    0: ("errors", "dtypes", "output_files", "results", "input_tree", "writeback"),
+    0: ("errors", "dtypes", "results", "input_tree", "input_objects", "s3_client"),
     1: ("formats", "comm", "transforms", "fp8", "fp8_compressed"),
     2: ("families",),
-    3: ("plan", "spread", "reader", "writer", "discover", "inventory"),
+    3: ("plan", "spread", "reader", "reads", "output", "discover", "inventory"),
     4: ("prepare", "exchange", "assemble", "replicas", "unwritten", "resume", "finalize", "report", "expect", "sink"),
     5: ("engine", "inspect", "verify", "options", "cli_options", "hub", "api"),
     6: ("cli", "__main__", "verl_cli", "hooks"),
 }
-ENGINE = ("plan", "spread", "reader", "writer", "writeback", "discover", "prepare", "exchange", "assemble", "replicas",
+ENGINE = ("plan", "spread", "reader", "reads", "output", "discover", "prepare", "exchange", "assemble", "replicas",
           "unwritten", "resume", "finalize", "engine", "inspect", "inventory", "sink")
 
 

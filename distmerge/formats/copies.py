@@ -18,15 +18,17 @@ Two checks, cheap first:
 from __future__ import annotations
 
 import hashlib
-import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
-from distmerge import input_tree
+from distmerge import input_objects, input_tree
 from distmerge.formats.torch_private import zip_records
 
 HASHED = 64 * 1024  # bytes hashed at each end of a file to tell copies apart
 SAMPLES, BLOCK = 16, 4096  # payload blocks fingerprinted per file
 COMPARED = 1 << 20  # bytes compared at a time when two fingerprints agree
+CONCURRENT = 8  # objects of an object-store input whose ends are read at once
 
 
 def first_copy(paths: list[Path]) -> tuple[Path, Path] | None:
@@ -35,33 +37,32 @@ def first_copy(paths: list[Path]) -> tuple[Path, Path] | None:
     seen: dict[tuple, Path] = {}
     by_size: dict[int, list[Path]] = {}
     for path in paths:
-        fd, _ = input_tree.open_input(path)
-        try:
-            st = os.fstat(fd)
-            if (st.st_dev, st.st_ino) in seen:
-                return seen[(st.st_dev, st.st_ino)], path
-            seen[(st.st_dev, st.st_ino)] = path
-            by_size.setdefault(st.st_size, []).append(path)
-        finally:
-            os.close(fd)
+        with input_tree.open_input(path) as f:
+            if f.ident in seen:
+                return seen[f.ident], path
+            seen[f.ident] = path
+            by_size.setdefault(f.size, []).append(path)
     for group in (g for g in by_size.values() if len(g) > 1):
         digests: dict[str, Path] = {}
-        for path in group:
-            digest = _ends_digest(path)
+        for path, digest in zip(group, _ends_digests(group), strict=True):
             if digest in digests:
                 return digests[digest], path
             digests[digest] = path
     return None
 
 
+def _ends_digests(paths: list[Path]) -> list[str]:
+    """Each file's ends digest; an object store's objects several at once (two GETs each: a round trip apiece)."""
+    if not input_objects.remote(paths[0]):
+        return [_ends_digest(p) for p in paths]
+    with ThreadPoolExecutor(max_workers=CONCURRENT, thread_name_prefix="distmerge-ends") as pool:
+        return list(pool.map(_ends_digest, paths))
+
+
 def _ends_digest(path: Path) -> str:
-    fd, _ = input_tree.open_input(path)
-    try:
-        size = os.fstat(fd).st_size
-        head = os.pread(fd, HASHED, 0)
-        tail = os.pread(fd, HASHED, max(0, size - HASHED))
-    finally:
-        os.close(fd)
+    with input_tree.open_input(path) as f:
+        head = f.pread(HASHED, 0)
+        tail = f.pread(HASHED, max(0, f.size - HASHED))
     return hashlib.sha256(head + tail).hexdigest()
 
 
@@ -81,24 +82,21 @@ def payload_twin(paths: list[Path]) -> tuple[Path, Path] | None:
     return None
 
 
-def _spans(fd: int, where: str) -> Spans:
+def _spans(fd: Any, where: str) -> Spans:
     found = zip_records.records(fd, where)
     _, prefix = zip_records.pickle_record(found, where)
     return sorted((r.start, r.size) for n, r in found.items() if n.startswith(prefix) and r.size)
 
 
 def _fingerprint(path: Path) -> str:
-    fd, _ = input_tree.open_input(path)
-    try:
-        spans = _spans(fd, str(path))
+    with input_tree.open_input(path) as f:
+        spans = _spans(f, str(path))
         total = sum(size for _, size in spans)
         digest = hashlib.sha256(repr([size for _, size in spans]).encode())
         for i in range(SAMPLES if total else 0):
             at = max(0, total - BLOCK) * i // (SAMPLES - 1)
             for start, size in _pieces(spans, at, min(BLOCK, total)):
-                digest.update(os.pread(fd, size, start))
-    finally:
-        os.close(fd)
+                digest.update(f.pread(size, start))
     return digest.hexdigest()
 
 
@@ -114,18 +112,13 @@ def _pieces(spans: Spans, at: int, length: int) -> list[tuple[int, int]]:
 
 
 def _same_payload(a: Path, b: Path) -> bool:
-    fd_a, _ = input_tree.open_input(a)
-    fd_b, _ = input_tree.open_input(b)
-    try:
+    with input_tree.open_input(a) as fd_a, input_tree.open_input(b) as fd_b:
         spans_a, spans_b = _spans(fd_a, str(a)), _spans(fd_b, str(b))
         if [s for _, s in spans_a] != [s for _, s in spans_b]:
             return False
         for (start_a, size), (start_b, _) in zip(spans_a, spans_b, strict=True):
             for done in range(0, size, COMPARED):
                 n = min(COMPARED, size - done)
-                if os.pread(fd_a, n, start_a + done) != os.pread(fd_b, n, start_b + done):
+                if fd_a.pread(n, start_a + done) != fd_b.pread(n, start_b + done):
                     return False
-    finally:
-        os.close(fd_a)
-        os.close(fd_b)
     return True

@@ -145,14 +145,11 @@ class DcpFormat(FormatDefaults):
         opened = OpenedFile(fragments=[], layout={"DCP chunk": len(rows)})
         ndims = [len(chunks.shapes[r[0]]) for r in rows]
         boxes = [(tuple(r[4 : 4 + n]), tuple(r[4 + width : 4 + width + n])) for r, n in zip(rows, ndims, strict=True)]
-        fd, _ = input_tree.open_input(Path(scan.root) / file.path)  # the walk's file, no link or FIFO in its place
-        try:
-            at = private.locate(fd, file.size, [(r[2], r[3], math.prod(box[1])) for r, box in zip(rows, boxes,
-                                                                                                  strict=True)],
+        with input_tree.open_input(Path(scan.root) / file.path) as f:  # the walk's file, no link or FIFO instead
+            at = private.locate(f, file.size, [(r[2], r[3], math.prod(box[1])) for r, box in zip(rows, boxes,
+                                                                                                 strict=True)],
                                 lambda k: _chunk(chunks, rows[k], boxes[k], file.path),
                                 [dtypes.itemsize(chunks.codes[r[0]]) for r in rows])
-        finally:
-            os.close(fd)
         names, codes, shapes, keys, index = chunks.names, chunks.codes, chunks.shapes, chunks.keys, file.index
         opened.fragments = [Fragment.make(names[r[0]], codes[r[0]], shapes[r[0]], o, n, index, b, keys[r[0]])
                             for r, (o, n), b in zip(rows, boxes, at, strict=True)]

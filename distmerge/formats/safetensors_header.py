@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,10 +39,9 @@ class Header:
 
 
 def read_header(path: Path) -> Header:
-    fd, _ = input_tree.open_input(path)  # inside the input: the file the walk listed, no link or FIFO in its place
-    size = os.fstat(fd).st_size
-    with os.fdopen(fd, "rb") as f:
-        head = f.read(8)
+    with input_tree.open_input(path) as f:  # inside the input: the file the walk listed, no link or FIFO instead
+        size = f.size
+        head = f.pread(8, 0)
         if len(head) < 8:
             raise CorruptInputError(f"{path} is too short to be a safetensors file")
         (length,) = struct.unpack("<Q", head)
@@ -52,7 +50,7 @@ def read_header(path: Path) -> Header:
         if length > header_limit(size):
             raise CorruptInputError(f"{path}: header of {length} bytes, over the limit of {header_limit(size)} "
                                     f"(1 MiB + a quarter of the file, at most {MAX_HEADER})")
-        raw = f.read(length)
+        raw = f.pread(length, 8)
     try:
         parsed = json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError):

@@ -8,7 +8,6 @@ allow-list, no torch.load), their tensors views of one mapping of the file.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from distmerge.errors import CorruptInputError, InputError
 from distmerge.formats.safetensors_header import read_header
 from distmerge.formats.torch_private import torch_save
 from distmerge.formats.torch_private.restricted import TENSOR_GLOBALS, TensorRef
-from distmerge.output_files import INDEX_NAME
+from distmerge.output.names import INDEX_NAME
 
 TORCH_SUFFIXES = (".bin", ".pt", ".pth")
 # (kind, index file, single file), the order Hugging Face prefers them in.
@@ -180,7 +179,7 @@ class TensorFiles:
         if loc.file not in self._open:
             path = Path(self.side.files[loc.file])
             if self.side.kind == "safetensors":
-                self._open[loc.file] = (input_tree.open_input(path)[0], read_header(path))
+                self._open[loc.file] = (input_tree.open_input(path), read_header(path))
             else:
                 self._open[loc.file] = load_torch(path)
         return self._open[loc.file]
@@ -188,16 +187,16 @@ class TensorFiles:
     def close(self) -> None:
         for handle in self._open.values():
             if isinstance(handle, tuple):
-                os.close(handle[0])
+                handle[0].close()
         self._open.clear()  # .bin mappings close when dropped
         self._flat = ("", None)
 
 
-def _pread(fd: int, offset: int, data: torch.Tensor, name: str, path: str) -> torch.Tensor:
-    """Fills `data` (uint8) with the file's bytes from offset; returns it."""
+def _pread(f: Any, offset: int, data: torch.Tensor, name: str, path: str) -> torch.Tensor:
+    """Fills `data` (uint8) with the file's bytes from offset (`f`: input_tree.open_input's); returns it."""
     view, done = memoryview(data.numpy()), 0
     while done < len(view):
-        got = os.preadv(fd, [view[done:]], offset + done)
+        got = f.readinto(view[done:], offset + done)
         if got == 0:
             raise CorruptInputError(f"{path} ends inside {name}: the file is truncated")
         done += got

@@ -6,10 +6,17 @@ model in memory next to the other jobs on the machine.
 
 from __future__ import annotations
 
+import hashlib
 from contextlib import ExitStack
 from pathlib import Path
 
-from distmerge.resume import sha256_of
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def tensor_index(folder: Path) -> dict[str, Path]:

@@ -8,7 +8,6 @@ header is read (30 bytes and the name), whatever the file holds.
 
 from __future__ import annotations
 
-import os
 import struct
 from collections.abc import Iterable
 from pathlib import Path
@@ -18,21 +17,21 @@ from distmerge.errors import LayoutError
 
 LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # zip local file header: signature ... name length, extra length
 LOCAL_SIGNATURE = 0x04034B50
+NAME_READ = 256  # record names torch.save writes are far shorter (`<stem>/data.pkl`)
 
 
 def saved_stem(path: Path) -> str | None:
     """The folder torch.save put the records under, or None (not a zip, or saved to a file object)."""
-    fd, _ = input_tree.open_input(path)
-    try:
-        head = os.pread(fd, LOCAL_HEADER.size, 0)
+    with input_tree.open_input(path) as f:
+        head = f.pread(LOCAL_HEADER.size + NAME_READ, 0)  # the name with the header: one read (a GET on a store)
         if len(head) < LOCAL_HEADER.size:
             return None
-        fields = LOCAL_HEADER.unpack(head)
+        fields = LOCAL_HEADER.unpack_from(head)
         if fields[0] != LOCAL_SIGNATURE:
             return None
-        name = os.pread(fd, fields[9], LOCAL_HEADER.size).decode("utf-8", errors="replace")
-    finally:
-        os.close(fd)
+        end = LOCAL_HEADER.size + fields[9]
+        raw = head[LOCAL_HEADER.size : end] if end <= len(head) else f.pread(fields[9], LOCAL_HEADER.size)
+        name = raw.decode("utf-8", errors="replace")
     return name.split("/", 1)[0] if "/" in name else None
 
 

@@ -86,13 +86,12 @@ def read_metadata(path: Path) -> DcpMetadata:
 
 
 def _read(path: Path, budget: pickle_scan.Budget) -> bytes:
-    fd, _ = input_tree.open_input(path)
-    with os.fdopen(fd, "rb") as f:
-        size = os.fstat(fd).st_size
+    with input_tree.open_input(path) as f:
+        size = f.size
         if size > budget.max_bytes:
             raise CorruptInputError(f"{path} is {size} bytes, over the limit of {budget.max_bytes} (max_bytes: "
                                     f"{METADATA_FLOOR} + the .distcp files' bytes) for a DCP metadata file")
-        raw = f.read(size + 1)  # what fstat saw (the budget may be far larger: sparse or huge .distcp files)
+        raw = f.pread(size + 1, 0)  # what fstat saw (the budget may be far larger: sparse or huge .distcp files)
         if len(raw) > size:
             raise CorruptInputError(f"{path} grew while distmerge read it: is a job still writing this checkpoint?")
     return raw

@@ -23,15 +23,16 @@ read through one 4 MiB window when the blobs are small, by two preads each when 
 from __future__ import annotations
 
 import math
-import os
 import pickle
 import struct
 import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from distmerge import input_tree
 from distmerge.errors import CorruptInputError
 from distmerge.formats.torch_private import pickle_scan, zip_records
 from distmerge.formats.torch_private.restricted import TENSOR_GLOBALS, TensorRef, loads
@@ -57,14 +58,16 @@ class Chunk:
     length: int
 
 
-def chunk_data_offset(fd: int, chunk: Chunk, itemsize: int) -> int:
+def chunk_data_offset(fd: Any, chunk: Chunk, itemsize: int) -> int:
     """Absolute file offset of the chunk's first element. Raw chunks start at the blob. torch.save blobs
     write data.pkl first, then a few tiny records, then the storage: walking the zip's local headers in
-    one read of the blob's start finds it; anything unusual goes through zipfile's central directory."""
+    one read of the blob's start finds it; anything unusual goes through zipfile's central directory. `fd`: the
+    file as input_tree.open_input opened it (a file, or an object of an object-store input)."""
     numel = math.prod(chunk.lengths)
     if chunk.length == numel * itemsize:
         return chunk.offset
-    head = os.pread(fd, min(chunk.length, PREFIX), chunk.offset)
+    fd = input_tree.readable(fd)
+    head = fd.pread(min(chunk.length, PREFIX), chunk.offset)
     ref, at = None, 0
     while head[at : at + 4] == LOCAL_HEADER and at + 30 <= len(head):
         flags, method = struct.unpack_from("<HH", head, at + 6)
@@ -107,10 +110,12 @@ _LAYOUTS: dict[tuple[int, bytes], list[_Layout]] = {}  # (blob length, its first
 KEY = 256
 
 
-def locate(fd: int, file_size: int, rows: Sequence[tuple[int, int, int]], chunk: Callable[[int], Chunk],
+def locate(fd: Any, file_size: int, rows: Sequence[tuple[int, int, int]], chunk: Callable[[int], Chunk],
            itemsizes: Sequence[int]) -> list[int]:
     """The first element's file offset of every chunk of one file. `rows[k]`: (blob offset, blob length, numel)
-    of chunk k; `chunk(k)` builds its full record, only for blobs checked in full and for messages."""
+    of chunk k; `chunk(k)` builds its full record, only for blobs checked in full and for messages. `fd`: as for
+    chunk_data_offset."""
+    fd = input_tree.readable(fd)
     out = [0] * len(rows)
     window = _Window(fd, file_size)
     for k in sorted(range(len(rows)), key=lambda k: rows[k][0]):
@@ -131,7 +136,7 @@ def locate(fd: int, file_size: int, rows: Sequence[tuple[int, int, int]], chunk:
     return out
 
 
-def _check_in_full(fd: int, chunk: Chunk, itemsize: int, head: bytes, key: tuple[int, bytes]) -> int:
+def _check_in_full(fd: Any, chunk: Chunk, itemsize: int, head: bytes, key: tuple[int, bytes]) -> int:
     """chunk_data_offset, and the blob's layout remembered when its head and tail are all that decided it."""
     at = chunk_data_offset(fd, chunk, itemsize)
     rel = at - chunk.offset
@@ -141,7 +146,7 @@ def _check_in_full(fd: int, chunk: Chunk, itemsize: int, head: bytes, key: tuple
     directory = zip_records.directory_offset(fd, where, chunk.offset, chunk.length)
     if directory < rel:
         return at
-    tail = os.pread(fd, chunk.length - directory, chunk.offset + directory)
+    tail = fd.pread(chunk.length - directory, chunk.offset + directory)
     crcs, pos = [], 0
     while tail[pos : pos + 4] == CENTRAL and pos + 46 <= len(tail):
         crcs.append(pos + 16)
@@ -154,7 +159,7 @@ def _check_in_full(fd: int, chunk: Chunk, itemsize: int, head: bytes, key: tuple
 class _Window:
     """Reads of a file in offset order through one buffer of WINDOW bytes; large reads go straight to pread."""
 
-    def __init__(self, fd: int, size: int) -> None:
+    def __init__(self, fd: Any, size: int) -> None:
         self.fd, self.size, self.start, self.buf = fd, size, 0, b""
 
     def read(self, at: int, n: int) -> bytes:
@@ -162,8 +167,8 @@ class _Window:
         if begin >= 0 and begin + n <= len(self.buf):
             return self.buf[begin : begin + n]
         if n > WINDOW // 4:
-            return os.pread(self.fd, n, at)
-        self.start, self.buf = at, os.pread(self.fd, max(n, min(WINDOW, self.size - at)), at)
+            return self.fd.pread(n, at)
+        self.start, self.buf = at, self.fd.pread(max(n, min(WINDOW, self.size - at)), at)
         return self.buf[:n]
 
 
@@ -194,7 +199,7 @@ def _check_inside(ref: TensorRef, chunk: Chunk, itemsize: int, record_size: int,
                                 "(limit: views stay inside their record, records inside the blob)")
 
 
-def _offset_via_directory(fd: int, chunk: Chunk, itemsize: int) -> int:
+def _offset_via_directory(fd: Any, chunk: Chunk, itemsize: int) -> int:
     where = f"{chunk.file} (chunk of {chunk.fqn})"
     found = zip_records.records(fd, where, chunk.offset, chunk.length)
     pkl, prefix = zip_records.pickle_record(found, where)

@@ -24,7 +24,6 @@ How torch.save pickles each kind of state-dict value (the forms read here; meshe
 from __future__ import annotations
 
 import math
-import os
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,11 +114,8 @@ class RankFile:
         if not ref.contiguous or ref.storage.dtype.is_floating_point or math.prod(ref.size) != count:
             raise LayoutError(f"{self.path}: a device mesh's rank list is not a contiguous int tensor of {count}")
         size = ref.storage.dtype.itemsize
-        fd, _ = input_tree.open_input(self.path)
-        try:
-            data = os.pread(fd, count * size, self.file_offset(ref))
-        finally:
-            os.close(fd)
+        with input_tree.open_input(self.path) as f:
+            data = f.pread(count * size, self.file_offset(ref))
         if len(data) != count * size:
             raise CorruptInputError(f"{self.path} ends inside a device mesh's rank list: the file is truncated")
         return torch.frombuffer(bytearray(data), dtype=ref.storage.dtype).tolist()
@@ -127,11 +123,8 @@ class RankFile:
 
 def read_rank_file(path: Path) -> RankFile:
     """The state dict of one rank file, with the zip and the pickle checked first (torch_save.read)."""
-    fd, _ = input_tree.open_input(path)
-    try:
-        empty = os.fstat(fd).st_size == 0
-    finally:
-        os.close(fd)
+    with input_tree.open_input(path) as f:
+        empty = f.size == 0
     if empty:
         raise CorruptInputError(f"{path} is empty (0 bytes): the save was interrupted; use another checkpoint")
     saved = torch_save.read(path, inert_modules=(), allowed=RANK_FILE_GLOBALS, unknown=_unknown_class)

@@ -13,7 +13,6 @@ records, tensors become references, and nothing from the file runs.
 from __future__ import annotations
 
 import mmap
-import os
 import pickle
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -63,7 +62,7 @@ def read(path: Path, inert_modules: tuple[str, ...] = TRAINING_MODULES,
     refusal of any other global adds (pickle_scan.check). The zip is
     checked first (zip_records), the pickle is checked against its budget (pickle_scan), and every tensor
     must lie inside its storage record."""
-    fd, _ = input_tree.open_input(path)  # a regular file inside the input, never a FIFO or a link out
+    fd = input_tree.open_input(path)  # a regular file inside the input, never a FIFO or a link out
     try:
         found = zip_records.records(fd, str(path))
         pkl, prefix = zip_records.pickle_record(found, str(path))
@@ -75,7 +74,7 @@ def read(path: Path, inert_modules: tuple[str, ...] = TRAINING_MODULES,
         raise CorruptInputError(f"{path} cannot be read safely ({err}); distmerge loads no code from "
                                 "checkpoints") from None
     finally:
-        os.close(fd)
+        fd.close()
     _check_views(path, value, storages)
     return SavedObject(value=value, storage_offsets={n[len(prefix) :]: r.start for n, r in found.items()
                                                       if n.startswith(prefix)})
@@ -122,16 +121,18 @@ def mapped_views(path: Path, storage_offsets: Mapping[str, int],
     used, nothing is copied whole. Each ref was checked to lie inside its record (read)."""
     if not refs:
         return {}
-    fd, _ = input_tree.open_input(path)
+    f = input_tree.open_input(path)
     try:  # private and writable: torch.frombuffer wants a writable buffer; the file is never written
-        mapped = mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        mapped = mmap.mmap(f.fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE) if f.fd >= 0 \
+            else None  # an object of an object-store input: each view's bytes are read, and only those
     finally:
-        os.close(fd)
+        f.close()
     views = {}
     for key, ref in refs.items():
         dtype = ref.storage.dtype
         count = ref.bytes_needed(dtype.itemsize) // dtype.itemsize
         start = storage_offsets[ref.storage.key]
-        storage = torch.frombuffer(mapped, dtype=dtype, offset=start, count=count) if count else torch.empty(0, dtype)
+        buffer, at = (mapped, start) if mapped is not None else (bytearray(f.pread(count * dtype.itemsize, start)), 0)
+        storage = torch.frombuffer(buffer, dtype=dtype, offset=at, count=count) if count else torch.empty(0, dtype)
         views[key] = storage.as_strided(ref.size, ref.stride, ref.storage_offset)
     return views

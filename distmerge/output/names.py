@@ -1,4 +1,4 @@
-"""Every name distmerge writes in the output folder, and the one way it writes small files (atomically).
+"""Every name distmerge writes in the output (a folder or an object-store prefix; output/store.py writes them).
 
     OUT/
       model.safetensors | model-0000i-of-0000n.safetensors   the model (each renamed from .NAME.partial)
@@ -11,9 +11,6 @@
 """
 
 from __future__ import annotations
-
-import os
-from pathlib import Path
 
 INDEX_NAME = "model.safetensors.index.json"
 MANIFEST = "distmerge.manifest.json"
@@ -43,27 +40,6 @@ def partial_name(name: str) -> str:
     return f"{head}/.{base}.partial" if head else f".{base}.partial"
 
 
-def record_path(out: Path, name: str) -> Path:
-    """One flat folder of records: `lora_adapter/adapter_model.safetensors` -> `lora_adapter--adapter_...json`."""
-    return out / RECORDS / f"{name.replace('/', '--')}.json"
-
-
-def fsync_dir(folder: Path) -> None:
-    """Make a rename or a new file in `folder` durable (the file's own fsync does not cover its name)."""
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Whole or absent after a crash: write a hidden partial file, fsync it, rename it, fsync the folder."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.parent / partial_name(path.name)
-    with open(temp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temp, path)
-    fsync_dir(path.parent)
+def record_name(name: str) -> str:
+    """One flat folder of records: `lora_adapter/adapter_model.safetensors` -> `.distmerge/lora_adapter--ad...json`."""
+    return f"{RECORDS}/{name.replace('/', '--')}.json"
