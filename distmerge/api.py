@@ -36,7 +36,7 @@ from distmerge.cli_options import base_model_dir, format_options, output_setting
 
 if TYPE_CHECKING:
     from distmerge.comm import Comm
-    from distmerge.engine import MergeOptions
+    from distmerge.engine.run import MergeOptions
     from distmerge.results import MergeResult
     from distmerge.verify.listing import VerifyOptions
     from distmerge.verify.run import VerifyResult
@@ -91,7 +91,7 @@ is a result, not an error. `json`, `plot`: written by rank 0; the report is prin
 
 def merge_request(values: Mapping[str, Any]) -> MergeOptions:
     """engine.MergeOptions from the parsed options (each option of its own name goes to its field)."""
-    from distmerge.engine import MergeOptions
+    from distmerge.engine.run import MergeOptions
 
     return _fill(MergeOptions, values, format_options=format_options(values), settings=output_settings(values),
                  base_model=base_model_dir(values))
@@ -122,7 +122,7 @@ def _fill(cls: type, values: Mapping[str, Any], **computed: Any) -> Any:
 
 def run_merge(opts: MergeOptions, comm: Comm, *, show: bool) -> MergeResult:
     """Collective: the merge; with `show`, rank 0 prints the progress and the summary."""
-    from distmerge.engine import merge as engine_merge
+    from distmerge.engine.run import merge as engine_merge
     from distmerge.report import Progress, print_summary
 
     result = engine_merge(opts, comm, Progress(enabled=show and comm.rank == 0))
@@ -150,7 +150,7 @@ def job_group(values: Mapping[str, Any]) -> Iterator[Comm]:
 def as_found() -> Iterator[None]:
     """The process as the call found it, in what a library could change unasked: Python's global `random` state
 X of the input (input_tree.forget)."""
-    from distmerge import input_tree
+    from distmerge.input import tree as input_tree
 
     state = random.getstate()
     try:

@@ -75,8 +75,8 @@ def base_model_dir(values: Mapping[str, Any]) -> Path | None:
 
 def output_settings(values: Mapping[str, Any]):
     """The options that shape the output, typed (inspect has no --budget: it plans in one round)."""
+    from distmerge.engine.prepare import OutputSettings
     from distmerge.families.base import LoraOptions
-    from distmerge.prepare import OutputSettings
 
     base_model = values["base_model"]
     return OutputSettings(dtype=values["dtype"], max_shard_bytes=values["max_shard_size"],

@@ -28,8 +28,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from distmerge import errors, input_objects
+from distmerge import errors
 from distmerge.errors import DistmergeError, InputError
+from distmerge.input import objects as input_objects
 
 T = TypeVar("T")
 # Test aid: a borrowed gloo group gets a gloo side group for the small messages, as an NCCL group does, so that

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from distmerge.engine.plan import Plan
 from distmerge.errors import DistmergeError
 from distmerge.families.base import CAUSAL_LM, HEAD_CLASSES
-from distmerge.plan import Plan
 
 
 class ClaimError(DistmergeError):
@@ -85,10 +85,10 @@ def check_checkpoint(claims: tuple[Claim, ...], root: Path, fmt: str, hf_config:
                      options: Mapping[str, Any]) -> None:
     """The claims about a checkpoint that is not merged (verl's `test`): planned as a merge plans it, from the
     headers, in this process."""
-    from distmerge import discover as disc
+    from distmerge.engine.prepare import OutputSettings, prepare_merge
     from distmerge.formats import registry
-    from distmerge.prepare import OutputSettings, prepare_merge
-    from distmerge.reader import Reader
+    from distmerge.input import discover as disc
+    from distmerge.input.reader import Reader
 
     found = disc.discover(disc.check_input(root), fmt, hf_config, options)
     reader = Reader(found.scan, registry.get(found.scan.format))

@@ -203,7 +203,7 @@ def printing_functions() -> set[tuple[str, str]]:
 
 
 def test_only_the_command_line_and_the_progress_print():
-    """Shown to fail: with a print() added to engine.merge, this listed ('distmerge/engine.py', 'merge')."""
+    """Shown to fail: with a print() added to engine.merge, this listed ('distmerge/engine/run.py', 'merge')."""
     allowed = {(path, func) for path, funcs in PRINTERS.items() for func in funcs}
     assert printing_functions() - allowed == set()
 

@@ -111,7 +111,7 @@ def test_dcp_metadata_pointing_outside_is_refused(tmp_path, capsys):
     meta = private.DcpMetadata.of([private.Chunk(
         fqn="w", dtype=__import__("torch").float32, global_shape=(2,), offsets=(0,), lengths=(2,),
         file="../secret.distcp", offset=0, length=8)])
-    from distmerge.formats import dcp
+    from distmerge.formats.dcp import folder as dcp
 
     dcp._metadata.cache_clear()
     (ckpt / ".metadata").write_bytes(pickle.dumps(0))

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from distmerge.families.base import CAUSAL_LM, REGISTERED, FamilyContext, LoraOptions, SourceMeta, claim
-from distmerge.families.megatron_tables import FAMILIES, MODEL_TYPES, Row
+from distmerge.families.megatron.tables import FAMILIES, MODEL_TYPES, Row
 from distmerge.formats.base import Hints
 from distmerge.formats.safetensors_header import read_header
 
@@ -177,7 +177,7 @@ def torchtitan_sources(arch: str, gen: str, expected: dict[str, tuple[int, ...]]
                        reached: set[str] | None = None) -> dict[str, SourceMeta]:
     """One torchtitan tensor (stacked experts one per expert, as the format presents them) per row instance of
     the name generation `gen` whose target the Hugging Face model has; its shape is the target's."""
-    from distmerge.families.torchtitan_tables import FAMILIES as TT
+    from distmerge.families.torchtitan.tables import FAMILIES as TT
 
     out = {}
     layers, experts = SMALL["num_hidden_layers"], MOE["num_experts"]
@@ -195,7 +195,7 @@ def torchtitan_sources(arch: str, gen: str, expected: dict[str, tuple[int, ...]]
 
 
 def torchtitan_samples(reached: set[str] | None = None) -> list[Sample]:
-    from distmerge.families.torchtitan_tables import MODEL_TYPES as TT_TYPES
+    from distmerge.families.torchtitan.tables import MODEL_TYPES as TT_TYPES
 
     samples = []
     for model_type, q_lora in [(t, True) for t in TT_MODELS] + [("deepseek_v3", False)]:
@@ -260,7 +260,7 @@ def test_lora_adapter_and_fused_units():
 
 
 def test_every_megatron_row_is_reached_through_its_own_pattern():
-    from distmerge.families.megatron import _compiled
+    from distmerge.families.megatron.family import _compiled
 
     reached: set[str] = set()
     for arch in FAMILIES:

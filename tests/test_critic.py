@@ -17,9 +17,10 @@ from safetensors.torch import save_file
 from distmerge import transforms
 from distmerge.cli import main as distmerge_main
 from distmerge.errors import ConfigError, LayoutError
-from distmerge.families import megatron, value_head
+from distmerge.families import value_head
 from distmerge.families.base import FamilyContext, SourceMeta, claim
-from distmerge.families.megatron_tables import FAMILIES
+from distmerge.families.megatron import family as megatron
+from distmerge.families.megatron.tables import FAMILIES
 from distmerge.formats.base import Hints
 from tests.conftest import (
     assert_exact,

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from distmerge.errors import CorruptInputError
-from distmerge.formats import dcp as dcp_format
+from distmerge.formats.dcp import folder as dcp_format
 from distmerge.formats.torch_private import dcp, dcp_blobs, dcp_decode, dcp_runs, dcp_table, restricted
 from tests import hostile_pickles as hp
 from tests.test_hostile_pickles import CPU_LIMIT_S, EXPECTED, RSS_LIMIT, in_child

@@ -7,7 +7,7 @@ import pytest
 
 from distmerge.errors import InputError
 from distmerge.families.hf import check_names_are_hf as check_hf_names
-from distmerge.formats.dcp_keys import model_names
+from distmerge.formats.dcp.keys import model_names
 
 HF = ["lm_head.weight", "model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "model.norm.weight"]
 

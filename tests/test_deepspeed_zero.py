@@ -1,4 +1,4 @@
-"""Where ZeRO puts each parameter's master elements (distmerge/formats/deepspeed_zero.py), checked against a
+"""Where ZeRO puts each parameter's master elements (distmerge/formats/deepspeed/zero.py), checked against a
 flat buffer built and cut the way DeepSpeed builds and cuts it (stage_1_and_2.py: params + alignment
 padding, total padded to 2*W, W equal slices; stage3.py: ceil(numel/W) per rank per parameter). The real
 saves are covered end to end in test_merge_deepspeed.py; this pins the arithmetic at the edges (a slice
@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from distmerge.formats.deepspeed_zero import flat_pieces, partition_size, stage3_pieces
+from distmerge.formats.deepspeed.zero import flat_pieces, partition_size, stage3_pieces
 
 
 def reassemble(pieces_by_rank, slices, numels, names):
@@ -65,8 +65,8 @@ def test_readers_are_spread_by_the_bytes_a_merge_reads(ds_ckpts):
     module file plus optimizer files (shown failing with plan.assign_readers weighting by `size`)."""
     from dataclasses import replace
 
+    from distmerge.engine.plan import assign_readers
     from distmerge.formats.registry import get
-    from distmerge.plan import assign_readers
 
     fmt = get("deepspeed")
     scan = fmt.scan(ds_ckpts["ds_z2_odd_w3"], {})

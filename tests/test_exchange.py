@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from distmerge.exchange import Exchanger
+from distmerge.engine.exchange import Exchanger
 from distmerge.formats.base import Fragment
 
 ROUNDS = 4

@@ -297,7 +297,7 @@ def test_inspect_refuses_in_one_line(damage, words, megatron_ckpts, tmp_path, ou
 def test_rank_grid_from_a_folder_name_is_not_enumerated(tmp_path):
     """`mp_rank_99_999_999` makes a 100 x 1000 x 1000 grid: the missing folders are named without walking it
     (megatron_grid._check_complete; enumerating it took minutes)."""
-    from distmerge.formats.megatron_grid import _check_complete
+    from distmerge.formats.megatron.grid import _check_complete
 
     coords = {"mp_rank_00_000_000/model.pt": (0, 0, 0), "mp_rank_99_999_999/model.pt": (99, 999, 999)}
     with bounded(seconds=2), pytest.raises(InputError, match="missing for TP 0 PP 0 EP 1, TP 0 PP 0 EP 2"):
@@ -358,8 +358,8 @@ def grid_blocks(n: int, skew: int = 0) -> list[Fragment]:
 
 def test_overlap_check_of_85k_chunks_takes_seconds():
     """44^3 = 85,184 chunks: the grid check is O(n log n) (the pairwise sweep it replaces took over 60 s)."""
+    from distmerge.engine.plan import _check_coverage
     from distmerge.errors import LayoutError
-    from distmerge.plan import _check_coverage
 
     blocks = grid_blocks(44)
     with bounded(seconds=8):
@@ -374,7 +374,7 @@ def test_overlap_check_of_85k_chunks_takes_seconds():
 def test_files_swapped_after_the_walk_are_refused(tmp_path):
     """The walk records each file's inode; opening re-checks it with O_NOFOLLOW and fstat. Shown to fail by
     opening without O_NOFOLLOW and without the inode comparison (both swaps were then read)."""
-    from distmerge import input_tree
+    from distmerge.input import tree as input_tree
 
     root = tmp_path / "in"
     root.mkdir()

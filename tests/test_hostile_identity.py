@@ -29,13 +29,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from distmerge import discover as disc
-from distmerge import input_tree
 from distmerge.cli import main as distmerge_main
 from distmerge.errors import InputError
 from distmerge.formats import copies, registry
 from distmerge.formats.torch_private import state_dicts, zip_records
-from distmerge.reader import Reader
+from distmerge.input import discover as disc
+from distmerge.input import tree as input_tree
+from distmerge.input.reader import Reader
 from tests.conftest import REPO, assert_exact, free_port, load_merged, load_reference
 from tests.test_hostile_files import SAVE, bounded, megatron_copy, optim, rank, refused, run, swap
 

@@ -39,7 +39,7 @@ import torch
 from safetensors.torch import load_file
 
 from distmerge.errors import CorruptInputError
-from distmerge.formats import deepspeed
+from distmerge.formats.deepspeed import folder as deepspeed
 from distmerge.formats.torch_private import dcp, restricted, state_dicts, torch_save
 from distmerge.verify import sides
 from tests import hostile_pickles as hp

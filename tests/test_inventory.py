@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from distmerge import inventory
+from distmerge.engine import inventory
+from distmerge.engine.plan import _check_coverage, _tiled_in_order, assign_owners, assign_readers
 from distmerge.errors import LayoutError
 from distmerge.formats import registry
 from distmerge.formats.base import Fragment, InputFile
-from distmerge.plan import _check_coverage, _tiled_in_order, assign_owners, assign_readers
 
 SAVES = [("fsdp", "fsdp2_llama_bf16_w4"), ("fsdp", "fsdp1_llama_nomesh_w4"), ("fsdp", "fsdp2_llama_hsdp_2x2"),
          ("dcp", "dcp_llama_wrapped_w4"), ("megatron", "megatron_moe_tp2ep2"), ("megatron", "megatron_dist_vpp")]

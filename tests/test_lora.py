@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from distmerge.errors import InputError
 from distmerge.families.base import FamilyContext, SourceMeta
-from distmerge.families.lora import LORA_FAMILY
+from distmerge.families.lora.family import LORA_FAMILY
 from distmerge.formats.base import Hints
 from tests.conftest import assert_exact, load_merged, merge_inproc, reference_dir
 

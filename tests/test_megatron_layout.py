@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from distmerge.errors import InputError, LayoutError
-from distmerge.families import megatron
 from distmerge.families.base import FamilyContext, SourceMeta
-from distmerge.formats import megatron_layout as mg
+from distmerge.families.megatron import family as megatron
 from distmerge.formats.base import Fragment, Hints
-from distmerge.formats.megatron_dist import unstack
+from distmerge.formats.megatron import layout as mg
+from distmerge.formats.megatron.dist import unstack
 
 QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "num_attention_heads": 4, "num_key_value_heads": 2,
              "head_dim": 8, "hidden_size": 16, "vocab_size": 100, "num_hidden_layers": 1,

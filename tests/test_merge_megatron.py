@@ -149,7 +149,7 @@ def test_inspect_megatron(megatron_ckpts, capsys):
 @pytest.mark.parametrize(("case", "second"), [("megatron_tp2pp2", "pp"), ("megatron_moe_ep2", "ep")])
 def test_mp_rank_tt_nnn_without_args(case, second, megatron_ckpts, monkeypatch):
     """mp_rank_00_001: stage 1 or expert rank 1? Without `args`, the word embeddings tell (stage 0 only)."""
-    from distmerge.formats import megatron_grid
+    from distmerge.formats.megatron import grid as megatron_grid
 
     monkeypatch.setattr(megatron_grid, "_args", lambda value: None)
     grid = megatron_grid.resolve_grid(save_folder(megatron_ckpts[case]))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from distmerge.cli import main as distmerge_main
-from distmerge.formats import megatron_layout as mg
+from distmerge.formats.megatron import layout as mg
 from distmerge.transforms import mla_rope_halves
 from tests.conftest import (
     assert_exact,

@@ -15,13 +15,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from distmerge import reader as reader_module
 from distmerge.errors import CorruptInputError, OutputError
 from distmerge.families.base import Target
 from distmerge.formats.base import Fragment, InputFile, Scan
+from distmerge.input import reader as reader_module
+from distmerge.input.reader import BOUNCE, Reader
 from distmerge.output import writeback
 from distmerge.output.writer import ShardWriter
-from distmerge.reader import BOUNCE, Reader
 
 MiB = 1 << 20
 

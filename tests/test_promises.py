@@ -57,7 +57,7 @@ def test_the_index_is_written_last(fsdp_ckpts, tmp_path):
     (both ranks write some), the index is the last file to appear (inotify order, the kernel's record) and its
     mtime_ns is not older than any model file's or config.json's.
 
-    Seen to fail: with `write_index` moved before `write_config` in distmerge/finalize.py (in a copy of the
+    Seen to fail: with `write_index` moved before `write_config` in distmerge/engine/finalize.py (in a copy of the
     tree), the order check failed: config.json and distmerge.manifest.json appeared after the index."""
     out = tmp_path / "out"
     out.mkdir()
@@ -142,11 +142,12 @@ def rchar() -> int:
 
 def discovery_reads(ckpt: Path, hf: Path | None, world: int) -> tuple[int, object, list]:
     """What discovery reads (measured: rchar of this process around it) and the plan it leads to."""
-    from distmerge import discover as disc
-    from distmerge.formats import dcp, registry
+    from distmerge.engine.prepare import OutputSettings, prepare_merge
+    from distmerge.formats import registry
+    from distmerge.formats.dcp import folder as dcp
     from distmerge.formats.torch_private import dcp_blobs
-    from distmerge.prepare import OutputSettings, prepare_merge
-    from distmerge.reader import Reader
+    from distmerge.input import discover as disc
+    from distmerge.input.reader import Reader
 
     dcp._metadata.cache_clear()  # read it as a fresh process does
     dcp_blobs._LAYOUTS.clear()  # and check each chunk blob layout in full again, as a fresh process does
@@ -162,7 +163,7 @@ def discovery_reads(ckpt: Path, hf: Path | None, world: int) -> tuple[int, objec
 def checked_bytes(prepared) -> int:
     """Bytes the merge reads besides the output's: copies of small replicated blocks hashed for the replica
     check (replicas.py) and the sources compared or reported by unwritten.py."""
-    from distmerge import replicas
+    from distmerge.engine import replicas
 
     plan = prepared.plan
     names = set(prepared.left_out) | {n for pair in prepared.must_equal for n in pair if n in plan.sources}

@@ -27,8 +27,9 @@ from pathlib import Path
 
 import pytest
 
-from distmerge import input_tree, spread
+from distmerge.engine import spread
 from distmerge.families.base import Target, Unit
+from distmerge.input import tree as input_tree
 from distmerge.output import s3 as object_store
 from distmerge.output.store import FileLayout
 from tests.conftest import REPO, free_port, merge_inproc, torchrun
@@ -186,8 +187,8 @@ def test_another_scheme_is_refused_not_taken_for_a_folder(s3, cases, tmp_path, c
 
 @pytest.mark.parametrize("change", ["removed", "replaced"])
 def test_an_object_changed_after_the_listing_is_named(s3, cases, change):
-    from distmerge import input_objects
     from distmerge.errors import CorruptInputError
+    from distmerge.input import objects as input_objects
 
     _, s3c = s3
     upload_tree(s3c, cases["fsdp"][0], "ckpt", f"changing-{change}")
@@ -300,8 +301,8 @@ def test_records_of_an_object_are_those_of_the_file(s3, cases, tmp_path):
     """zip_records on an object (data starts from the zip directory, headers checked in passing) finds what it
     finds on the file, for torch.save's layout and for another writer's (records apart, no data descriptors:
     the head disagrees with the prediction, and every local header is read instead)."""
-    from distmerge import input_objects
     from distmerge.formats.torch_private import zip_records
+    from distmerge.input import objects as input_objects
 
     _, s3c = s3
     saved = cases["fsdp"][0] / "model_world_size_2_rank_0.pt"
@@ -329,8 +330,8 @@ def test_a_read_inside_a_large_record_checks_its_header_apart(s3, monkeypatch, t
     own few bytes rather than starting the read at the header (up to the whole record early)."""
     import torch
 
-    from distmerge import input_objects
     from distmerge.formats.torch_private import zip_records
+    from distmerge.input import objects as input_objects
 
     _, s3c = s3
     path = tmp_path / "three.pt"

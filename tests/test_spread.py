@@ -1,6 +1,6 @@
-"""Output files written by several ranks (distmerge/spread.py): when whole files cannot balance the writing, units
-are spread over the ranks of a host, mostly onto the rank that read them. The merges of every N=2/N=3 test with
-one output file go through shared files; these tests check the plan's promises directly."""
+"""Output files written by several ranks (distmerge/engine/spread.py): when whole files cannot balance the
+writing, units are spread over the ranks of a host, mostly onto the rank that read them. The merges of every
+N=2/N=3 test with one output file go through shared files; these tests check the plan's promises directly."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import random
 
 import pytest
 
-from distmerge import exchange, spread
-from distmerge.discover import discover
+from distmerge.engine import exchange, spread
+from distmerge.engine.plan import make_plan, merge_inventories
+from distmerge.engine.prepare import OutputSettings, prepare_merge
 from distmerge.families.base import FamilyContext
 from distmerge.families.hf import HF
 from distmerge.formats import registry
-from distmerge.plan import make_plan, merge_inventories
-from distmerge.prepare import OutputSettings, prepare_merge
+from distmerge.input.discover import discover
 from tests.conftest import merge_inproc, torchrun
 from tests.test_plan import files, frag
 

@@ -162,7 +162,7 @@ def test_a_budget_of_one_byte_still_passes(megatron_ckpts, capsys):
 def test_python_entry_point(megatron_ckpts, tmp_path):
     """What another command (a verl-style `test`) calls: VerifyOptions with merge's options, inside a group."""
     from distmerge.comm import process_group
-    from distmerge.prepare import OutputSettings
+    from distmerge.engine.prepare import OutputSettings
     from distmerge.verify import VerifyOptions, verify_and_report
     from distmerge.verify.run import verify as verify_api
 

@@ -1,6 +1,6 @@
 """The contract between model families and the engine: units of work, declared as data.
 
-Call order (distmerge/prepare.py drives it, the same for merge and inspect; verify asks `describe`):
+Call order (distmerge/engine/prepare.py drives it, the same for merge and inspect; verify asks `describe`):
 
     claim(names, config, hints)   the first registered family, in `order`, whose claims() is true
     family.units(sources, ctx)    -> FamilyResult: units (source names -> Hugging Face targets through a

@@ -1,6 +1,6 @@
 """The contract of an input format: the files of a checkpoint and the fragments inside them.
 
-Call order (distmerge/engine.py drives it; see docs/extending.md):
+Call order (distmerge/engine/run.py drives it; see docs/extending.md):
 
     rank 0       fmt.detect(root)              is this my layout? (cheap: names, small marker files)
     rank 0       fmt.scan(root, options)       -> Scan: the files, the config folder, the hints for the
@@ -22,8 +22,9 @@ from typing import Any, Protocol
 
 import torch
 
-from distmerge import dtypes, input_tree
+from distmerge import dtypes
 from distmerge.errors import InputError
+from distmerge.input import tree as input_tree
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -22,8 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from distmerge import input_objects, input_tree
 from distmerge.formats.torch_private import zip_records
+from distmerge.input import objects as input_objects
+from distmerge.input import tree as input_tree
 
 HASHED = 64 * 1024  # bytes hashed at each end of a file to tell copies apart
 SAMPLES, BLOCK = 16, 4096  # payload blocks fingerprinted per file

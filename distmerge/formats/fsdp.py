@@ -16,12 +16,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from distmerge import dtypes, input_tree
+from distmerge import dtypes
 from distmerge.errors import InputError, LayoutError
 from distmerge.formats import copies
 from distmerge.formats.base import FormatDefaults, Fragment, Hints, InputFile, OpenedFile, Scan, input_file, register
 from distmerge.formats.torch_private import archive_name, state_dicts, torch_save
 from distmerge.formats.torch_private.mesh_record import MeshCache
+from distmerge.input import tree as input_tree
 
 RANK_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 LORA_META = "lora_train_meta.json"  # verl writes r, lora_alpha, task_type beside the rank files of a LoRA run

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from distmerge import dtypes, input_tree
+from distmerge import dtypes
 from distmerge.errors import CorruptInputError
+from distmerge.input import tree as input_tree
 
 MAX_HEADER = 100 * 2**20  # the safetensors library's own limit
 # A header entry costs ~100-200 bytes of JSON per tensor; a 671B model in one file (~92k tensors) needs ~15 MB.

@@ -29,10 +29,10 @@ from typing import Any
 
 from distmerge import dtypes
 from distmerge.errors import InputError
-from distmerge.formats import dcp
 from distmerge.formats.base import FormatDefaults, FormatOption, Fragment, Hints, InputFile, OpenedFile, Scan, register
-from distmerge.formats.dcp import METADATA, DcpFormat
-from distmerge.formats.dcp_keys import WRAPPER, model_names
+from distmerge.formats.dcp import folder as dcp
+from distmerge.formats.dcp.folder import METADATA, DcpFormat
+from distmerge.formats.dcp.keys import WRAPPER, model_names
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 CHECKPOINT_DIR = "checkpoint"  # CheckpointManager's default folder, inside the dump folder

@@ -18,8 +18,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from distmerge import input_tree
 from distmerge.errors import OutputError
+from distmerge.input import tree as input_tree
 from distmerge.output.names import FINISHED, INDEX_NAME, PARTIAL, RECORDS, partial_name
 from distmerge.output.store import FileLayout, Sharing
 from distmerge.output.writeback import Writeback

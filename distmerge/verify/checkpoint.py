@@ -34,14 +34,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from distmerge import dtypes
-from distmerge import plan as planning
 from distmerge.comm import Comm
-from distmerge.engine import plan_checkpoint, run_rounds
+from distmerge.engine import plan as planning
+from distmerge.engine.finalize import main_dtype
+from distmerge.engine.plan import Plan
+from distmerge.engine.run import plan_checkpoint, run_rounds
 from distmerge.errors import InputError
-from distmerge.finalize import main_dtype
 from distmerge.formats import registry
-from distmerge.plan import Plan
-from distmerge.reader import Reader
+from distmerge.input.reader import Reader
 from distmerge.report import Progress
 from distmerge.verify.kinds import checkpoint_side
 from distmerge.verify.listing import Listing, VerifyOptions, merged_config, pair_sides

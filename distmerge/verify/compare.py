@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from distmerge.comm import Comm
-from distmerge.plan import assign_owners
+from distmerge.engine.plan import assign_owners
 from distmerge.verify.blocks import Running, Scratch, block_size
 from distmerge.verify.fp8_compare import Fp8Running, fp8_running
 from distmerge.verify.listing import Listing, Pair

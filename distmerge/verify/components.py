@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 
 from distmerge import dtypes
-from distmerge.plan import Plan, assign_owners
+from distmerge.engine.plan import Plan, assign_owners
 
 
 def comparison_plans(a: Plan, b: Plan, pairs: Iterable[tuple[str, str]], world: int,

@@ -13,12 +13,13 @@ from distmerge import (
     families,  # noqa: F401  (imports every family module, which registers itself)
     fp8,
 )
+from distmerge.engine.plan import natural_key
+from distmerge.engine.prepare import OutputSettings
 from distmerge.errors import ConfigError
-from distmerge.families import hub_names, mtp
+from distmerge.families import hub_names
 from distmerge.families.base import ModelTraits, claim
+from distmerge.families.megatron import mtp
 from distmerge.formats.base import Hints
-from distmerge.plan import natural_key
-from distmerge.prepare import OutputSettings
 from distmerge.verify.report import Check, Criteria
 from distmerge.verify.sides import Side, open_side
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from distmerge.comm import Comm
-from distmerge.plan import natural_key
+from distmerge.engine.plan import natural_key
 from distmerge.verify.blocks import one_thread
 from distmerge.verify.checkpoint import verify_checkpoint
 from distmerge.verify.compare import check_mine

@@ -14,11 +14,12 @@ from typing import Any
 
 import torch
 
-from distmerge import dtypes, input_tree
+from distmerge import dtypes
 from distmerge.errors import CorruptInputError, InputError
 from distmerge.formats.safetensors_header import read_header
 from distmerge.formats.torch_private import torch_save
 from distmerge.formats.torch_private.restricted import TENSOR_GLOBALS, TensorRef
+from distmerge.input import tree as input_tree
 from distmerge.output.names import INDEX_NAME
 
 TORCH_SUFFIXES = (".bin", ".pt", ".pth")

@@ -28,8 +28,8 @@ from typing import Protocol
 import torch
 
 from distmerge import dtypes
+from distmerge.engine.plan import Plan
 from distmerge.families.base import Target, Unit
-from distmerge.plan import Plan
 from distmerge.verify.blocks import Running, Scratch, Streamed, block_size, whole
 from distmerge.verify.fp8_compare import Fp8Running, fp8_check, fp8_running
 from distmerge.verify.listing import Listing, Pair

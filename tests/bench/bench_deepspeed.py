@@ -244,7 +244,7 @@ def main() -> int:
           f"floor = `cp masters+sync`: the "
           "fp32 master partitions, copied out of the optimizer files once as plain files"
           f"{' (plus the per-rank model-states files)' if args.stage == 3 else ''}, i.e. the bytes distmerge reads; "
-          "`cp optim` copies whole optimizer files; launch rows: `import distmerge.engine` "
+          "`cp optim` copies whole optimizer files; launch rows: `import distmerge.engine.run` "
           "as the CLI imports, its process group formed and destroyed (common.LAUNCH_ONLY), under python (N=1) and "
           "torchrun (N=2), and python importing what zero_to_fp32.py imports (torch, deepspeed); minus launch = "
           "median minus the matching launch row; own timer = distmerge's JSON `seconds`\n")

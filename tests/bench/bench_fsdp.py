@@ -123,7 +123,7 @@ def main() -> int:
           "(before every timed run the inputs re-read and 3 GiB of memory touched: common.ready); "
           f"distmerge fsyncs its output, "
           "so `cp+sync` is the floor and `baseline+sync` the like-for-like baseline; launch rows are "
-          "`import distmerge.engine` "
+          "`import distmerge.engine.run` "
           "as the CLI imports, its process group formed and destroyed (common.LAUNCH_ONLY), "
           "under python (N=1) and torchrun (N=2)"
           ": start the processes, import what a merge "

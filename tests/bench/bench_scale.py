@@ -46,12 +46,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import bench_scale_deepseek  # noqa: E402, F401  (registers the DeepSeek-V3 names, MTP included)
 import scale_metadata  # noqa: E402
 
-from distmerge import dtypes, inventory  # noqa: E402
-from distmerge import plan as planning  # noqa: E402
-from distmerge.discover import Discovery  # noqa: E402
+from distmerge import dtypes  # noqa: F401
+from distmerge.engine import inventory  # noqa: F401
+from distmerge.engine import plan as planning  # noqa: F401
+from distmerge.engine.prepare import OutputSettings, prepare_merge  # noqa: E402
 from distmerge.formats.base import Fragment, Hints, InputFile, Scan  # noqa: E402
-from distmerge.formats.dcp_keys import model_names  # noqa: E402
-from distmerge.prepare import OutputSettings, prepare_merge  # noqa: E402
+from distmerge.formats.dcp.keys import model_names  # noqa: E402
+from distmerge.input.discover import Discovery  # noqa: E402
 
 BF16, FP32 = "BF16", "F32"
 HEADER = 4096  # bytes before the first tensor of a rank file (pickle and zip records): only shifts offsets

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import re
 
-from distmerge.families import base, megatron
+from distmerge.families import base
+from distmerge.families.megatron import family as megatron
 
 LAYER_PREFIXES = ((re.compile(r"decoder\.layers\.(\d+)\."), 0),
                   (re.compile(r"mtp\.layers\.(\d+)\.transformer_layer\."), 61),  # the MTP module is HF's layer 61

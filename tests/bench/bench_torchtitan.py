@@ -248,7 +248,7 @@ def main() -> int:
           "(before every timed run the inputs re-read and 3 GiB of memory touched: common.ready); "
           f"distmerge fsyncs its output, "
           "torchtitan's route does not, so `cp+sync` is the floor and `torchtitan+sync` the like-for-like peer; "
-          "launch rows are `import distmerge.engine` "
+          "launch rows are `import distmerge.engine.run` "
           "as the CLI imports, its process group formed and destroyed (common.LAUNCH_ONLY), "
           "under python (N=1) and torchrun (N=2); own timer = each tool's "
           "clock after its imports (torchtitan: importing it takes most of its wall time on 2 cores); "

@@ -34,7 +34,7 @@ _TR = Path(PY).with_name("torchrun")
 LAUNCH_ONLY = ("from distmerge.cli import _start_up, build_parser\n"
                "with _start_up(program=True):\n"
                "    build_parser()\n"
-               "    import distmerge.engine\n"
+               "    import distmerge.engine.run\n"
                "from distmerge.comm import process_group\n"
                "with process_group(device='cpu', timeout_s=600):\n"
                "    pass")

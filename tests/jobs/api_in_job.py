@@ -26,7 +26,7 @@ from torch.distributed import distributed_c10d
 
 import distmerge
 from distmerge import comm as dm_comm
-from distmerge import input_tree
+from distmerge.input import tree as input_tree
 
 
 def state(device: torch.device) -> dict:

@@ -12,8 +12,8 @@ import struct
 from collections.abc import Iterable
 from pathlib import Path
 
-from distmerge import input_tree
 from distmerge.errors import LayoutError
+from distmerge.input import tree as input_tree
 
 LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # zip local file header: signature ... name length, extra length
 LOCAL_SIGNATURE = 0x04034B50

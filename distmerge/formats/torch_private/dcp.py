@@ -22,12 +22,12 @@ from typing import Any
 
 import torch
 
-from distmerge import input_tree
 from distmerge.errors import CorruptInputError
 from distmerge.formats.torch_private import dcp_decode, dcp_table, pickle_scan
 from distmerge.formats.torch_private.dcp_blobs import Chunk, chunk_data_offset, locate  # noqa: F401 (readers' names)
 from distmerge.formats.torch_private.dcp_table import DcpMetadata
 from distmerge.formats.torch_private.restricted import Record, as_text, loads
+from distmerge.input import tree as input_tree
 
 _METADATA_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch", "Size"): torch.Size,

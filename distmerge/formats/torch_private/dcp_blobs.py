@@ -32,10 +32,10 @@ from typing import Any
 
 import torch
 
-from distmerge import input_tree
 from distmerge.errors import CorruptInputError
 from distmerge.formats.torch_private import pickle_scan, zip_records
 from distmerge.formats.torch_private.restricted import TENSOR_GLOBALS, TensorRef, loads
+from distmerge.input import tree as input_tree
 
 BLOB_PICKLE = pickle_scan.Budget(max_bytes=pickle_scan.MiB)  # a chunk blob's data.pkl describes one tensor
 LOCAL_HEADER = b"PK\x03\x04"

@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 
-from distmerge import input_tree
 from distmerge.errors import CorruptInputError, LayoutError
 from distmerge.formats.torch_private import torch_save
 from distmerge.formats.torch_private.mesh_record import Mesh, MeshCache
@@ -45,6 +44,7 @@ from distmerge.formats.torch_private.restricted import (
     rebuild_wrapper_subclass,
     record_class,
 )
+from distmerge.input import tree as input_tree
 
 _DTENSOR_MODULES = ("torch.distributed.tensor", "torch.distributed.tensor._api", "torch.distributed._tensor.api",
                     "torch.distributed._tensor")

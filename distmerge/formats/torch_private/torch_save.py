@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 
-from distmerge import input_tree
 from distmerge.errors import CorruptInputError
 from distmerge.formats.torch_private import zip_records
 from distmerge.formats.torch_private.restricted import (
@@ -32,6 +31,7 @@ from distmerge.formats.torch_private.restricted import (
     TensorRef,
     loads,
 )
+from distmerge.input import tree as input_tree
 
 # Training metadata a trainer pickles beside its tensors; read as inert records, never as live objects.
 TRAINING_MODULES = ("argparse", "numpy", "megatron", "transformer_engine", "enum", "_io", "io", "types", "apex")

@@ -21,8 +21,9 @@ import zipfile
 from dataclasses import dataclass
 from typing import Any
 
-from distmerge import input_objects, input_tree
 from distmerge.errors import CorruptInputError
+from distmerge.input import objects as input_objects
+from distmerge.input import tree as input_tree
 
 # A 671B model's FSDP rank file holds ~92k tensors, so ~92k storage records (+5 small ones): 5x headroom.
 MAX_RECORDS = 2**19

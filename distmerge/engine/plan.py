@@ -1,0 +1,360 @@
+"""The plan: pure and deterministic, computed identically on every rank from the gathered inventories.
+
+    inventories --merge--> source tensors (coverage checked, one replica chosen per block)
+                --family--> units (source names -> target names + transform)
+                --split --> output files by size, natural name order, one owner each (bytes balanced)
+                --spread--> only when whole files cannot balance the writing: units over the ranks of a host
+                            (spread.py), a file then written by several ranks
+                --rounds--> per writer, batches of units under the byte budget; round k = every k-th batch
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field, replace
+from itertools import product
+from operator import attrgetter
+
+from distmerge import dtypes, fp8
+from distmerge.engine import spread
+from distmerge.errors import LayoutError
+from distmerge.families.base import SourceMeta, Target, Unit
+from distmerge.formats.base import Fragment, InputFile
+from distmerge.output.names import GROUP_FILES, model_file_names
+from distmerge.output.store import Sharing
+
+
+@dataclass(frozen=True, kw_only=True)
+class SourceTensor:
+    meta: SourceMeta
+    fragments: tuple[Fragment, ...]  # one per block, replicas removed, covering the tensor exactly
+    replicas: tuple[Fragment, ...] = ()  # the other copies of replicated blocks (never read for the output)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OutputFile:
+    name: str
+    owner: int  # creates the file, renames it into place, records it; writes all of it unless shared
+    units: tuple[int, ...]  # indices into Plan.units
+    targets: tuple[Target, ...]  # in file order (natural name order)
+    group: str = "model"
+    writers: tuple[int, ...] = ()  # the ranks writing its units when several do (spread.py); () = the owner
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.targets)
+
+    @property
+    def shared(self) -> bool:
+        return len(self.writers) > 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    world: int
+    readers: tuple[int, ...]  # input file index -> rank that reads it
+    sources: dict[str, SourceTensor]
+    units: tuple[Unit, ...]
+    files: tuple[OutputFile, ...]
+    rounds: tuple[tuple[int, ...], ...]  # round -> unit indices (all owners)
+    owner_of_unit: tuple[int, ...]
+    file_of_unit: tuple[int, ...]
+    extra_files: dict[str, dict] = field(default_factory=dict)  # relative path -> JSON, written by finalize
+    notes: tuple[str, ...] = ()  # what the family decided (e.g. where a LoRA adapter went)
+    config_updates: dict = field(default_factory=dict)  # config.json keys the family sets (written by finalize)
+    quantized: fp8.Quantized | None = None  # --quantize: the scheme, for config.json's quantization_config
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.nbytes for f in self.files)
+
+    def written_by(self, rank: int) -> int:
+        """Bytes of target this rank writes (its units, in whole or shared files)."""
+        return sum(t.nbytes for i, u in enumerate(self.units) if self.owner_of_unit[i] == rank for t in u.targets)
+
+    @property
+    def model_files(self) -> tuple[OutputFile, ...]:
+        """The files model.safetensors.index.json covers (not the LoRA adapter)."""
+        return tuple(f for f in self.files if f.group == "model")
+
+
+def natural_key(name: str) -> list:
+    """layers.2 before layers.10: digits compare as numbers (split keeps str/int positions aligned)."""
+    return [int(t) if i % 2 else t for i, t in enumerate(re.split(r"(\d+)", name))]
+
+
+def assign_readers(files: tuple[InputFile, ...], world: int) -> tuple[int, ...]:
+    """Each input file is read by exactly one rank; the costliest to read first, onto the least-loaded rank that
+    opens fewer than ceil(files / world) + 1 files."""
+    readers = [0] * len(files)
+    loads = [(0, r) for r in range(world)]  # a heap of (load, rank): the least-loaded, then lowest, rank first
+    most = -(-len(files) // world) + 1  # files one rank may open: uneven weights must not pile small files on one
+    count = [0] * world
+    for f in sorted(files, key=lambda f: (-f.read_weight, f.index)):
+        load, rank = heapq.heappop(loads)
+        readers[f.index] = rank
+        count[rank] += 1
+        if count[rank] < most:  # a full rank leaves the heap
+            heapq.heappush(loads, (load + f.read_weight, rank))
+    return tuple(readers)
+
+
+def merge_inventories(fragments: list[Fragment], files: tuple[InputFile, ...]) -> dict[str, SourceTensor]:
+    by_name: dict[str, list[Fragment]] = defaultdict(list)
+    for frag in fragments:
+        by_name[frag.name].append(frag)
+    return {name: _merge_one(name, frags, files) for name, frags in sorted(by_name.items())}
+
+
+def _merge_one(name: str, frags: list[Fragment], files: tuple[InputFile, ...]) -> SourceTensor:
+    ordered = sorted(frags, key=attrgetter("file_index"))  # stable: the first of the lowest file comes first
+    first = ordered[0]
+    if len({(f.global_shape, f.dtype) for f in frags}) > 1:  # one set lookup per fragment; the loop only to word it
+        for f in frags:
+            if (f.global_shape, f.dtype) != (first.global_shape, first.dtype):
+                raise LayoutError(
+                    f"{name}: {files[first.file_index].path} has shape {list(first.global_shape)} {first.dtype} but "
+                    f"{files[f.file_index].path} has {list(f.global_shape)} {f.dtype}: rank files from different "
+                    "models or runs; use one checkpoint's files only"
+                )
+    blocks: dict[tuple, Fragment] = {}
+    replicas = []
+    for f in ordered:
+        if blocks.setdefault(f.region, f) is not f:  # replicas (HSDP, TP norms): lowest file wins
+            replicas.append(f)
+    chosen = tuple(blocks[k] for k in sorted(blocks))
+    if not _tiled_in_order(first.global_shape, chosen):  # the common layouts pass in one step per block
+        _check_coverage(name, first.global_shape, chosen)
+    return SourceTensor(meta=SourceMeta(name=name, dtype=first.dtype, shape=first.global_shape), fragments=chosen,
+                        replicas=tuple(replicas))
+
+
+def _tiled_in_order(shape: tuple[int, ...], blocks: tuple[Fragment, ...]) -> bool:
+    """True when the blocks, in region order, are runs of whole rows (or flat ranges) that follow one another from
+    the tensor's first element to its last: FSDP's Shard(0), Megatron's dim-0 splits, whole tensors, ZeRO ranges.
+    Such blocks lie inside the tensor, do not overlap and cover it. False only says "not this simple case": the
+    general check (_check_coverage) then decides and words any error. At W=1024 this is 1.2 million blocks, where
+    the general check's per-block geometry cost seconds (tests/bench/bench_scale.py)."""
+    if not blocks or not shape:
+        return False
+    flat = blocks[0].flat
+    total, rest = (math.prod(shape), None) if flat else (shape[0], shape[1:])
+    end = 0
+    for b in blocks:
+        if b.flat != flat or (not flat and (b.lengths[1:] != rest or any(b.offsets[1:]))):
+            return False
+        start, count = b.offsets[0], b.lengths[0]
+        if count < 0 or not 0 <= start <= total or (count and start != end):
+            return False
+        end += count
+    return end == total
+
+
+def _check_coverage(name: str, shape: tuple[int, ...], blocks: tuple[Fragment, ...]) -> None:
+    """Fragments must lie inside the tensor, not overlap, and add up to all of it."""
+    for b in blocks:
+        if not b.inside_tensor():
+            where = f"a block at {list(b.offsets)} of size {list(b.lengths)}"
+            raise LayoutError(f"{name}: {where} lies outside its shape {list(shape)}")
+    pieces = [b for b in blocks if b.numel]
+    if len(pieces) > 1:
+        a, b = _first_overlap(pieces)
+        if a is not None:
+            raise LayoutError(f"{name}: blocks at {list(a.offsets)} and {list(b.offsets)} overlap")
+    covered = sum(b.numel for b in blocks)
+    if covered != math.prod(shape):
+        raise LayoutError(
+            f"{name}: the rank files hold {covered} of its {math.prod(shape)} elements: a rank file is missing "
+            "or belongs to another checkpoint"
+        )
+
+
+def _first_overlap(blocks: list[Fragment]) -> tuple[Fragment, Fragment] | tuple[None, None]:
+    """Runs of the flattened tensor (flat fragments, contiguous blocks) are sorted and compared with their
+    neighbour; other blocks are swept along the dimension where their offsets vary most."""
+    starts = [b.flat_start() for b in blocks]
+    if all(s is not None for s in starts):
+        ordered = sorted(zip(starts, blocks, strict=True), key=lambda sb: sb[0])
+        for (s, a), (t, b) in zip(ordered, ordered[1:], strict=False):
+            if t < s + a.numel:
+                return a, b
+        return None, None
+    if any(b.flat for b in blocks):
+        raise LayoutError(f"{blocks[0].name}: flat element ranges mixed with blocks that are not contiguous")
+    if (found := _grid_overlap(blocks)) is not False:
+        return found
+    shape = blocks[0].global_shape
+    dim = max(range(len(shape)), key=lambda d: len({b.offsets[d] for b in blocks}))
+    ordered = sorted(blocks, key=lambda b: b.offsets[dim])
+    for i, a in enumerate(ordered):
+        for b in ordered[i + 1 :]:
+            if b.offsets[dim] >= a.offsets[dim] + a.lengths[dim]:
+                break
+            if a.overlaps(b):
+                return a, b
+    return None, None
+
+
+CELLS_PER_BLOCK = 8  # the grid check's budget; layouts that need more cells are swept pairwise
+
+
+def _grid_overlap(blocks: list[Fragment]) -> tuple[Fragment, Fragment] | tuple[None, None] | bool:
+    """Blocks placed on the grid their own edges cut: two blocks overlap iff they share a cell. Trainers'
+    layouts (per-dimension splits, DCP chunk grids) give one cell per block, so this is O(n log n) where the
+    pairwise sweep is quadratic on a 3-D grid. False when the blocks would need more than the budget."""
+    ndim = len(blocks[0].global_shape)
+    cuts = [{v: i for i, v in enumerate(sorted({b.offsets[d] for b in blocks} |
+                                                {b.offsets[d] + b.lengths[d] for b in blocks}))} for d in range(ndim)]
+    budget, owner = CELLS_PER_BLOCK * len(blocks), {}
+    for b in blocks:
+        ranges = [range(cuts[d][b.offsets[d]], cuts[d][b.offsets[d] + b.lengths[d]]) for d in range(ndim)]
+        budget -= math.prod(len(r) for r in ranges)
+        if budget < 0:
+            return False
+        for cell in product(*ranges):
+            if (other := owner.setdefault(cell, b)) is not b:
+                return other, b
+    return None, None
+
+
+def split_files(units: list[Unit], max_bytes: int, members: list[int]) -> list[list[int]]:
+    """Greedy split of units[members] in natural name order; a unit never straddles two files."""
+    order = sorted(members, key=lambda i: natural_key(units[i].targets[0].name))
+    groups: list[list[int]] = [[]]
+    size = 0
+    for i in order:
+        nbytes = sum(t.nbytes for t in units[i].targets)
+        if groups[-1] and size + nbytes > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += nbytes
+    return groups
+
+
+def assign_owners(sizes: list[int], world: int) -> list[int]:
+    """Largest file first onto the rank with the fewest bytes to write."""
+    owners = [0] * len(sizes)
+    loads = [(0, r) for r in range(world)]  # as in assign_readers: O(files x log N), not O(files x N)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        load, rank = heapq.heappop(loads)
+        owners[i] = rank
+        heapq.heappush(loads, (load + sizes[i], rank))
+    return owners
+
+
+def make_plan(
+    *,
+    sources: dict[str, SourceTensor],
+    units: list[Unit],
+    files: tuple[InputFile, ...],
+    world: int,
+    max_shard_bytes: int,
+    budget_bytes: int,
+    extra_files: dict[str, dict] | None = None,
+    notes: tuple[str, ...] = (),
+    hosts: tuple[int, ...] | None = None,
+    sharing: Sharing | None = None,
+) -> Plan:
+    """`hosts[r]`: the host of rank r (ranks of one host may share a file); None: all on one host. `sharing`: what
+    the output store lets several ranks do with one file (None: a local folder's rule)."""
+    model = [i for i, u in enumerate(units) if u.targets[0].group == "model"]
+    groups = split_files(units, max_shard_bytes, model) if model else []  # only an adapter: no model files
+    names = model_file_names(len(groups))
+    for group, name in GROUP_FILES.items():  # each other group is one file of its own
+        members = [i for i, u in enumerate(units) if u.targets[0].group == group]
+        if members:
+            groups.append(split_files(units, 2**62, members)[0])
+            names.append(name)
+    sizes = [sum(t.nbytes for i in g for t in units[i].targets) for g in groups]
+    owners = assign_owners(sizes, world)
+    owner_of = [0] * len(units)
+    for f, group in enumerate(groups):
+        for i in group:
+            owner_of[i] = owners[f]
+    readers = assign_readers(files, world)
+    sharing = sharing or Sharing(within="host")
+    if world > 1 and sharing.within != "none" and not spread.balanced(_loads(sizes, owners, world)):
+        owner_of, owners = spread.spread(units, groups, [sum(t.nbytes for t in u.targets) for u in units],
+                                         _local_bytes(units, sources, readers), hosts or (0,) * world,
+                                         min_run=sharing.min_run, key=natural_key)
+    out, file_of = [], [0] * len(units)
+    for f, group in enumerate(groups):
+        targets = sorted((t for i in group for t in units[i].targets), key=lambda t: natural_key(t.name))
+        writers = sorted({owner_of[i] for i in group})
+        out.append(OutputFile(name=names[f], owner=owners[f], units=tuple(group), targets=tuple(targets),
+                              group=units[group[0]].targets[0].group,
+                              writers=tuple(writers) if len(writers) > 1 else ()))
+        for i in group:
+            file_of[i] = f
+    rounds = _rounds(units, out, sources, owner_of, world, budget_bytes)
+    return Plan(
+        world=world,
+        readers=readers,
+        sources=sources,
+        units=tuple(units),
+        files=tuple(out),
+        rounds=rounds,
+        owner_of_unit=tuple(owner_of),
+        file_of_unit=tuple(file_of),
+        extra_files=extra_files or {},
+        notes=notes,
+    )
+
+
+def _loads(sizes: list[int], owners: list[int], world: int) -> list[int]:
+    loads = [0] * world
+    for size, owner in zip(sizes, owners, strict=True):
+        loads[owner] += size
+    return loads
+
+
+def _local_bytes(units: list[Unit], sources: dict[str, SourceTensor], readers: tuple[int, ...]) -> list[dict]:
+    """Per unit: {rank: bytes of its sources that rank reads}."""
+    out = []
+    for u in units:
+        local: dict[int, int] = defaultdict(int)
+        for name in u.sources:
+            for frag in sources[name].fragments:
+                local[readers[frag.file_index]] += frag.nbytes
+        out.append(local)
+    return out
+
+
+def _rounds(units, files, sources, owner_of, world, budget) -> tuple[tuple[int, ...], ...]:
+    """Each writer takes its units in file order in batches whose source bytes fit the budget."""
+    batches: list[list[list[int]]] = [[] for _ in range(world)]
+    filled = [0] * world
+    for f in files:
+        for i in f.units:
+            need = sum(_source_bytes(sources[s].meta) for s in units[i].sources)
+            owner = owner_of[i]
+            mine = batches[owner]
+            if not mine or filled[owner] + need > budget:
+                mine.append([])
+                filled[owner] = 0
+            mine[-1].append(i)
+            filled[owner] += need
+    depth = max((len(b) for b in batches), default=0)
+    return tuple(tuple(i for b in batches if k < len(b) for i in b[k]) for k in range(depth))
+
+
+def _source_bytes(meta: SourceMeta) -> int:
+    return math.prod(meta.shape) * dtypes.itemsize(meta.dtype)
+
+
+def without_files(plan: Plan, done: list[int]) -> Plan:
+    """The same plan minus the work for files already complete (see resume.py)."""
+    if not done:
+        return plan
+    skip = set(done)
+    return only_units(plan, {i for i in range(len(plan.units)) if plan.file_of_unit[i] not in skip})
+
+
+def only_units(plan: Plan, keep: set[int]) -> Plan:
+    """The same plan doing the work of the units in `keep` only, in the same rounds (empty ones dropped)."""
+    kept = (tuple(i for i in units if i in keep) for units in plan.rounds)
+    return replace(plan, rounds=tuple(r for r in kept if r))

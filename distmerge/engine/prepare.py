@@ -1,0 +1,97 @@
+"""From what discovery found and the ranks' inventories to the plan: the one planning path of merge and inspect.
+
+    inventories --plan.merge_inventories--> source tensors (coverage checked)
+                --families.base.claim-----> the family for these names --units--> units, extra files, notes
+                --plan.make_plan----------> output files, owners, rounds
+                (+ the sources the family wrote into no unit: the engine checks them, see unwritten.py)
+
+Pure and deterministic: every rank calls it with the same arguments and gets the same plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from distmerge.dtypes import CAST_CHOICES
+from distmerge.engine import plan as planning
+from distmerge.engine import unwritten
+from distmerge.engine.plan import Plan
+from distmerge.errors import InputError
+from distmerge.families.base import FamilyContext, LoraOptions, claim, quantize
+from distmerge.formats.base import BASE_MODEL_PREFIX, Fragment
+from distmerge.input.discover import Discovery
+from distmerge.output import is_url
+from distmerge.output.store import Sharing
+
+
+@dataclass(frozen=True, kw_only=True)
+class OutputSettings:
+    """The options that shape the output."""
+
+    dtype: str = "keep"  # a --dtype choice
+    max_shard_bytes: int = 5 * 10**9
+    budget_bytes: int = 128 * 2**20
+    lora: LoraOptions = field(default_factory=LoraOptions)
+    output: Path | str = Path()  # a folder, or an object-store URL
+    quantize: str | None = None  # a --quantize choice (fp8.SCHEMES): linear weights in FP8
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prepared:
+    """The plan, and the sources the family wrote into no unit, for the engine to check (unwritten.py)."""
+
+    plan: Plan
+    left_out: dict[str, str] = field(default_factory=dict)
+    must_equal: tuple[tuple[str, str], ...] = ()
+
+
+def plan_merge(found: Discovery, fragments: list[Fragment], world: int, settings: OutputSettings) -> Plan:
+    """inspect's plan: it reads no tensor data, so the sources left out are named, not measured."""
+    prepared = prepare_merge(found, fragments, world, settings)
+    notes = unwritten.left_out_notes(prepared.left_out) + [f"{a} not written: a copy of {b}, written in its place"
+                                                           for a, b in prepared.must_equal]
+    return replace(prepared.plan, notes=(*prepared.plan.notes, *notes))
+
+
+def prepare_merge(found: Discovery, fragments: list[Fragment], world: int, settings: OutputSettings,
+                  hosts: tuple[int, ...] | None = None, sharing: Sharing | None = None) -> Prepared:
+    """`hosts[r]`: the host of rank r, for plan.make_plan (None: every rank on one host); `sharing`: what the
+    output store lets several ranks do with one file (None: a local folder's rule)."""
+    scan = found.scan
+    sources = planning.merge_inventories(fragments, scan.files)
+    # The checkpoint's own tensors go to the family's claim; a second input root's (--base-model) ride along.
+    metas = {name: s.meta for name, s in sources.items() if not name.startswith(BASE_MODEL_PREFIX)}
+    base = {name.removeprefix(BASE_MODEL_PREFIX): s.meta for name, s in sources.items()
+            if name.startswith(BASE_MODEL_PREFIX)}
+    if not metas:
+        raise InputError(f"{scan.root}: the rank files hold no tensors")
+    family = claim(list(metas), found.config, scan.hints)
+    ctx = FamilyContext(config=found.config, cast=CAST_CHOICES[settings.dtype], hints=scan.hints, lora=settings.lora,
+                        output=_shown(settings.output), base_weights=base)
+    result = family.units(metas, ctx)
+    quantized = None
+    if settings.quantize:  # after the family: its targets carry Hugging Face names, which the table matches
+        result, quantized = quantize(result, settings.quantize, family.traits(found.config), found.config)
+    if base and not any(s.startswith(BASE_MODEL_PREFIX) for u in result.units for s in u.sources):
+        result = replace(result, notes=[*result.notes, "--base-model: the folder's weights were not needed (the "
+                                                       "checkpoint holds its own), none was read"])
+    plan = planning.make_plan(
+        sources=sources,
+        units=result.units,
+        files=scan.files,
+        world=world,
+        max_shard_bytes=settings.max_shard_bytes,
+        budget_bytes=settings.budget_bytes,
+        extra_files=result.extra_files,
+        notes=tuple(result.notes),
+        hosts=hosts,
+        sharing=sharing,
+    )
+    # finalize writes them into config.json, and the quantization_config when quantized
+    plan = replace(plan, config_updates=dict(result.config_updates), quantized=quantized)
+    return Prepared(plan=plan, left_out=dict(result.left_out), must_equal=tuple(result.must_equal))
+
+
+def _shown(output: Path | str) -> str:
+    return str(output) if is_url(output) else str(Path(output).resolve())

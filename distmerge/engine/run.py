@@ -1,0 +1,303 @@
+"""The merge, phase by phase. Every rank runs `merge` and makes the same collective calls in order:
+
+    phase      who works                          collective
+    discover   rank 0 checks, lists, reads config broadcast            (comm.root_only)
+               each rank opens its input files    all_gather of inventories (comm.gather)
+    plan       every rank, identically, no I/O    all_gather of status (comm.agree)
+    checks     each rank hashes its copies of     all_gather of figures (replicas, unwritten: only when
+               small replicas and of the sources  there is something to check)
+               the family did not write
+    resume     each rank checks the output files  all_gather of the checks (always; empty without --resume),
+               it owns; rank 0 decides            then broadcast of rank 0's decision (resume.start)
+    shared     owners create the files several    all_gather of their tokens (only when the plan has shared
+               ranks write (output/writer.py)     files)
+    per round: exchange  readers pack round k+1   all_to_all_single, asynchronous (errors travel with
+                                                  the round's gather)
+               assemble + write  owners            all_gather of bytes written (progress)
+    commit     owners commit their shared files   all_gather of the writers' receipts (only when the store needs
+                                                  them and the plan has shared files), then all_gather of the
+                                                  ranks' figures (always)
+    finalize   rank 0: config, tokenizer, index   broadcast (comm.root_only); none when --resume found the
+                                                  merge already complete
+
+discover (less the output checks), plan, checks and the rounds are shared with `verify` of a checkpoint
+(verify/checkpoint.py), through `plan_checkpoint` and `run_rounds`: the rounds hand each assembled target to a
+sink (sink.py), which for merge writes it into its output file (sink.FileSink) and for verify compares it with
+the reference. The engine knows neither formats and families nor what verify compares, nor where the output
+lives: every byte it writes goes through the output store (output/store.py documents its calls).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from distmerge import expect
+from distmerge.comm import Comm
+from distmerge.engine import inventory, replicas, resume, unwritten
+from distmerge.engine import plan as planning
+from distmerge.engine.assemble import UnitBuild
+from distmerge.engine.exchange import Exchanger, Pending
+from distmerge.engine.finalize import finalize
+from distmerge.engine.plan import Plan
+from distmerge.engine.prepare import OutputSettings, prepare_merge
+from distmerge.engine.sink import FileSink, Sink
+from distmerge.errors import CorruptInputError
+from distmerge.expect import Claim
+from distmerge.formats import registry
+from distmerge.input import discover as disc
+from distmerge.input.reader import Reader
+from distmerge.output import open_store
+from distmerge.output.store import Sharing, Store
+from distmerge.output.writer import ShardWriter
+from distmerge.report import Progress
+from distmerge.results import Laps, MergeResult, RankStats
+
+# Fault-injection aid for tests that kill a rank mid-merge: a pause after every round. Zero otherwise.
+ROUND_DELAY_S = float(os.environ.get("DISTMERGE_TEST_ROUND_DELAY", "0"))
+# Fault-injection aid for the test that one rank's error mid-round is raised on every rank: "RANK:ROUND" makes
+# that rank's share of that round fail as a read error would (tests/test_promises.py). Empty otherwise.
+FAIL_AT = os.environ.get("DISTMERGE_TEST_FAIL_AT", "")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MergeOptions:
+    input: Path | str  # a folder, or s3://bucket/prefix
+    output: Path | str
+    format: str = "auto"
+    hf_config: Path | None = None
+    format_options: dict[str, Any] = field(default_factory=dict)  # the format's own (Megatron's iteration)
+    base_model: Path | None = None  # a second input root: --base-model DIR, the base of a LoRA-only save
+    settings: OutputSettings = field(default_factory=OutputSettings)
+    overwrite: bool = False
+    resume: bool = False
+    checksum: bool = False
+    claims: tuple[Claim, ...] = ()  # what the user says the checkpoint is, checked with the plan (expect.py)
+
+
+def merge(opts: MergeOptions, comm: Comm, progress: Progress) -> MergeResult:
+    start = time.perf_counter()
+    laps = Laps()
+    store = open_store(opts.output)
+    found = comm.root_only(lambda: _discover(opts, store))
+    laps.lap("discover")
+    scan = found.scan
+    reader = Reader(scan, registry.get(scan.format))
+    sink = None
+    collecting = gc.isenabled()  # the cyclic GC rests while the inventories, the plan and the rounds run:
+    gc.disable()  # millions of long-lived fragments walked in every full collection (W=256: 30% of the CPU)
+    try:
+        plan = plan_checkpoint(found, reader, comm, opts.settings, host=store.host, claims=opts.claims,
+                               sharing=store.sharing, laps=laps)
+        run = resume.describe(plan, scan.files, resume.output_options(opts.settings, scan.format,
+                                                                      opts.format_options, found.config))
+        begun = resume.start(store, plan, run, comm, resuming=opts.resume, checksum=opts.checksum)
+        progress.say(begun.line)
+        todo = planning.without_files(plan, list(begun.kept))
+        if not begun.complete:  # progress counts only what this run writes
+            progress.start(plan.total_bytes - _kept_bytes(plan, begun), len(plan.files), kept=len(begun.kept))
+        sink = FileSink(plan, store, run, comm.rank, checksum=opts.checksum)
+        sink.create_shared(begun.kept, comm)
+        run_rounds(todo, comm, reader, sink, progress)
+        progress.stop()
+        laps.lap("rounds")
+        receipts = comm.gather(sink.receipts) if sink.needs_receipts else None
+        ranks = comm.gather(lambda: sink.commit_shared(receipts) or _stats(comm.rank, reader, sink.writers, laps))
+        copied = [] if begun.complete else comm.root_only(
+            lambda: finalize(store, plan, found.config, Path(found.hf_dir), scan.not_model_files))
+    except BaseException:
+        if sink is not None:
+            sink.abort()
+        progress.stop()
+        raise
+    finally:
+        reader.close()
+        if collecting:
+            gc.enable()
+    return MergeResult(
+        output=str(opts.output),
+        format=scan.format,
+        input_world_size=scan.world_size,
+        processes=comm.world,
+        device=str(comm.device),
+        tensors=sum(len(f.targets) for f in plan.files),
+        files=[(f.name, f.nbytes) for f in plan.files],
+        total_bytes=plan.total_bytes,
+        seconds=time.perf_counter() - start,
+        ranks=ranks,
+        notes=[*scan.notes, *plan.notes],
+        copied=copied,
+        resumed_files=len(begun.kept),
+        bytes_written=sum(r.bytes_written for r in ranks),
+        resume=begun.line,
+    )
+
+
+def plan_checkpoint(found: disc.Discovery, reader: Reader, comm: Comm, settings: OutputSettings,
+                    host: Callable[[], str], claims: tuple[Claim, ...] = (), sharing: Sharing | None = None,
+                    laps: Laps | None = None) -> Plan:
+    """Collective, after discovery, before any round (merge, and verify of a checkpoint): each rank opens the input
+    files it reads and the inventories are gathered; every rank plans the same; the checks of small replicas and
+    of the sources the family wrote into no unit run. Returns the plan with their notes, the same on every rank.
+    `host()`: this rank's machine, as spread.py groups ranks that may write one file; `claims`: what the user
+    says the checkpoint is, checked against the plan (expect.py); `sharing`: what the output store lets several
+    ranks do with one file (None: what a local folder allows); `laps`: the phases' times, when kept."""
+    laps = laps if laps is not None else Laps()
+    readers = planning.assign_readers(found.scan.files, comm.world)
+    mine = [i for i, r in enumerate(readers) if r == comm.rank]
+    # inventories travel as columns (inventory.py says why), with the host of each rank (spread.py)
+    gathered = comm.gather(lambda: (host(), inventory.pack(reader.open(mine))))
+    laps.lap("open")
+    hosts = _host_numbers([name for name, _ in gathered])
+    prepared = comm.agree(lambda: _prepare(found, inventory.unpack([part for _, part in gathered]), comm.world,
+                                           settings, hosts, claims, sharing))
+    laps.lap("plan")
+    plan = prepared.plan
+    checked = unwritten.check(plan, prepared.left_out, prepared.must_equal, comm, reader)
+    return replace(plan, notes=(*plan.notes, *replicas.check(plan, comm, reader), *checked))
+
+
+def _prepare(found: disc.Discovery, fragments, world: int, settings: OutputSettings, hosts: tuple[int, ...],
+             claims: tuple[Claim, ...], sharing: Sharing | None):
+    prepared = prepare_merge(found, fragments, world, settings, hosts=hosts, sharing=sharing)
+    expect.check(claims, found.config, prepared.plan)
+    return prepared
+
+
+def run_rounds(todo: Plan, comm: Comm, reader: Reader, sink: Sink, progress: Progress, send_sets: int = 2) -> None:
+    """Collective: the rounds of `todo`, each unit's targets into `sink` on its owner. Exchange one round ahead:
+    round k+1 travels (its readers pack it) while round k is assembled. `send_sets`: exchange.Exchanger's."""
+    run_in_lockstep((Work(todo=todo, reader=reader, sink=sink, send_sets=send_sets),), comm, progress)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Work:
+    """One input's rounds: its plan (owners and rounds), the reader of its files, where its targets go."""
+
+    todo: Plan
+    reader: Reader
+    sink: Sink
+    send_sets: int = 2  # exchange.Exchanger's: 1 for verify, whose rounds take longer to assemble than to travel
+
+
+def run_in_lockstep(works: tuple[Work, ...], comm: Comm, progress: Progress) -> None:
+    """Collective: round k of every work, in order, inside one gather (verify of two checkpoints: round k of one
+    side, then round k of the other, so that an owner holds both sides' targets of a round together). Each
+    work's exchange of round k+1 travels while round k is assembled; a work with fewer rounds idles."""
+    exchangers = [Exchanger(w.todo, comm, w.reader, w.send_sets) for w in works]
+    for w in works:
+        if w.reader.objects:  # an object-store input: a GET may read a later round's fragments in passing
+            w.reader.plan_reads(w.todo, comm.rank)
+    depth = max((len(w.todo.rounds) for w in works), default=0)
+
+    def start(k: int) -> list[Pending]:
+        return [x.start(_round(w.todo, k), k % 2) for x, w in zip(exchangers, works, strict=True)]
+
+    pending, ahead = start(0) if depth else [], []
+    try:
+        for k in range(depth):
+            ahead = start(k + 1) if k + 1 < depth else []
+            done = comm.gather(lambda p=pending, k=k: _test_fault(k, comm.rank) or sum(
+                _build(w.todo, _round(w.todo, k), pk, comm, w.reader, w.sink) for w, pk in zip(works, p, strict=True)))
+            progress.advance(sum(done))
+            pending, ahead = ahead, []
+            time.sleep(ROUND_DELAY_S)
+    except BaseException as err:
+        if hasattr(err, "origin_rank"):  # every rank agreed on the error, so in-flight exchanges complete
+            for work in (*pending, *ahead):
+                work.drain()
+        raise
+
+
+def _round(todo: Plan, k: int) -> tuple[int, ...]:
+    return todo.rounds[k] if k < len(todo.rounds) else ()
+
+
+def _test_fault(k: int, rank: int) -> None:
+    if f"{rank}:{k}" == FAIL_AT:
+        raise CorruptInputError(f"test fault (DISTMERGE_TEST_FAIL_AT) on rank {rank} in round {k}")
+
+
+def _discover(opts: MergeOptions, store: Store) -> disc.Discovery:
+    root = disc.check_input(opts.input)
+    store.check(str(opts.input), opts.overwrite or opts.resume)
+    found = disc.discover(root, opts.format, opts.hf_config, opts.format_options, opts.base_model)
+    store.prepare(keep_finished=opts.resume)
+    return found
+
+
+def _host_numbers(names: list[str]) -> tuple[int, ...]:
+    """Each rank's host as the lowest rank on it: the same numbers on every rank."""
+    first: dict[str, int] = {}
+    return tuple(first.setdefault(name, rank) for rank, name in enumerate(names))
+
+
+def _kept_bytes(plan: Plan, begun: resume.Resumption) -> int:
+    return sum(plan.files[i].nbytes for i in begun.kept)
+
+
+def _build(plan: Plan, units, pending: Pending, comm: Comm, reader: Reader, sink: Sink) -> int:
+    """Place this rank's fragments for the round's units (local ones while the exchange is in flight), hand the
+    targets to the sink, let it complete what it can. Returns the bytes of target built."""
+    me = comm.rank
+    builds = [UnitBuild(plan.units[i], plan, sink.output(i), comm.device) for i in units if plan.owner_of_unit[i] == me]
+    try:
+        _place_local(builds, plan, me, reader, pending.held)
+    finally:
+        received = pending.wait()  # the collective completes even when local work failed
+    held = pending.held
+    for build in builds:
+        for source, frag in build.fragments():
+            if (reader_of := plan.readers[frag.file_index]) != me:
+                build.place_received(source, frag, received.take(reader_of, frag))
+            elif held and frag in held:  # read from an object store with the packing (exchange.held_back)
+                build.place_received(source, frag, held[frag])
+        build.finish()
+    sink.round_done()
+    return sum(t.nbytes for build in builds for t in build.unit.targets)
+
+
+def _place_local(builds: list[UnitBuild], plan: Plan, me: int, reader: Reader, held: dict) -> None:
+    """The fragments this rank reads for its own units. Files: small fragments that lie close in a file come in
+    one read (Reader.fill), straight into their place where they have one (UnitBuild.take_local). An object
+    store: every read of the round handed to one batch (reads.Batch: neighbours in one GET), less those read
+    with the packing (`held`)."""
+    if reader.objects:
+        reads = reader.batch()
+        for build in builds:
+            for source, frag in build.fragments():
+                if plan.readers[frag.file_index] == me and frag not in held:
+                    build.place_local(source, frag, reads)
+        reads.run()
+        return
+    filled, rest = [], []
+    for build in builds:
+        for source, frag in build.fragments():
+            if plan.readers[frag.file_index] == me:
+                dest = build.take_local(source, frag) if reader.can_copy(frag) else None
+                (rest.append((build, source, frag)) if dest is None else filled.append((frag, dest)))
+    reader.fill(filled)
+    for build, source, frag in rest:
+        build.place_local(source, frag, reader)
+
+
+def _stats(rank: int, reader: Reader, writers: dict[int, ShardWriter], laps: Laps) -> RankStats:
+    """What this rank did in this run: the files it wrote (or its part of shared ones), not the ones --resume
+    kept."""
+    return RankStats(
+        rank=rank,
+        bytes_read=reader.bytes_read,
+        bytes_written=sum(w.own_bytes for w in writers.values()),
+        files_written=len(writers),
+        peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        phases=dict(laps),
+        phases_cpu=dict(laps.cpu),
+        phases_rss=dict(laps.rss),
+    )
+

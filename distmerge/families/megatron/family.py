@@ -1,0 +1,164 @@
+"""Megatron-core tensors (global, as the Megatron formats present them) -> Hugging Face units.
+
+The family's table (megatron_tables.py) says which Hugging Face tensors each Megatron tensor becomes and
+through which transform; this module finds the row of every source, fills in the layer/expert numbers,
+computes the transform's parameters from config.json (and the format's details), and checks the shapes
+so that a wrong config is an error before anything is read.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import cache
+from typing import Any
+
+from distmerge.errors import InputError, LayoutError
+from distmerge.families import base, value_head
+from distmerge.families.base import FamilyContext, FamilyResult, SourceMeta, Target, Unit, output_dtype
+from distmerge.families.megatron import mla as megatron_mla
+from distmerge.families.megatron import mtp
+from distmerge.families.megatron.tables import FAMILIES, FLOAT32_TARGETS, LAYERS, MODEL_TYPES, MTP, Row
+from distmerge.formats.base import Hints
+
+HEAD = base.CAUSAL_LM.tied_heads[0][0]
+
+
+
+def units(sources: dict[str, SourceMeta], ctx: FamilyContext) -> FamilyResult:
+    refuse_vision_language(sources, ctx.config)
+    head = value_head.megatron_head(sources)  # a critic's one-row output layer: written as a value head
+    if not head:
+        refuse_head_config(sources, ctx.config)
+        return _units(sources, ctx, lm_head=True)
+    body = _units({n: s for n, s in sources.items() if n not in head}, ctx, lm_head=False)
+    hidden = base.CAUSAL_LM.sizes(ctx.config).get("hidden_size")
+    return value_head.with_megatron_head(body, sources, ctx, hidden if isinstance(hidden, int) else None)
+
+
+def refuse_vision_language(sources: dict[str, SourceMeta], config: dict[str, Any]) -> None:
+    """Megatron's vision-language models keep the tower (`vision_model.*`, `vision_projection.*`) beside
+    `language_model.*`, with the tower's layers numbered apart from the language model's pipeline stages: no
+    table maps them yet, and a text-only merge would silently write half a model."""
+    tower = sorted(n for n in sources if n.startswith(("vision_model.", "vision_projection.")))
+    if tower or isinstance(config.get("vision_config"), dict):
+        what = f"its vision tower ({tower[0]}, ...)" if tower else "config.json's vision_config"
+        raise InputError(f"a Megatron vision-language save ({what}): distmerge has no mapping for Megatron's "
+                         "vision tower and projector yet (Megatron-Bridge's export converts it)")
+
+
+def refuse_head_config(sources: dict[str, SourceMeta], config: dict[str, Any]) -> None:
+    """A config.json that names a value model (Qwen2ForTokenClassification) over a language model's weights:
+    the written model would not load as either."""
+    arch = (config.get("architectures") or [""])[0]
+    if base.body_class(arch) != arch:
+        out = sources.get(value_head.MEGATRON_WEIGHT)
+        what = f"an output layer of {out.shape[0]} rows" if out else "no output layer (tied embeddings)"
+        raise LayoutError(f"config.json names {arch}, a value model, but the checkpoint has {what}: a language "
+                          "model's; pass the actor's config.json with --hf-config")
+
+
+def _units(sources: dict[str, SourceMeta], ctx: FamilyContext, lm_head: bool) -> FamilyResult:
+    arch = architecture(ctx.config)
+    rows = _compiled(arch)
+    tied = base.CAUSAL_LM.ties(ctx.config)
+    sizes = base.CAUSAL_LM.sizes(ctx.config)
+    # multi-token prediction layers are found by the rows of the decoder layer they are built like
+    aliases = megatron_mla.mtp_aliases(sources, sizes, arch in MTP)
+    out, notes, unmapped = [], [], []
+    for meta in sources.values():
+        name = aliases.get(meta.name, meta.name)
+        found = next(((row, m) for row, pattern in rows if (m := pattern.fullmatch(name))), None)
+        if found is None:
+            unmapped.append(meta.name)
+            continue
+        row, match = found
+        names = tuple(t.format(*match.groups()) for t in row.targets)
+        if tied and names == (HEAD,):
+            notes.append("output_layer.weight not written: config.json ties it to the embedding")
+            continue
+        transform, params = (megatron_mla.resolve(meta, sizes) if row.transform == megatron_mla.MLA
+                             else (row.transform, _params(row.transform, meta, sizes, ctx.hints)))
+        shapes = target_shapes(transform, meta, params)
+        float32 = ctx.cast and names[0].endswith(FLOAT32_TARGETS.get(arch, ()))
+        dtype = output_dtype(meta.dtype, "F32" if float32 else ctx.cast)
+        targets = tuple(Target(name=n, shape=s, dtype=dtype) for n, s in zip(names, shapes, strict=True))
+        out.append(Unit(sources=(meta.name,), targets=targets, transform=transform, params=params))
+    if unmapped:
+        shown = ", ".join(sorted(unmapped)[:6])
+        raise InputError(f"{len(unmapped)} Megatron tensors have no mapping for {arch} ({shown}): "
+                         "distmerge would drop them; is config.json for this model?")
+    _check_complete([u for u in out if u.sources[0] not in aliases], sizes, tied or not lm_head, arch)
+    layers = {int(m[1]) for u in out if u.sources[0] in aliases for t in u.targets if (m := mtp.LAYER.match(t.name))}
+    out, updates, mtp_notes = mtp.finish(out, layers, sizes)
+    padded = sources.get("embedding.word_embeddings.weight")
+    if padded and padded.shape[0] != sizes.get("vocab_size"):
+        notes.append(f"vocabulary padding trimmed: {padded.shape[0]} -> {sizes['vocab_size']} rows")
+    return FamilyResult(units=out, notes=notes + mtp_notes, config_updates=updates)
+
+
+def architecture(config: dict[str, Any]) -> str:
+    return base.table_for(config, FAMILIES, MODEL_TYPES, "Megatron", heads=True)
+
+
+@cache
+def _compiled(arch: str) -> list[tuple[Row, re.Pattern[str]]]:
+    return [(row, re.compile(re.escape(row.source).replace(r"\{\}", r"(\d+)")))
+            for row in FAMILIES[arch] + MTP.get(arch, ())]
+
+
+def _params(transform: str, meta: SourceMeta, config: dict[str, Any], hints: Hints) -> tuple[tuple[str, object], ...]:
+    """The transform's parameters: attention sizes and vocabulary from config.json, shard layout from the format."""
+    if transform == "split_qkv":
+        heads = base.config_int(config, "num_attention_heads", "Megatron")
+        groups = config.get("num_key_value_heads") or heads
+        head_dim = config.get("head_dim") or base.config_int(config, "hidden_size", "Megatron") // heads
+        return (("heads", heads), ("groups", groups), ("head_dim", head_dim))
+    if transform == "split_gate_up":
+        return (("shards", hints.expert_fc1_shards if ".experts." in meta.name else hints.fc1_shards),)
+    if transform == "trim_rows":
+        return (("rows", base.config_int(config, "vocab_size", "Megatron")),)
+    return ()
+
+
+def target_shapes(transform: str, meta: SourceMeta, params: tuple) -> list[tuple[int, ...]]:
+    """Shapes the transform will produce, checked against the source before any byte moves."""
+    p, (rows, *rest) = dict(params), meta.shape
+    rest = tuple(rest)
+    if transform == "split_qkv":
+        per_group = p["heads"] // p["groups"]
+        if rows != p["groups"] * (per_group + 2) * p["head_dim"] or p["heads"] % p["groups"]:
+            raise LayoutError(f"{meta.name} has {rows} rows, but config.json's {p['heads']} heads, {p['groups']} "
+                              f"key/value heads and head_dim {p['head_dim']} need "
+                              f"{(p['heads'] + 2 * p['groups']) * p['head_dim']}: wrong config.json?")
+        kv = (p["groups"] * p["head_dim"], *rest)
+        return [(p["heads"] * p["head_dim"], *rest), kv, kv]
+    if transform == "split_gate_up":
+        if rows % (2 * p["shards"]):
+            raise LayoutError(f"{meta.name} has {rows} rows: not gate and up halves of {p['shards']} shards")
+        return [(rows // 2, *rest)] * 2
+    if transform == "trim_rows":
+        if rows < p["rows"]:
+            raise LayoutError(f"{meta.name} has {rows} rows but config.json's vocab_size is {p['rows']}: "
+                              "wrong config.json?")
+        return [(p["rows"], *rest)]
+    return [meta.shape]
+
+
+def _check_complete(out: list[Unit], config: dict[str, Any], tied: bool, arch: str) -> None:
+    names = {t.name for u in out for t in u.targets}
+    layer = re.compile(re.escape(LAYERS).replace(r"\{\}", r"(\d+)"))
+    layers = {int(m[1]) for n in names if (m := layer.match(n))}
+    expected = config.get("num_hidden_layers")
+    if isinstance(expected, int) and layers != set(range(expected)):
+        missing = sorted(set(range(expected)) - layers)[:8]
+        extra = sorted(layers - set(range(expected)))[:8]
+        raise LayoutError(f"config.json has {expected} layers but the checkpoint's layers differ (missing "
+                          f"{missing or 'none'}, beyond {extra or 'none'}): a pipeline stage is missing or "
+                          "config.json is another model's")
+    if not tied and HEAD not in names:
+        raise LayoutError(f"config.json does not tie embeddings but the checkpoint has no output_layer ({arch}): "
+                          "was it trained with tied embeddings? fix tie_word_embeddings in config.json")
+
+
+
+MEGATRON = base.register(base.NamingFamily(name="megatron", naming="megatron", order=20, build=units))

@@ -1,0 +1,2 @@
+"""torchtitan names and layouts: the family (family) and its tables (tables).
+"""

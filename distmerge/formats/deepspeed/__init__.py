@@ -1,0 +1,2 @@
+"""DeepSpeed ZeRO 0-3 saves: the format (folder), the layouts of its partitions (layout, zero).
+"""

@@ -1,0 +1,252 @@
+"""Reads fragment bytes on the rank that owns the input file: pread into memory, or through one reused 1 MiB
+buffer into an output file. No mapping of the input is kept (mmap only told us where bytes are). Every
+file is opened through input_tree.open_input, by the walk's record that came with the scan: on every rank,
+a file replaced by a link or a FIFO after discovery is refused, never followed."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from distmerge import dtypes
+from distmerge.engine.plan import Plan
+from distmerge.errors import CorruptInputError
+from distmerge.formats import registry
+from distmerge.formats.base import Fragment, InputFormat, OpenedFile, Scan
+from distmerge.input import objects as input_objects
+from distmerge.input import tree as input_tree
+from distmerge.input.reads import Batch
+
+# The copy of a fragment into an output file goes through one reused buffer of this size: preadv from the input,
+# pwrite into the output, 1 MiB each (writer.WRITE_CHUNK). copy_file_range, used before, splices 64 KiB at a time
+# on ext4 and takes the output file's inode lock for each piece, so two processes writing one shared file took
+# turns. tests/bench/bench_copy_paths.py, 0.78 GB into one file with fsync (docs/benchmarks.md): 0.65 s by
+# copy_file_range, 0.54 s through this buffer; with early writeback (writeback.py) 0.50 s and 0.34 s; two
+# processes writing halves of one file 0.46 s and 0.25 s. 4 MiB writes were 2-4x slower than 1 MiB ones.
+BOUNCE = 1 << 20
+# Small fragments that follow one another in a file are read together, up to SPAN bytes a read: a 1024-rank save
+# holds 1.16 million chunks, a pread each is a system call per few KB. Only fragments that touch: the bytes
+# between two (a DCP blob's zip records, the next tensor's pickle) are never read, so each input byte is still
+# read once (tests/test_promises.py); a DCP file's tiny chunks, 1.6 KB of records apart, are read one by one.
+SMALL = 1 << 20
+SPAN = 4 << 20
+
+
+class Reader:
+    def __init__(self, scan: Scan, fmt: InputFormat, *, second: bool = False) -> None:
+        """`second`: a second input read in the same run (verify of two checkpoints): the first's record stays."""
+        self.scan = scan
+        self.root = Path(scan.root)
+        self.fmt = fmt
+        self.files = scan.files
+        self.opened: dict[int, OpenedFile] = {}
+        self._files: dict[int, Any] = {}  # input_tree.open_input: a file, or an object of an object-store input
+        self.bytes_read = 0
+        self._bounce = memoryview(bytearray(BOUNCE))
+        self._taken: dict[int, list[tuple[int, int]]] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self._planned: dict[int, dict[tuple[int, int], Fragment]] = {}  # plan_reads: file -> range -> fragment
+        self._done: set[Fragment] = set()  # read by a batch
+        self._kept: dict[Fragment, torch.Tensor] = {}  # read in passing, for a later round
+        self.kept_bytes = 0
+        input_tree.adopt(scan.walked, also=second)  # files are opened by the walk's record, on every rank
+        # an object-store input (input_objects.py): its reads are made in batches of merged GETs (reads.Batch), the
+        # owners' own with the packing (exchange.held_back); a file's take the paths below, as they are
+        self.objects = input_objects.remote(self.root)
+
+    def open(self, indices: list[int]) -> list[Fragment]:
+        """Discover: open the assigned files, return their fragments (the rank's inventory)."""
+        found: list[Fragment] = []
+        for i in indices:
+            self.opened[i] = registry.open_file(self.fmt, self.scan, self.files[i])
+            found.extend(self.opened[i].fragments)
+        return found
+
+    def can_copy(self, frag: Fragment) -> bool:
+        return frag.byte_offset >= 0
+
+    def read_into(self, frag: Fragment, dest: torch.Tensor | None = None, count: bool = True,
+                  then: Callable[[torch.Tensor], None] | None = None) -> None:
+        """Fill `dest` (CPU, contiguous uint8 of the fragment's size; None: a buffer made here) with the fragment's
+        bytes, then call `then(dest)`; `count`: add them to bytes_read (the summary's `read`: bytes the output is
+        made of). reads.Batch takes the same calls and may make them later."""
+        if dest is None:
+            dest = torch.empty(frag.nbytes, dtype=torch.uint8)
+        self._read_into(frag, dest, count)
+        if then is not None:
+            then(dest)
+
+    def _read_into(self, frag: Fragment, dest: torch.Tensor, count: bool) -> None:
+        if frag.byte_offset < 0:
+            view = self.opened[frag.file_index].views[(frag.key, frag.offsets)]
+            dest.view(dtypes.torch_dtype(frag.dtype)).view(frag.lengths).copy_(view)
+            self.bytes_read += dest.numel() * count
+            return
+        buf = memoryview(dest.numpy()).cast("B")
+        f, done = self._file(frag.file_index), 0
+        if f.fd < 0:  # an object of an object-store input: one ranged GET of exactly these bytes
+            self.bytes_read += f.readinto(buf, frag.byte_offset) * count
+            return
+        fd = f.fd
+        while done < len(buf):
+            got = os.preadv(fd, [buf[done:]], frag.byte_offset + done)
+            if got == 0:
+                self._truncated(frag)
+            done += got
+        self.bytes_read += done * count
+
+    def fill(self, pairs: list[tuple[Fragment, memoryview | torch.Tensor]]) -> None:
+        """Each fragment's bytes into its destination (a writable memoryview, or a CPU uint8 tensor, of its size);
+        small fragments of one file that touch come in one read."""
+        small = sorted((p for p in pairs if p[0].byte_offset >= 0 and p[0].nbytes <= SMALL),
+                       key=lambda p: (p[0].file_index, p[0].byte_offset))
+        for frag, dest in pairs:
+            if frag.byte_offset < 0 or frag.nbytes > SMALL:
+                self.read_into(frag, _tensor(dest))
+        at = 0
+        while at < len(small):
+            first, end, stop = small[at][0], small[at][0].byte_offset + small[at][0].nbytes, at + 1
+            while stop < len(small):
+                f = small[stop][0]
+                if f.file_index != first.file_index or f.byte_offset > end or f.byte_offset + f.nbytes - \
+                        first.byte_offset > SPAN:
+                    break
+                end, stop = max(end, f.byte_offset + f.nbytes), stop + 1
+            self._fill_span(small[at:stop], first.byte_offset, end)
+            at = stop
+
+    def _fill_span(self, pairs: list[tuple[Fragment, memoryview | torch.Tensor]], start: int, end: int) -> None:
+        """One read of [start, end) of the pairs' file; a lone fragment's bytes go straight to its destination."""
+        lone = len(pairs) == 1 and pairs[0][0].byte_offset == start and pairs[0][0].nbytes == end - start
+        dest = pairs[0][1] if lone else None
+        buf = (dest if isinstance(dest, memoryview) else memoryview(dest.numpy()).cast("B")) if lone else \
+            memoryview(bytearray(end - start))
+        fd, done = self._file(pairs[0][0].file_index).fd, 0
+        while done < len(buf):
+            got = os.preadv(fd, [buf[done:]], start + done)
+            if got == 0:
+                self._truncated(next(f for f, _ in pairs if f.byte_offset + f.nbytes > start + done))
+            done += got
+        if lone:
+            self.bytes_read += done
+            return
+        for frag, dest in pairs:
+            view = dest if isinstance(dest, memoryview) else memoryview(dest.numpy()).cast("B")
+            view[:] = buf[frag.byte_offset - start : frag.byte_offset - start + frag.nbytes]
+            self.bytes_read += frag.nbytes
+
+    def copy_to(self, frag: Fragment, put: Callable[[memoryview, int], None], out_offset: int, nbytes: int) -> None:
+        """Copy the first nbytes of the fragment to `put(buffer, offset)` (the output file's pwrite), 1 MiB at a
+        time. A read failure is this input file's error; put's own failures (a full disk) pass through."""
+        f, done, buf = self._file(frag.file_index), 0, self._bounce
+        if f.fd < 0:  # an object: one ranged GET, streamed in pieces
+            f.read_spans(frag.byte_offset, frag.byte_offset + nbytes,
+                         [(frag.byte_offset, nbytes, lambda piece, at: put(piece, out_offset + at))])
+            self.bytes_read += nbytes
+            return
+        src = f.fd
+        while done < nbytes:
+            try:
+                got = os.preadv(src, [buf[: min(BOUNCE, nbytes - done)]], frag.byte_offset + done)
+            except OSError as err:
+                raise CorruptInputError(f"cannot read {self.files[frag.file_index].path}: {err.strerror}") from None
+            if got == 0:
+                self._truncated(frag)
+            put(buf[:got], out_offset + done)
+            done += got
+        self.bytes_read += done
+
+    def batch(self) -> Batch:
+        """Reads to make together (reads.Batch): a round's packing, an owner's local fragments."""
+        return Batch(self)
+
+    def remote(self, frag: Fragment) -> bool:
+        """The fragment's bytes come from an object store (a request each) rather than a file or a mapped view."""
+        return frag.byte_offset >= 0 and self._file(frag.file_index).fd < 0
+
+    def taken(self, index: int) -> list[tuple[int, int]] | None:
+        """(start, end) of every fragment of an input file this rank opened, sorted: bytes a batch may not read
+        in passing, since they are read in another round (each input byte once). None: a file it did not open."""
+        opened = self.opened.get(index)
+        if opened is None:
+            return None
+        if index not in self._taken:
+            self._taken[index] = sorted((f.byte_offset, f.byte_offset + f.nbytes) for f in opened.fragments
+                                        if f.byte_offset >= 0)
+        return self._taken[index]
+
+    def plan_reads(self, plan: Plan, rank: int) -> None:
+        """The fragments this rank reads in the rounds to come (before the first): a batch may read one early, in
+        passing, and keep it for its round (reads.py)."""
+        self._planned.clear()
+        self._done.clear()
+        self._kept.clear()
+        self.kept_bytes = 0
+        for units in plan.rounds:
+            for i in units:
+                for frag in (f for name in plan.units[i].sources for f in plan.sources[name].fragments):
+                    if plan.readers[frag.file_index] == rank and frag.byte_offset >= 0:
+                        at = (frag.byte_offset, frag.byte_offset + frag.nbytes)
+                        self._planned.setdefault(frag.file_index, {}).setdefault(at, frag)
+
+    def later(self, index: int, ranges: list[tuple[int, int]]) -> list[Fragment] | None:
+        """The planned fragments at these byte ranges of a file, none read yet; None if a range is another's."""
+        planned = self._planned.get(index, {})
+        found = [planned.get(r) for r in dict.fromkeys(ranges)]
+        if any(f is None or f in self._done or f in self._kept for f in found):
+            return None
+        return found
+
+    def keep(self, frag: Fragment, data: torch.Tensor) -> None:
+        """A fragment read in passing, held for the round that needs it (`kept`)."""
+        self._kept[frag] = data
+        self.kept_bytes += frag.nbytes
+
+    def kept(self, frag: Fragment) -> torch.Tensor | None:
+        data = self._kept.pop(frag, None)
+        if data is not None:
+            self.kept_bytes -= frag.nbytes
+        return data
+
+    def read_done(self, frags: Iterable[Fragment]) -> None:
+        self._done.update(frags)
+
+    def file(self, index: int) -> Any:
+        """The input file, opened once (input_tree.open_input): a file, or an object of an object-store input."""
+        return self._file(index)
+
+    def pool(self, threads: int) -> ThreadPoolExecutor:
+        """Threads for a batch's GETs, made on first use."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="distmerge-read")
+        return self._pool
+
+    def _truncated(self, frag: Fragment) -> None:
+        path = self.files[frag.file_index].path
+        raise CorruptInputError(f"{path} ends before the bytes of {frag.key}: the file is truncated")
+
+    def _file(self, index: int) -> Any:
+        if index not in self._files:
+            file = self.files[index]  # a second input root's file (--base-model) names its own folder
+            self._files[index] = input_tree.open_input(Path(file.root or self.root) / file.path)
+        return self._files[index]
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+        self.opened.clear()
+        self._taken.clear()
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+        input_tree.adopt(None)
+
+
+def _tensor(dest: memoryview | torch.Tensor) -> torch.Tensor:
+    return dest if isinstance(dest, torch.Tensor) else torch.frombuffer(dest, dtype=torch.uint8)
