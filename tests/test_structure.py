@@ -19,6 +19,18 @@ LAYERS = {
     5: ("engine.run", "inspect", "verify", "options", "cli_options", "hub", "api"),
     6: ("cli", "__main__", "verl_cli", "hooks"),
 }
+# Inside a package, the same rule one level down: its modules' layers among themselves.
+SUBLAYERS = {
+    "verify": {
+        0: ("report", "sides", "components"),
+        1: ("listing", "totals"),
+        2: ("blocks", "kinds", "plot"),
+        3: ("stream", "fp8_compare", "logits"),
+        4: ("compare", "checkpoint"),
+        5: ("two_checkpoints",),
+        6: ("run",),
+    },
+}
 # The modules that reach formats and families only through their registries (a package: all its modules).
 ENGINE = ("engine", "input.reader", "input.reads", "input.discover", "output", "inspect")
 
@@ -105,3 +117,15 @@ def test_engine_names_no_format_or_family():
     engine = [m for m in mods if any(m == f"distmerge.{e}" or m.startswith(f"distmerge.{e}.") for e in ENGINE)]
     named = [(e, i) for e in engine for i in imports(mods[e], set(mods)) if i in plugins - allowed]
     assert named == []
+
+
+def test_inside_a_package_nothing_imports_a_higher_sublayer():
+    """verify/'s modules: the figures and listings below the comparisons, the comparisons below the runs."""
+    mods = modules()
+    for package, table in SUBLAYERS.items():
+        prefix = f"distmerge.{package}."
+        level = {f"{prefix}{name}": n for n, names in table.items() for name in names}
+        members = {m for m in mods if m.startswith(prefix)}
+        assert members == set(level), (package, sorted(members ^ set(level)))
+        upward = [(m, i) for m in members for i in imports(mods[m], set(mods)) if i in level and level[i] > level[m]]
+        assert upward == [], upward
