@@ -214,7 +214,8 @@ def test_another_rank_opens_by_the_record_sent_with_the_scan(fsdp_ckpts, tmp_pat
 AFTER_WALK = """
 import shutil, sys
 from pathlib import Path
-from distmerge import discover, plan
+from distmerge.engine import plan
+from distmerge.input import discover
 from distmerge.cli import main
 
 walk = discover.discover
