@@ -15,8 +15,7 @@ whether the tensor was whole: `figures` of whole tensors is this over all their 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import torch
 
@@ -27,19 +26,6 @@ from distmerge.verify.report import Figures
 # (~50 MB of temporaries) verify of the 0.78 GB bench checkpoint peaked at 0.70 GB per process against merge's
 # 0.26 GB; 64 Ki kept 5 MB more of parts at N=2, for no speed (docs/benchmarks.md). On a GPU, 16 Mi.
 BLOCK = {"cpu": 2**14, "cuda": 2**24}
-
-
-@contextmanager
-def one_thread() -> Iterator[None]:
-    """Compare on one CPU thread per process (as torchrun's OMP_NUM_THREADS=1 does): a block is too small to
-    split, and torch's threads spinning for work beside other busy processes made verify of the bench model,
-    N=1 on 2 busy cores, take 40 s instead of 2.3 s. Processes are the parallelism (torchrun)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def block_size(device: torch.device) -> int:

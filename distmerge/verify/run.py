@@ -31,7 +31,7 @@ from pathlib import Path
 
 from distmerge.comm import Comm
 from distmerge.engine.plan import natural_key
-from distmerge.verify.blocks import one_thread
+from distmerge.threads import one_thread
 from distmerge.verify.checkpoint import verify_checkpoint
 from distmerge.verify.compare import check_mine
 from distmerge.verify.kinds import kinds

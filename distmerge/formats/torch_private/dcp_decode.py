@@ -32,6 +32,7 @@ import torch
 from distmerge.formats.torch_private import dcp_runs
 from distmerge.formats.torch_private.dcp_runs import NotDecoded
 from distmerge.formats.torch_private.restricted import DTYPES, Record, record_class
+from distmerge.threads import one_thread
 
 REF_RUN = re.compile(rb"(?:h.|j....)+", re.DOTALL)  # memo references, one after the other
 REF_TOKEN = re.compile(rb"h.|j....", re.DOTALL)
@@ -64,7 +65,7 @@ def decode(raw: bytes, table: dict[tuple[str, str], Any]) -> tuple[Any, list[str
     runs name by id."""
     machine = Machine(dcp_runs.unframe(raw), dcp_runs.allowed(table))
     del raw  # the caller passes the file's bytes on: they are freed here, the opcodes kept
-    with dcp_runs.one_thread():
+    with one_thread():
         return machine.run(), machine.texts()
 
 

@@ -25,12 +25,11 @@ the strings it creates are returned with their memo indices.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import re
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -357,15 +356,3 @@ def allowed(table: dict[tuple[str, str], Any]) -> dict[tuple[str, str], Any]:
         else:
             out[module, name] = value
     return out
-
-
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """torch on one thread while it decodes: its operations here are many and small (a batch of 32k records),
-    where a second thread only waits for the first, and on a busy machine waits long (5x slower, measured)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
