@@ -144,7 +144,7 @@ def add_verify_parser(sub) -> None:
 
 
 INTERRUPTED = {
-    "merge": "distmerge: interrupted: the files it finished are kept; run the same command with --resume to finish",
+    "merge": "distmerge: interrupted: {done}; run the same command with --resume to finish",
     "verify": "distmerge: interrupted: nothing was changed; run verify again",
     "inspect": "distmerge: interrupted",
 }
@@ -197,13 +197,21 @@ def main(argv: list[str] | None = None) -> int:
     except DistmergeError as err:
         _report_error(err, args.debug)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
         if _rank() == 0:  # every rank is interrupted: one says so
-            print(INTERRUPTED[args.command], file=sys.stderr, flush=True)
+            print(INTERRUPTED[args.command].format(done=_finished_files(stop)), file=sys.stderr, flush=True)
         return 130
     except Exception as err:  # noqa: BLE001  (inspect works outside the collectives: same one line as a bug there)
         _report_error(_internal(err), args.debug)
         return 1
+
+
+def _finished_files(stop: KeyboardInterrupt) -> str:
+    """What an interrupted merge leaves for --resume, as rank 0 counted it (errors.Interrupted)."""
+    finished, planned = getattr(stop, "finished", None), getattr(stop, "planned", None)
+    if finished is None or planned is None:
+        return "the files it finished are kept"
+    return f"{finished} of {planned} output file(s) are finished and kept"
 
 
 def _internal(err: Exception) -> DistmergeError:

@@ -23,3 +23,12 @@ class OutputError(DistmergeError):
 
 class ConfigError(DistmergeError):
     """The Hugging Face config is missing or invalid."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """A merge stopped by Ctrl-C or SIGTERM (torchrun passes scancel's and a time limit's on), on rank 0: how many
+    of the planned output files were finished, and so kept for --resume (None where it did not get that far)."""
+
+    def __init__(self, finished: int | None = None, planned: int | None = None) -> None:
+        super().__init__()
+        self.finished, self.planned = finished, planned

@@ -333,10 +333,12 @@ def test_ctrl_c_says_how_to_finish_once(fsdp_ckpts, clean, tmp_path):
     _, err = job.communicate(timeout=60)
     assert job.returncode != 0
     said = [line for line in err.splitlines() if line.startswith("distmerge:")]
-    assert said == ["distmerge: interrupted: the files it finished are kept; run the same command with --resume "
-                    "to finish"], err[-3000:]
+    finished = len(recorded_files(out))  # counted by the file system, not by distmerge
+    assert said == [f"distmerge: interrupted: {finished} of 10 output file(s) are finished and kept; run the same "
+                    "command with --resume to finish"], err[-3000:]
     assert "terminate called" not in err
     assert not (out / "model.safetensors.index.json").exists()
+    assert not (out / ".distmerge.lock").exists()  # released (tests/test_output_lock.py)
     before = stamps(model_files(out))
     summary_path = tmp_path / "summary.json"
     run = torchrun(2, "merge", "--quiet", "--input", fsdp_ckpts["fsdp2_llama_w4"], "--output", out, *SPLIT,

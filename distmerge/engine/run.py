@@ -48,12 +48,14 @@ from distmerge.engine.finalize import finalize
 from distmerge.engine.plan import Plan
 from distmerge.engine.prepare import OutputSettings, prepare_merge
 from distmerge.engine.sink import FileSink, Sink
-from distmerge.errors import CorruptInputError
+from distmerge.errors import CorruptInputError, Interrupted
 from distmerge.expect import Claim
 from distmerge.formats import registry
 from distmerge.input import discover as disc
 from distmerge.input.reader import Reader
-from distmerge.output import open_store
+from distmerge.output import lock, open_store
+from distmerge.output.lock import Lease
+from distmerge.output.names import RECORDS, record_name
 from distmerge.output.store import Sharing, Store
 from distmerge.output.writer import ShardWriter
 from distmerge.report import Progress
@@ -83,13 +85,26 @@ class MergeOptions:
 
 def merge(opts: MergeOptions, comm: Comm, progress: Progress) -> MergeResult:
     start = time.perf_counter()
-    laps = Laps()
     store = open_store(opts.output)
-    found = comm.root_only(lambda: _discover(opts, store))
+    held: list[Lease] = []  # rank 0's lock on the output (output/lock.py), from discovery to the exit
+    try:
+        return _merge(opts, comm, progress, store, held, start)
+    finally:
+        for lease in held:
+            lease.release()
+
+
+def _merge(opts: MergeOptions, comm: Comm, progress: Progress, store: Store, held: list[Lease],
+           start: float) -> MergeResult:
+    laps = Laps()
+    said: list[str] = []
+    found = comm.root_only(lambda: _discover(opts, store, held, said.append))
+    for line in said:
+        progress.say(line)
     laps.lap("discover")
     scan = found.scan
     reader = Reader(scan, registry.get(scan.format))
-    sink = None
+    sink = plan = None
     collecting = gc.isenabled()  # the cyclic GC rests while the inventories, the plan and the rounds run:
     gc.disable()  # millions of long-lived fragments walked in every full collection (W=256: 30% of the CPU)
     try:
@@ -110,11 +125,14 @@ def merge(opts: MergeOptions, comm: Comm, progress: Progress) -> MergeResult:
         receipts = comm.gather(sink.receipts) if sink.needs_receipts else None
         ranks = comm.gather(lambda: sink.commit_shared(receipts) or _stats(comm.rank, reader, sink.writers, laps))
         copied = [] if begun.complete else comm.root_only(
-            lambda: finalize(store, plan, found.config, Path(found.hf_dir), scan.not_model_files))
-    except BaseException:
+            lambda: _still_ours(held, store) or finalize(store, plan, found.config, Path(found.hf_dir),
+                                                          scan.not_model_files))
+    except BaseException as err:
         if sink is not None:
             sink.abort()
         progress.stop()
+        if isinstance(err, KeyboardInterrupt) and comm.rank == 0 and plan is not None:
+            raise Interrupted(finished=_finished(store, plan), planned=len(plan.files)) from err
         raise
     finally:
         reader.close()
@@ -224,12 +242,33 @@ def _test_fault(k: int, rank: int) -> None:
         raise CorruptInputError(f"test fault (DISTMERGE_TEST_FAIL_AT) on rank {rank} in round {k}")
 
 
-def _discover(opts: MergeOptions, store: Store) -> disc.Discovery:
+def _discover(opts: MergeOptions, store: Store, held: list[Lease], say: Callable[[str], None]) -> disc.Discovery:
+    """Rank 0: the input checked, the output's lock taken (before anything is written there: output/lock.py),
+    the output checked again under the lock (a merge that ended meanwhile may have filled it), discovery, and
+    the output prepared."""
     root = disc.check_input(opts.input)
+    store.check_place(str(opts.input))
+    held.append(lock.take(store.lock(), lock.this_process(str(opts.input)), store.url,
+                          take_over=opts.overwrite or opts.resume, say=say))
     store.check(str(opts.input), opts.overwrite or opts.resume)
     found = disc.discover(root, opts.format, opts.hf_config, opts.format_options, opts.base_model)
     store.prepare(keep_finished=opts.resume)
     return found
+
+
+def _finished(store: Store, plan: Plan) -> int | None:
+    """Rank 0, interrupted: the planned files whose completion record is in the output (what --resume keeps)."""
+    try:
+        recorded = set(store.list(f"{RECORDS}/*.json"))
+    except Exception:  # noqa: BLE001  (the count is a courtesy: the interrupt goes on without it)
+        return None
+    return sum(record_name(f.name) in recorded for f in plan.files)
+
+
+def _still_ours(held: list[Lease], store: Store) -> None:
+    """Rank 0, right before finalize writes the index: the output is still this merge's (output/lock.py)."""
+    for lease in held:
+        lease.check(store.url)
 
 
 def _host_numbers(names: list[str]) -> tuple[int, ...]:

@@ -20,7 +20,8 @@ from typing import Any
 
 from distmerge.errors import OutputError
 from distmerge.input import tree as input_tree
-from distmerge.output.names import FINISHED, INDEX_NAME, PARTIAL, RECORDS, partial_name
+from distmerge.output.local_lock import FolderLock
+from distmerge.output.names import FINISHED, INDEX_NAME, LOCK, PARTIAL, RECORDS, partial_name
 from distmerge.output.store import FileLayout, Sharing
 from distmerge.output.writeback import Writeback
 
@@ -36,8 +37,8 @@ class LocalStore:
         self.root = Path(folder)
         self.url = str(folder)
 
-    def check(self, input_root: str, overwrite: bool) -> None:
-        """Refuse outputs that would touch the input or clobber work; never modify anything here."""
+    def check_place(self, input_root: str) -> None:
+        """Refuse an output that would touch the input, before anything is created there."""
         out = self.root.resolve()
         if "://" not in input_root:
             src = Path(input_root).resolve()
@@ -45,7 +46,15 @@ class LocalStore:
                 raise OutputError(f"output {self.url} is inside the input {input_root}: choose a folder outside it")
         if out.exists() and not out.is_dir():
             raise OutputError(f"output {self.url} exists and is not a folder")
-        if out.exists() and any(out.iterdir()) and not overwrite:
+
+    def lock(self) -> FolderLock:
+        return FolderLock(self.root)
+
+    def check(self, input_root: str, overwrite: bool) -> None:
+        """Refuse outputs that would touch the input or clobber work (the lock aside); never modify anything."""
+        self.check_place(input_root)
+        out = self.root.resolve()
+        if out.exists() and any(p.name != LOCK for p in out.iterdir()) and not overwrite:
             raise OutputError(f"output {self.url} is not empty: pass --overwrite to replace its model files, or "
                               "--resume to finish an interrupted merge")
 

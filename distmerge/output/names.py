@@ -8,6 +8,7 @@
       .distmerge/NAME.json                                      per finished file: --resume's record
       .distmerge/run.json                                       what shaped this run's output (resume.py)
       model.safetensors.index.json                              last: the commit marker
+      .distmerge.lock                                           while a merge runs: its holder (lock.py)
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ INDEX_NAME = "model.safetensors.index.json"
 MANIFEST = "distmerge.manifest.json"
 RECORDS = ".distmerge"
 RUN_RECORD = f"{RECORDS}/run.json"
+LOCK = ".distmerge.lock"  # beside the records, not among them: --overwrite removes the records folder
 ADAPTER_DIR = "lora_adapter"
 # Output files of the non-model groups (the model group is split by size, see model_file_names).
 GROUP_FILES = {"adapter": f"{ADAPTER_DIR}/adapter_model.safetensors"}

@@ -27,7 +27,8 @@ from typing import Any
 
 from distmerge import s3_client
 from distmerge.errors import OutputError
-from distmerge.output.names import FINISHED, INDEX_NAME, RECORDS
+from distmerge.output.names import FINISHED, INDEX_NAME, LOCK, RECORDS
+from distmerge.output.s3_lock import ObjectLock
 from distmerge.output.store import FileLayout, Sharing
 
 MIN_PART = 5 << 20  # S3's smallest part (all but the last)
@@ -57,15 +58,22 @@ class ObjectStore:
         except s3_client.sdk_errors() as err:
             raise OutputError(f"cannot {what} {self.loc.url(name)}: {s3_client.describe(err)}") from None
 
-    def check(self, input_root: str, overwrite: bool) -> None:
-        """The bucket is there; the output is not inside the input (or the input inside it); without --overwrite
-        or --resume, nothing lies under the prefix."""
+    def check_place(self, input_root: str) -> None:
+        """The bucket is there; the output is not inside the input (or the input inside it)."""
         if input_root.startswith(s3_client.SCHEME):
             src = s3_client.parse(input_root, "input", OutputError)
             if src.bucket == self.loc.bucket and _nested(src.prefix, self.loc.prefix):
                 raise OutputError(f"output {self.url} and input {input_root} overlap: choose another prefix")
         self.call("reach the bucket of", "", "head_bucket")
-        held = self.call("list", "", "list_objects_v2", Prefix=self.loc.key(""), MaxKeys=1).get("KeyCount")
+
+    def lock(self) -> ObjectLock:
+        return ObjectLock(self.loc)
+
+    def check(self, input_root: str, overwrite: bool) -> None:
+        """check_place; and without --overwrite or --resume, nothing but the lock lies under the prefix."""
+        self.check_place(input_root)
+        listed = self.call("list", "", "list_objects_v2", Prefix=self.loc.key(""), MaxKeys=2).get("Contents", [])
+        held = [o for o in listed if o["Key"] != self.loc.key(LOCK)]
         if held and not overwrite:
             raise OutputError(f"output {self.url} is not empty: pass --overwrite to replace its model files, or "
                               "--resume to finish an interrupted merge")

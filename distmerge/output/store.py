@@ -9,8 +9,12 @@ Call order (as torch.distributed.checkpoint's StorageWriter documents its own). 
 collectives; "owner" is plan.OutputFile.owner, "writers" the ranks that write a file's units:
 
     phase     who            call                                  what the store does
-    discover  rank 0         check(input, overwrite)               refuse an output inside the input, or holding
-                                                                   work, without --overwrite / --resume
+    discover  rank 0         check_place(input)                    refuse an output inside the input, creating
+                                                                   nothing
+              rank 0         lock() -> LockFile                    the output's lock (lock.py), taken before
+                                                                   anything else is written, held to the exit
+              rank 0         check(input, overwrite)               refuse an output holding work (the lock
+                                                                   aside) without --overwrite / --resume
               rank 0         prepare(keep_finished)                remove the index and half-written files (and,
                                                                    without --resume, earlier model files, records)
     plan      every rank     host()                                ranks with equal answers may write one file,
@@ -29,7 +33,9 @@ collectives; "owner" is plan.OutputFile.owner, "writers" the ranks that write a 
     commit    (all_gather of the receipts, only if `sharing.receipts` and the plan has shared files)
               owners         file.commit(receipts of every writer) shared files, after the last round
               owners         write_small(record)                   resume.py's completion record
-    finalize  rank 0         write_small, put_stream, list, remove config, tokenizer, manifest; last the index
+    finalize  rank 0         write_small, put_stream, list, remove config, tokenizer, manifest; last the index,
+                                                                   once the lock is found still its own
+    exit      rank 0         LockFile.release()                    on every path: success, failure, SIGTERM
     failure   every rank     file.abort()                          nothing of the file is visible, ever
 
 Names are relative to the output, with '/' (`lora_adapter/adapter_model.safetensors`). `write_small` is atomic:
@@ -41,6 +47,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from distmerge.output.lock import LockFile
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,6 +92,10 @@ class OutFile(Protocol):
 class Store(Protocol):
     url: str  # as messages name the output
     sharing: Sharing
+
+    def check_place(self, input_root: str) -> None: ...
+
+    def lock(self) -> LockFile: ...
 
     def check(self, input_root: str, overwrite: bool) -> None: ...
 

@@ -100,7 +100,7 @@ def main() -> int:
     }
     # Ctrl-C: every worker ends with distmerge's one line and exit 130; torchrun itself then exits 1 with its own
     # SignalException traceback (torch's launcher, not distmerge: docs/reliability.md shows it).
-    interrupted = "distmerge: interrupted: the files it finished are kept"
+    interrupted = "output file(s) are finished and kept; run the same command with --resume"
     expected: dict[str, Callable[[int, str], bool]] = {
         "success": lambda code, out: code == 0,
         # torchrun's summary quotes the line again ("traceback : distmerge: error: ..."): count whole lines
