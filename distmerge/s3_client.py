@@ -6,7 +6,9 @@ settings are the AWS SDK's own, from the environment: AWS_ENDPOINT_URL_S3 (or AW
 is not AWS (MinIO, Ceph, a cluster's own), AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE, AWS_REGION.
 
 Retries: every request is retried by the SDK ("standard" mode: throttling, 5xx, dropped connections) up to
-MAX_ATTEMPTS times; a ranged read whose body breaks off midway is asked again for the bytes still missing.
+MAX_ATTEMPTS times. A body that breaks off midway (the headers promised N bytes, fewer came) is no request error
+to the SDK: every read here (stream_range: the input's ranged GETs, the output store's reads) continues it from the
+byte where it broke, BODY_RETRIES times, then says in one line how much was read.
 Errors: `describe` turns the SDK's exceptions into what a user can act on (missing key, denied, unreachable).
 """
 
@@ -21,7 +23,8 @@ from typing import Any
 
 SCHEME = "s3://"
 MAX_ATTEMPTS = 8  # per request, by the SDK (its backoff grows to ~20 s between the last tries)
-BODY_RETRIES = 4  # a body that breaks off is asked again for the rest this many times
+BODY_RETRIES = 4  # a body that breaks off is asked again for the rest this many times (5 breaks: an error)
+BODY_BACKOFF = 0.4  # seconds before the first such retry, doubling: 0.4 + 0.8 + 1.6 + 3.2 s in all
 READ_PIECE = 1 << 20
 POOL = 32  # connections per process: part uploads and ranged reads run in a few threads each
 
@@ -79,6 +82,8 @@ DENIED = ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch", 
 
 def describe(err: BaseException) -> str:
     """The SDK's error as a user can act on it."""
+    if isinstance(err, BrokenBody):
+        return str(err)
     code = code_of(err)
     if code in MISSING:
         return "it does not exist"
@@ -101,40 +106,64 @@ def describe(err: BaseException) -> str:
 
 
 def sdk_errors() -> tuple[type[BaseException], ...]:
-    """The exceptions a request may end in (the SDK's own, and the connection's)."""
+    """The exceptions a request or a read may end in (the SDK's own, the connection's, a body broken too often)."""
     from botocore.exceptions import BotoCoreError, ClientError
 
-    return (ClientError, BotoCoreError, OSError)
+    return (ClientError, BotoCoreError, OSError, BrokenBody)
 
 
 def missing(err: BaseException) -> bool:
     return code_of(err) in MISSING
 
 
-def stream_range(bucket: str, key: str, offset: int, nbytes: int, etag: str | None = None,
+class BrokenBody(Exception):
+    """A body broke off on every try (stream_range): the message says how often and how much was read."""
+
+
+class _CutShort(Exception):
+    """A body that ended before its Content-Length without the connection saying so."""
+
+
+def stream_range(bucket: str, key: str, offset: int = 0, nbytes: int | None = None, etag: str | None = None,
                  piece: int = READ_PIECE) -> Iterator[bytes]:
-    """The object's bytes [offset, offset + nbytes) from one ranged GET, in pieces of at most `piece`; a body that
-    breaks off is asked again for the rest. Ends early only where the object ends. `etag`: the object as it was
-    listed (a replaced object fails with PreconditionFailed)."""
-    done, tries = 0, 0
-    while done < nbytes:
-        extra = {"IfMatch": etag} if etag else {}
-        body = client().get_object(Bucket=bucket, Key=key, Range=f"bytes={offset + done}-{offset + nbytes - 1}",
-                                   **extra)["Body"]
+    """The object's bytes [offset, offset + nbytes) (None: to its end) from one GET, in pieces of at most `piece`.
+    A body that breaks off (cut short, reset, stalled) is continued from the byte where it broke: a ranged GET of
+    the rest, pinned to the ETag, up to BODY_RETRIES times with backoff, then BrokenBody. Ends early only where the
+    object ends. `etag`: the object as it was listed (a replaced object fails with PreconditionFailed); without
+    it, the ETag of the first answer."""
+    done, breaks = 0, 0
+    while nbytes is None or done < nbytes:
+        response = _get(bucket, key, offset + done, None if nbytes is None else nbytes - done, etag)
+        etag = etag or response.get("ETag")
+        end = done + int(response["ContentLength"])  # where this body ends: the object may end before nbytes
+        nbytes = end if nbytes is None else nbytes
+        body = response["Body"]
         try:
-            while done < nbytes:
-                data = body.read(min(nbytes - done, piece))
+            while done < end:
+                data = body.read(min(end - done, piece))
                 if not data:
-                    return
+                    raise _CutShort
                 done += len(data)
                 yield data
         except _broken() as err:
-            tries += 1
-            if tries > BODY_RETRIES:
-                raise ConnectionError(f"the connection broke off {tries} times while reading") from err
-            time.sleep(0.2 * 2**tries)
+            breaks += 1
+            if breaks > BODY_RETRIES:
+                raise BrokenBody(f"the body broke off {breaks} times; {done:,} of {nbytes:,} bytes read") from err
+            time.sleep(BODY_BACKOFF * 2 ** (breaks - 1))
         finally:
             body.close()
+        if done == end < nbytes:  # the object ends before the bytes asked
+            return
+
+
+def _get(bucket: str, key: str, offset: int, nbytes: int | None, etag: str | None) -> dict[str, Any]:
+    """One GET of [offset, offset + nbytes) (None: to the end; from 0, no Range, so that an empty object reads)."""
+    extra: dict[str, str] = {"IfMatch": etag} if etag else {}
+    if nbytes is not None:
+        extra["Range"] = f"bytes={offset}-{offset + nbytes - 1}"
+    elif offset:
+        extra["Range"] = f"bytes={offset}-"
+    return client().get_object(Bucket=bucket, Key=key, **extra)
 
 
 def read_range(bucket: str, key: str, offset: int, into: memoryview, etag: str | None = None) -> int:
@@ -147,9 +176,14 @@ def read_range(bucket: str, key: str, offset: int, into: memoryview, etag: str |
 
 
 def _broken() -> tuple[type[BaseException], ...]:
+    """What a body's read raises when the connection cuts it short, resets or stalls: botocore's own errors
+    (IncompleteReadError when the bytes stop before Content-Length, ResponseStreamingError when the connection
+    says it broke, ReadTimeoutError), and urllib3's and the socket's should one come through unwrapped."""
+    from botocore.exceptions import IncompleteReadError, ReadTimeoutError, ResponseStreamingError
     from urllib3.exceptions import HTTPError
 
-    return (HTTPError, ConnectionError, TimeoutError)
+    return (IncompleteReadError, ResponseStreamingError, ReadTimeoutError, HTTPError, ConnectionError,
+            TimeoutError, _CutShort)
 
 
 def list_objects(loc: Location, cap: int) -> list[dict[str, Any]]:

@@ -110,7 +110,7 @@ class ObjectStore:
 
     def read(self, name: str) -> bytes | None:
         try:
-            return s3_client.client().get_object(Bucket=self.loc.bucket, Key=self.loc.key(name))["Body"].read()
+            return b"".join(s3_client.stream_range(self.loc.bucket, self.loc.key(name)))
         except s3_client.sdk_errors() as err:
             if s3_client.missing(err):
                 return None
@@ -134,9 +134,11 @@ class ObjectStore:
 
     def sha256(self, name: str) -> str:
         digest = hashlib.sha256()
-        body = self.call("read", name, "get_object", Key=self.loc.key(name))["Body"]
-        for block in body.iter_chunks(1 << 20):
-            digest.update(block)
+        try:
+            for block in s3_client.stream_range(self.loc.bucket, self.loc.key(name)):
+                digest.update(block)
+        except s3_client.sdk_errors() as err:
+            raise OutputError(f"cannot read {self.loc.url(name)}: {s3_client.describe(err)}") from None
         return digest.hexdigest()
 
     def list(self, pattern: str) -> list[str]:
