@@ -276,9 +276,13 @@ def test_sigterm_to_torchrun_releases_the_lock_and_aborts_the_uploads(fsdp_ckpts
     from tests.s3_server import download_tree
 
     url, prefix = "s3://models/term", "term/"
+    split = ["--max-shard-size", "300KB", "--budget", "16KB"]  # files of several parts, each spanning rounds
+    clean = tmp_path / "clean"
+    assert merge_inproc("--input", fsdp_ckpts[A], "--output", clean, *split) == 0
+    planned = len(list(clean.glob("model-*.safetensors")))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--nnodes", "1", "--master-addr",
            "127.0.0.1", "--master-port", str(free_port()), "-m", "distmerge", "merge", "--quiet", "--input",
-           str(fsdp_ckpts[A]), "--output", url, *SLOW]
+           str(fsdp_ckpts[A]), "--output", url, *split]
     env = {**os.environ, "DISTMERGE_TEST_ROUND_DELAY": "0.3", "DISTMERGE_TEST_S3_PART": str(PART),
            "OMP_NUM_THREADS": "1"}
     job = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -297,14 +301,12 @@ def test_sigterm_to_torchrun_releases_the_lock_and_aborts_the_uploads(fsdp_ckpts
     assert time.monotonic() - stopped < 30
     finished = len(records())
     said = [line for line in err.splitlines() if line.startswith("distmerge:")]
-    assert said == [f"distmerge: interrupted: {finished} of 10 output file(s) are finished and kept; run the same "
-                    "command with --resume to finish"], err[-3000:]
+    assert said == [f"distmerge: interrupted: {finished} of {planned} output file(s) are finished and kept; run the "
+                    "same command with --resume to finish"], err[-3000:]
     assert not s3.list_multipart_uploads(Bucket="models", Prefix=prefix).get("Uploads")
     left = download_tree(s3, "models", "term")
     assert LOCK not in left and "model.safetensors.index.json" not in left
-    assert merge_inproc("--input", fsdp_ckpts[A], "--output", url, *SLOW, "--resume") == 0
-    clean = tmp_path / "clean"
-    assert merge_inproc("--input", fsdp_ckpts[A], "--output", clean, *SLOW) == 0
+    assert merge_inproc("--input", fsdp_ckpts[A], "--output", url, *split, "--resume") == 0
     got = download_tree(s3, "models", "term")
     assert {k: v for k, v in got.items() if "/" not in k} == tree_bytes(clean)
 

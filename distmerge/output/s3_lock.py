@@ -43,9 +43,12 @@ class ObjectLock:
         try:
             self.etag = self._call("put_object", Body=data, IfNoneMatch="*")["ETag"]
         except s3_client.sdk_errors() as err:
-            if s3_client.code_of(err) in LOST:
+            if s3_client.code_of(err) not in LOST:
+                raise self._failed(err, "make") from None
+            found = self.read()  # our own PUT, whose answer was lost and whose retry found it: ours (unique token)
+            if found is None or found.data != data:
                 return False
-            raise self._failed(err, "make") from None
+            self.etag = found.version
         self.data = data
         return True
 
