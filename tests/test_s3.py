@@ -210,9 +210,10 @@ def test_an_object_changed_after_the_listing_is_named(s3, cases, change):
 def test_parts_are_numbered_in_file_order_and_large_enough():
     """Runs of 40, 1 and 59 smallest parts (the middle one another writer's): parts numbered 1.. in file order,
     each inside one run, none but the last under the smallest part S3 takes."""
-    small = object_store.SMALLEST
+    small = object_store.MIN_PART
     runs = ((0, 40 * small, 1), (40 * small, 41 * small, 0), (41 * small, 100 * small + 7, 1))
-    cut = object_store.parts(FileLayout(name="m", header=b"", size=100 * small + 7, shared=True, runs=runs))
+    layout = FileLayout(name="m", header=b"", size=100 * small + 7, shared=True, runs=runs)
+    cut = object_store.parts(layout, object_store.PART)
     assert [number for number, *_ in cut] == list(range(1, len(cut) + 1))
     assert cut[0][1] == 0 and cut[-1][2] == 100 * small + 7
     assert all(a[2] == b[1] for a, b in zip(cut, cut[1:], strict=False))  # contiguous, in order
