@@ -18,6 +18,7 @@ How each was seen to fail before its guard (same cases, distmerge at the commit 
 
 from __future__ import annotations
 
+import copy
 import pickle
 import shutil
 import struct
@@ -26,6 +27,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from distmerge.errors import LayoutError
+from distmerge.formats.torch_private.state_dicts import placement_of
+from tests.conftest import assert_exact, expected_tensors, load_merged, merge_inproc
 from tests.test_hostile_files import SAVE, make_outside, megatron_copy, rank, refused, run
 
 FIXTURES = {"dcp": "dcp_ckpts", "megatron": "megatron_ckpts", "torchtitan": "tt_ckpts"}
@@ -78,18 +82,66 @@ def test_a_ten_million_chunk_declaration_is_refused_in_seconds(dcp_ckpts, tmp_pa
     refused(code, lines, "declares 10,000,000 chunks but says where 1 of them are", tmp_path / "out")
 
 
-def test_a_placement_on_a_dimension_the_tensor_lacks_is_refused(fsdp_ckpts, tmp_path, outside, capsys):
+Q_PROJ, NORM = "model.layers.0.self_attn.q_proj.weight", "model.norm.weight"  # 2-D and 1-D
+
+
+def placed(ckpt: Path, key: str, dim: int, ranks: range) -> None:
+    """Rewrite `key`'s placement as Shard(dim) in the given rank files; its local tensors stay as saved. Its spec
+    is copied first: torch.save shares one spec among the tensors of a shape (the norms), and only `key` changes."""
     import torch.distributed.tensor  # noqa: F401 - torch.load rebuilds DTensors only once it is imported
     from torch.distributed.tensor import Shard
 
+    for r in ranks:
+        state = torch.load(rank(ckpt, r), weights_only=True)
+        state[key]._spec = spec = copy.copy(state[key]._spec)
+        object.__setattr__(spec, "placements", (Shard(dim),))  # DTensorSpec's __setattr__ checks its shard order
+        torch.save(state, rank(ckpt, r))
+
+
+# Shard(ndim) and Shard(-ndim - 1) are the first dims past each end; only Shard(7) was tried before, so a check
+# loosened to `dim <= ndim` passed every test (Shard(2) on a 2-D tensor was then read as Shard(0) and merged).
+@pytest.mark.parametrize("key, dim, ndim", [(Q_PROJ, 7, 2), (Q_PROJ, 2, 2), (Q_PROJ, -3, 2), (NORM, 1, 1),
+                                            (NORM, -2, 1)])
+def test_a_placement_on_a_dimension_the_tensor_lacks_is_refused(key, dim, ndim, fsdp_ckpts, tmp_path, outside,
+                                                                capsys):
     ckpt = Path(shutil.copytree(fsdp_ckpts["fsdp2_llama_w4"], tmp_path / "ckpt"))
-    state = torch.load(rank(ckpt, 1), weights_only=True)
-    spec = state["model.layers.0.self_attn.q_proj.weight"]._spec
-    object.__setattr__(spec, "placements", (Shard(7),))
-    torch.save(state, rank(ckpt, 1))
+    placed(ckpt, key, dim, range(1, 2))
     code, lines = run("merge", ckpt, tmp_path / "out", outside, capsys)
-    refused(code, lines, "model.layers.0.self_attn.q_proj.weight: placement Shard(7) names a dimension its "
-                         "2-dimensional tensor does not have", tmp_path / "out")
+    refused(code, lines, f"{key}: placement Shard({dim}) names a dimension its {ndim}-dimensional tensor does not "
+                         "have", tmp_path / "out")
+
+
+# The last dims inside each end, on every rank: Shard(-ndim) is Shard(0) counted from the end, Shard(ndim - 1) the
+# fixture's own FSDP2 Shard(1) (shard_placement_fn), relabelled to itself so the case says what it holds.
+@pytest.mark.parametrize("case, key, dim", [("fsdp2_llama_w4", Q_PROJ, -2), ("fsdp2_llama_w4", NORM, -1),
+                                            ("fsdp2_llama_w4", NORM, 0), ("fsdp2_llama_shard1_w4", Q_PROJ, 1)])
+def test_a_placement_on_the_first_or_last_dimension_is_merged(case, key, dim, fsdp_ckpts, tmp_path):
+    ckpt = Path(shutil.copytree(fsdp_ckpts[case], tmp_path / "ckpt"))
+    placed(ckpt, key, dim, range(4))
+    assert merge_inproc("--input", ckpt, "--output", tmp_path / "out") == 0
+    assert_exact(load_merged(tmp_path / "out"), expected_tensors(fsdp_ckpts[case]))  # save_pretrained's, beside it
+
+
+def pickled_shard(dim: int):
+    """torch's own pickle of Shard(dim), read by the restricted reader as a rank file's placements are."""
+    from torch.distributed.tensor import Shard
+
+    from distmerge.formats.torch_private import restricted
+    from distmerge.formats.torch_private.state_dicts import RANK_FILE_GLOBALS
+
+    return restricted.loads(pickle.dumps(Shard(dim)), RANK_FILE_GLOBALS)
+
+
+@pytest.mark.parametrize("dim, ndim, expected", [(0, 1, 0), (-1, 1, 0), (1, 2, 1), (-2, 2, 0), (-1, 2, 1),
+                                                 (2, 3, 2), (-3, 3, 0)])
+def test_placement_of_reads_the_dims_a_tensor_has(dim, ndim, expected):
+    assert placement_of("w", pickled_shard(dim), ndim) == expected
+
+
+@pytest.mark.parametrize("dim, ndim", [(1, 1), (-2, 1), (2, 2), (-3, 2), (3, 3), (-4, 3), (7, 2)])
+def test_placement_of_refuses_the_dims_a_tensor_lacks(dim, ndim):
+    with pytest.raises(LayoutError, match=rf"^w: placement Shard\({dim}\) names a dimension its {ndim}-dimensional "):
+        placement_of("w", pickled_shard(dim), ndim)
 
 
 def test_rank_files_linked_in_a_loop_are_refused(fsdp_ckpts, tmp_path, outside, capsys):

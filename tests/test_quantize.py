@@ -24,7 +24,6 @@ import pytest
 import torch
 
 from distmerge import fp8
-from distmerge.families.quantized import QUANTIZED
 from tests.conftest import REPO, free_port, load_merged, merge_inproc, reference_dir, torchrun, tree_bytes
 
 CT_FOLDER = "fsdp2_llama_w2"
@@ -39,6 +38,35 @@ CASES = {
     "tt_qwen3_moe_w4": ("tt_ckpts", ()),  # Qwen3 MoE: routers are nn.Linear modules left in float32
 }
 SCHEMES = ("fp8-block", "fp8-channel")
+
+# The weights each case writes in FP8, spelled out here and never read from distmerge's own table
+# (families/quantized.py): a row dropped there leaves its weights in float32, and the case that holds them fails.
+ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+MLA = ("self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj",
+       "self_attn.o_proj")  # DeepSeek-V3's multi-latent attention
+MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+EXPERTS = ("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj", "mlp.experts.{e}.down_proj")  # routed
+SHARED_EXPERTS = ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj", "mlp.shared_experts.down_proj")
+SHARED_EXPERT = ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj")  # Qwen2
+MIXTRAL = ("block_sparse_moe.experts.{e}.w1", "block_sparse_moe.experts.{e}.w2", "block_sparse_moe.experts.{e}.w3")
+
+
+def weights(layers, modules: tuple[str, ...], experts: int = 1) -> set[str]:
+    """`model.layers.{layer}.{module}.weight` for each layer, module and expert number."""
+    return {f"model.layers.{layer}.{m.format(e=e)}.weight" for layer in layers for m in modules for e in range(experts)}
+
+
+LLAMA_FP8 = weights(range(2), ATTENTION + MLP)
+FP8_WEIGHTS = {
+    "fsdp2_llama_w2": LLAMA_FP8,
+    "dcp_llama_w2": LLAMA_FP8,
+    "megatron_tp2": LLAMA_FP8,
+    # layer 0 dense, layers 1-3 four routed experts and the shared ones; routers (mlp.gate) stay in float32
+    "mla_tp2": weights(range(4), MLA) | weights([0], MLP) | weights(range(1, 4), EXPERTS, 4)
+               | weights(range(1, 4), SHARED_EXPERTS),
+    "ds_z2_fp32_w2": LLAMA_FP8,
+    "tt_qwen3_moe_w4": weights(range(2), ATTENTION) | weights(range(2), EXPERTS, 3),
+}
 EPS = torch.finfo(torch.float32).eps
 
 
@@ -127,9 +155,8 @@ def input_of(ckpt: Path) -> Path:
 @pytest.mark.parametrize("case", list(CASES))
 def test_each_format_writes_the_layout(case, scheme, merged):
     full, quantized = load_merged(merged[case, "full"]), load_merged(merged[case, scheme])
-    grid = fp8.SCHEMES[scheme]
-    written = {n for n in full if QUANTIZED.fullmatch(n) and full[n].dim() == 2}
-    assert any(".self_attn." in n for n in written) and any(".mlp." in n for n in written)
+    grid, written = fp8.SCHEMES[scheme], FP8_WEIGHTS[case]
+    assert written <= set(full)  # the list above names this model's tensors
     assert set(quantized) == set(full) | {grid.scale_name(n) for n in written}
     for name, tensor in full.items():
         if name in written:
@@ -158,6 +185,41 @@ def test_the_recipe_tests_can_fail(merged):
     assert not same_bytes(flipped.view(torch.float8_e4m3fn), q)
     assert not same_bytes(torch.nextafter(s, torch.full_like(s, 1.0)), s)
 
+
+
+@pytest.mark.parametrize("case, written, kept", [
+    ("megatron_dist_mixtral_ep2", weights(range(2), ATTENTION + MIXTRAL, 4), "block_sparse_moe.gate"),
+    ("megatron_qwen2_moe_tp2", weights(range(2), ATTENTION + EXPERTS + SHARED_EXPERT, 4), "mlp.shared_expert_gate"),
+])
+def test_the_moe_families_write_their_experts_in_fp8(case, written, kept, megatron_ckpts, tmp_path):
+    """Mixtral's block_sparse_moe experts and Qwen2-MoE's single shared expert, which no case above holds: exactly
+    these weights are FP8, the routers and the shared expert's gate stay in float32 and are named as kept."""
+    ckpt = megatron_ckpts[case]
+    assert merge_inproc("--input", ckpt, "--output", tmp_path, "--hf-config", reference_dir(ckpt) / "huggingface",
+                        "--quantize", "fp8-block") == 0
+    merged = load_merged(tmp_path)
+    assert {n for n, t in merged.items() if t.dtype == torch.float8_e4m3fn} == written
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert f"model.layers.1.{kept}" in config["quantization_config"]["modules_to_not_convert"]
+
+
+# Names in each place save_pretrained puts a decoder layer (a plain model, Qwen2-VL's language model, LLaVA's) and
+# the Linear modules left out: vision towers, routers, the multi-token-prediction block's eh_proj, the head.
+@pytest.mark.parametrize("name, fp8_weight", [
+    ("model.layers.3.self_attn.q_proj.weight", True),
+    ("model.language_model.layers.3.mlp.down_proj.weight", True),
+    ("language_model.model.layers.3.self_attn.o_proj.weight", True),
+    ("model.visual.blocks.0.mlp.down_proj.weight", False),
+    ("model.layers.3.self_attn.q_proj.bias", False),
+    ("model.layers.3.mlp.gate.weight", False),
+    ("model.layers.3.mlp.shared_expert_gate.weight", False),
+    ("model.layers.61.eh_proj.weight", False),
+    ("lm_head.weight", False),
+])
+def test_the_table_names_decoder_linear_weights_only(name, fp8_weight):
+    from distmerge.families.quantized import QUANTIZED
+
+    assert (QUANTIZED.fullmatch(name) is not None) == fp8_weight
 
 # -- loaders --------------------------------------------------------------------------------------------------
 def logits(folder: Path, vocab: int) -> torch.Tensor:

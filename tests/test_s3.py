@@ -3,8 +3,9 @@
 
 - FSDP, DCP and Megatron saves merged s3 -> s3, s3 -> disk and disk -> s3 give the disk merge's bytes (under
   torchrun with 2 processes: every s3 -> s3 merge and every FSDP one; the others in one process). The
-  server's smallest part is cut to 64 KiB (and distmerge's parts with it, DISTMERGE_TEST_S3_PART), so that the
-  tiny models' files are multipart uploads, and a file the two ranks share is one upload whose parts both send.
+  server's smallest part is cut to 64 KiB (and distmerge's parts with it, DISTMERGE_TEST_S3_PART, read by each
+  store as it is made), so that the tiny models' files are multipart uploads of several parts, in this process as
+  under torchrun, and a file the two ranks share is one upload whose parts both send.
   The s3 -> s3 merges run at a 64 KB budget: many rounds, each reading an object's fragments in merged GETs.
 - A rank file is read in a few GETs, each byte once; a damaged local header is found by the read that reaches it.
 - A rank killed mid-upload leaves no object that looks like a file (every object there is whole, no index), and
@@ -100,11 +101,12 @@ def test_object_store_merge_equals_the_disk_merge(s3, cases, case, route, tmp_pa
         assert job.returncode == 0, job.stderr[-3000:]
     else:
         assert merge_inproc(*args) == 0
+    if route.endswith("s3"):
+        assert_multipart(s3c, prefix)
     if case == "fsdp" and route.endswith("s3"):  # one model.safetensors, both ranks writing it (spread.py): one
         ranks = json.loads(summary.read_text())["ranks"]  # upload of several parts, sent by both
         assert [r["files_written"] for r in ranks] == [1, 1] and all(r["bytes_written"] > PART for r in ranks)
-        etag = s3c.head_object(Bucket="models", Key=f"{prefix}/model.safetensors")["ETag"]
-        assert int(etag.strip('"').split("-")[1]) > 2, etag
+        assert parts_of(s3c, prefix)["model.safetensors"] > 2
     got = download_tree(s3c, "models", prefix) if route.endswith("s3") else files_of(tmp_path / "out")
     want = files_of(disk)
     if route.startswith("s3"):
@@ -113,6 +115,21 @@ def test_object_store_merge_equals_the_disk_merge(s3, cases, case, route, tmp_pa
     assert [n for n in got if got[n] != want[n]] == []
     assert s3c.list_multipart_uploads(Bucket="models").get("Uploads") is None  # every upload completed
     assert not (REPO / "s3:").exists()  # the old Path("s3://...") folder, never again
+
+
+def parts_of(s3c, prefix: str) -> dict[str, int]:
+    """Each model file under s3://models/prefix and the parts it was uploaded in, read from its ETag: a multipart
+    upload's is `"<md5 of the parts' md5s>-N"`, a single PUT's has no `-N`."""
+    listed = s3c.list_objects_v2(Bucket="models", Prefix=f"{prefix}/").get("Contents", [])
+    return {o["Key"].removeprefix(f"{prefix}/"): int(o["ETag"].strip('"').partition("-")[2] or 1) for o in listed
+            if o["Key"].endswith(".safetensors")}
+
+
+def assert_multipart(s3c, prefix: str) -> None:
+    """Every model file (each over 64 KiB) went up in several parts: the multipart path was taken, in this process
+    too (the part size once read at import, before the s3 fixture set it, made in-process merges single PUTs)."""
+    counts = parts_of(s3c, prefix)
+    assert counts and all(n > 1 for n in counts.values()), counts
 
 
 @pytest.mark.torchrun
@@ -166,6 +183,7 @@ def test_the_api_takes_urls_as_the_command_line_does(s3, cases):
     _, s3c = s3
     result = distmerge.merge("s3://ckpt/dcp", "s3://models/dcp-api")
     assert result.output == "s3://models/dcp-api"
+    assert_multipart(s3c, "dcp-api")
     got, want = download_tree(s3c, "models", "dcp-api"), files_of(cases["dcp"][1])
     assert without_records(got) == without_records(want)
     assert not (REPO / "s3:").exists()
@@ -210,9 +228,10 @@ def test_an_object_changed_after_the_listing_is_named(s3, cases, change):
 def test_parts_are_numbered_in_file_order_and_large_enough():
     """Runs of 40, 1 and 59 smallest parts (the middle one another writer's): parts numbered 1.. in file order,
     each inside one run, none but the last under the smallest part S3 takes."""
-    small = object_store.SMALLEST
+    small = object_store.MIN_PART
     runs = ((0, 40 * small, 1), (40 * small, 41 * small, 0), (41 * small, 100 * small + 7, 1))
-    cut = object_store.parts(FileLayout(name="m", header=b"", size=100 * small + 7, shared=True, runs=runs))
+    layout = FileLayout(name="m", header=b"", size=100 * small + 7, shared=True, runs=runs)
+    cut = object_store.parts(layout, object_store.PART)
     assert [number for number, *_ in cut] == list(range(1, len(cut) + 1))
     assert cut[0][1] == 0 and cut[-1][2] == 100 * small + 7
     assert all(a[2] == b[1] for a, b in zip(cut, cut[1:], strict=False))  # contiguous, in order

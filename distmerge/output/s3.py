@@ -35,17 +35,22 @@ MIN_PART = 5 << 20  # S3's smallest part (all but the last)
 MAX_PARTS = 10_000  # S3's most parts per upload
 # Parts of 16 MiB: throughput and memory measured in docs/benchmarks.md ("Object stores"); tests shrink them
 # (DISTMERGE_TEST_S3_PART, with the test server's own minimum) so that tiny models exercise shared uploads.
-PART = int(os.environ.get("DISTMERGE_TEST_S3_PART", 16 << 20))
-SMALLEST = min(MIN_PART, PART)
+PART = 16 << 20
 IN_FLIGHT = 4  # parts per rank being sent or waiting for a thread: at most this x PART bytes held
 
 
-class ObjectStore:
-    sharing = Sharing(within="any", min_run=SMALLEST, receipts=True)
+def part_size() -> int:
+    """PART, or the tests' smaller part: read when a store is made, as a test process imports this module before
+    it sets DISTMERGE_TEST_S3_PART."""
+    return int(os.environ.get("DISTMERGE_TEST_S3_PART", PART))
 
+
+class ObjectStore:
     def __init__(self, url: str) -> None:
         self.loc = s3_client.parse(url, "output", OutputError)
         self.url = self.loc.url()
+        self.part = part_size()
+        self.sharing = Sharing(within="any", min_run=min(MIN_PART, self.part), receipts=True)
         self.pool = ThreadPoolExecutor(max_workers=IN_FLIGHT, thread_name_prefix="distmerge-upload")
         self.slots = threading.BoundedSemaphore(IN_FLIGHT)
 
@@ -163,11 +168,11 @@ def _nested(a: str, b: str) -> bool:
     return not a or not b or a == b or a.startswith(b + "/") or b.startswith(a + "/")
 
 
-def parts(layout: FileLayout) -> list[tuple[int, int, int, int]]:
-    """(number, start, end, writer) of the file's parts: each run cut into parts of at least PART bytes (or one
-    part, the run itself: spread.py keeps every run but the last at least SMALLEST long), numbered from 1 in
-    file order; larger parts where the file would need more than MAX_PARTS."""
-    target = max(PART, -(-layout.size // (MAX_PARTS - len(layout.runs))))
+def parts(layout: FileLayout, part: int) -> list[tuple[int, int, int, int]]:
+    """(number, start, end, writer) of the file's parts: each run cut into parts of at least `part` bytes (or one
+    part, the run itself: spread.py keeps every run but the last at least sharing.min_run long), numbered from 1
+    in file order; larger parts where the file would need more than MAX_PARTS."""
+    target = max(part, -(-layout.size // (MAX_PARTS - len(layout.runs))))
     out = []
     for start, end, writer in layout.runs:
         count = max(1, (end - start) // target)
@@ -184,7 +189,7 @@ class Upload:
                  create: bool) -> None:
         self.store, self.layout, self.key = store, layout, store.loc.key(layout.name)
         self.url = store.loc.url(layout.name)
-        self.parts = parts(layout)
+        self.parts = parts(layout, store.part)
         self.starts = [p[1] for p in self.parts]
         self.mine = {p[0] for p in self.parts if p[3] == rank}
         self.single = not layout.shared and len(self.parts) == 1  # one PUT at the commit
