@@ -366,3 +366,25 @@ def test_a_read_inside_a_large_record_checks_its_header_apart(s3, monkeypatch, t
         assert obj.pread(1024, at) == path.read_bytes()[at : at + 1024]
     assert len(made) == 2 and sum(n for *_, n in made) < 1024 + 100, made  # the header, then the bytes asked
     monkeypatch.undo()
+
+
+def test_an_object_the_store_completed_short_is_never_recorded_as_done(s3, fsdp_ckpts, monkeypatch, capsys):
+    """A store that loses a part on completion (here: the completion names every part but the last, as a store
+    that dropped one would leave it): the owner finds the object's size is not the planned one, the merge fails
+    with one line, writes no index and no record of that file."""
+    _, s3c = s3
+
+    def complete_short(self, **kwargs):
+        kwargs["MultipartUpload"] = {"Parts": kwargs["MultipartUpload"]["Parts"][:-1]}
+        return self._make_api_call("CompleteMultipartUpload", kwargs)
+
+    from distmerge import s3_client
+
+    client = s3_client.client()
+    monkeypatch.setattr(client, "complete_multipart_upload", complete_short.__get__(client))
+    assert merge_inproc("--input", fsdp_ckpts["fsdp2_llama_w4"], "--output", "s3://models/short") == 1
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("distmerge: error: s3://models/short: model.safetensors holds ") and line.endswith(
+        "the store lost part of it; run the same command with --resume"), line
+    keys = [o["Key"] for o in s3c.list_objects_v2(Bucket="models", Prefix="short/").get("Contents", [])]
+    assert "short/model.safetensors.index.json" not in keys and not [k for k in keys if ".distmerge/model" in k]

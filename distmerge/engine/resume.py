@@ -29,6 +29,7 @@ from distmerge.comm import Comm
 from distmerge.dtypes import CAST_CHOICES, hf_dtype_name
 from distmerge.engine.plan import OutputFile, Plan
 from distmerge.engine.prepare import OutputSettings
+from distmerge.errors import OutputError
 from distmerge.formats import registry
 from distmerge.formats.base import InputFile
 from distmerge.output.names import INDEX_NAME, MANIFEST, RECORDS, RUN_RECORD, record_name
@@ -104,8 +105,12 @@ def describe(plan: Plan, inputs: tuple[InputFile, ...], options: dict) -> RunRec
 def record_done(store: Store, file: OutputFile, run: RunRecord, checksum: bool) -> None:
     """Called by the owner right after the file is committed. The first file this run finishes also brings
     run.json to this run, so a run that finished nothing leaves nothing behind."""
+    size, planned = store.size(file.name), len(header_bytes(file.targets)[0]) + file.nbytes
+    if size != planned:  # the store made something else of it (a part lost on the way): never recorded as done
+        raise OutputError(f"{store.url}: {file.name} holds {size} bytes once committed, not the {planned} written: "
+                          "the store lost part of it; run the same command with --resume")
     _record_run(store, file, run)
-    record = {"fingerprint": run.fingerprint, "name": file.name, "bytes": store.size(file.name),
+    record = {"fingerprint": run.fingerprint, "name": file.name, "bytes": size,
               "tensors": [t.name for t in file.targets]}
     if checksum:
         record["sha256"] = store.sha256(file.name)
