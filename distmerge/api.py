@@ -149,7 +149,8 @@ def job_group(values: Mapping[str, Any]) -> Iterator[Comm]:
 @contextmanager
 def as_found() -> Iterator[None]:
     """The process as the call found it, in what a library could change unasked: Python's global `random` state
-X of the input (input_tree.forget)."""
+    (a library imported or called during the merge may draw from it), and no walk of the input kept
+    (input_tree.forget)."""
     from distmerge.input import tree as input_tree
 
     state = random.getstate()
