@@ -70,7 +70,10 @@ class Watchdog:
                   namespace=f"distmerge/watchdog/{run}/{next(_COMMS)}",
                   served_by_rank_0=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True",
                   aborts=aborts, on_silence=on_silence)
-        dog._publish()  # before the first collective: every rank has a record once any waits
+        try:
+            dog._publish()  # before the first collective: every rank has a record once any waits
+        except Exception as err:  # noqa: BLE001  (the group works: the thread tries again, a wait judges the store)
+            log.debug("watchdog: cannot publish: %s", err)
         dog._thread.start()
         return dog
 
