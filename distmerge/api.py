@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import random
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
@@ -132,9 +132,10 @@ def run_merge(opts: MergeOptions, comm: Comm, *, show: bool) -> MergeResult:
 
 
 @contextmanager
-def job_group(values: Mapping[str, Any]) -> Iterator[Comm]:
+def job_group(values: Mapping[str, Any], on_silence: Callable[[str, bool], None] | None = None) -> Iterator[Comm]:
     """The Comm of one call: the running job's group when there is one (borrowed: left up), else a group of our
-    own under torchrun, else one process."""
+    own under torchrun, else one process. `on_silence`: a command's (Comm's): the watchdog of a group of our own
+    ends the process with its verdict."""
     from distmerge.comm import process_group, resolve_device
 
     group, device, timeout = values.get("group"), values["device"], values["timeout"]
@@ -142,7 +143,7 @@ def job_group(values: Mapping[str, Any]) -> Iterator[Comm]:
         with process_group(device=device, timeout_s=timeout, borrow=True, group=group) as comm:
             yield comm
     else:
-        with process_group(device=resolve_device(device), timeout_s=timeout) as comm:
+        with process_group(device=resolve_device(device), timeout_s=timeout, on_silence=on_silence) as comm:
             yield comm
 
 

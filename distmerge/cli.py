@@ -67,6 +67,14 @@ def tell_torchrun(line: str) -> None:
             Path(path).write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
 
 
+def report_silence(line: str, speak: bool) -> None:
+    """The watchdog's verdict on a silent rank (distmerge/watchdog/): every rank that found it gives it to torchrun, one
+    prints it. The watchdog then ends the process (its main thread is blocked in a collective)."""
+    tell_torchrun(f"distmerge: error: {line}")
+    if speak:
+        print(f"distmerge: error: {line}", file=sys.stderr, flush=True)
+
+
 class Parser(argparse.ArgumentParser):
     """Every process of a torchrun job parses the same command line: rank 0 alone prints usage and errors."""
 
@@ -243,7 +251,7 @@ def _run_merge(args: argparse.Namespace) -> int:
         err = InputError(f"--verify-against {args.verify_against} does not exist: pass the reference model")
         err.before_group = True
         raise err
-    with api.job_group(values) as comm:
+    with api.job_group(values, on_silence=report_silence) as comm:
         result = api.run_merge(opts, comm, show=not args.quiet)
         if comm.rank == 0 and args.json_summary:
             args.json_summary.write_text(summary_json(result))
@@ -261,7 +269,7 @@ def _run_verify(args: argparse.Namespace) -> int:
 
     values = verl_cli.test_values(options.from_namespace(args, "verify"), args.verl)
     opts = api.verify_request(values)
-    with api.job_group(values) as comm:
+    with api.job_group(values, on_silence=report_silence) as comm:
         verl_cli.check_claims(args.verl, opts, comm)
         return 0 if verify_and_write(opts, comm, plot=args.plot, show=True).passed else 1
 

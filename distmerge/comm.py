@@ -7,6 +7,11 @@ Call order (every rank makes every call, in the same order):
     all_to_all  fragment bytes from readers to owners, asynchronous                 (all_to_all_single)
     close       destroy the group, on success and on failure (a borrowed group is left as it was)
 
+Each of the first four is a step: every rank counts them alike, and marks the time it waits in one (a Pulse). A
+Comm that starts its own group runs a watchdog that reads them (distmerge/watchdog/): it names a rank that makes
+another wait --timeout seconds. The engine says which phase it is in with `phase`, and what must be undone before
+the watchdog ends the process with `on_abort`.
+
 A Comm either starts its own group (a command, under torchrun: `Comm(...)`) or borrows a running job's
 (`Comm.borrow(group)`, the API called inside training): fragments then travel in that group (NCCL: on the job's
 current GPU), the small messages in it too when it runs gloo, else in a gloo side group of ours; close() destroys
@@ -31,6 +36,8 @@ import torch
 from distmerge import errors
 from distmerge.errors import DistmergeError, InputError
 from distmerge.input import objects as input_objects
+from distmerge.watchdog.dog import Watchdog
+from distmerge.watchdog.pulse import BACKSTOP_S, Pulse, WatchedWork
 
 T = TypeVar("T")
 # Test aid: a borrowed gloo group gets a gloo side group for the small messages, as an NCCL group does, so that
@@ -54,7 +61,11 @@ def launched_world() -> int:
 
 
 class Comm:
-    def __init__(self, *, device: str, timeout_s: float) -> None:
+    def __init__(self, *, device: str, timeout_s: float, on_silence: Callable[[str, bool], None] | None = None) -> None:
+        """A group of our own over the processes torchrun (or srun) started. With several, a watchdog names a rank
+        that makes another wait `timeout_s` (distmerge/watchdog/); the group's own timeout, timeout_s + BACKSTOP_S,
+        is the backstop. `on_silence(line, speak)`: the command's (cli.report_silence); given, the watchdog calls it
+        with its verdict and ends the process."""
         self.world = launched_world()
         self.rank = int(os.environ.get("RANK", "0"))
         self.device = torch.device(device)
@@ -64,13 +75,16 @@ class Comm:
         self._root = 0  # the global rank of the group's rank 0 (the source of broadcasts)
         self._borrowed = False
         self._side = None  # a borrowing Comm's gloo group beside the job's NCCL one (borrow)
+        self._pulse, self._aborts, self._watchdog = Pulse(), [], None
         if self.device.type == "cuda":
             # Before any CUDA work and before NCCL starts: each process's tensors, and its NCCL communicator,
             # live on its own GPU (cuda:0 for every rank otherwise).
             self.device = cuda_device(int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(self.device)
         if self.world > 1:
-            self._start_group(timedelta(seconds=timeout_s))
+            self._start_group(timedelta(seconds=timeout_s + BACKSTOP_S))
+            self._watchdog = Watchdog.start_for(self._pulse, rank=self.rank, world=self.world, timeout_s=timeout_s,
+                                                aborts=self._aborts, on_silence=on_silence)
 
     @classmethod
     def borrow(cls, group: Any = None, *, device: str = "auto", timeout_s: float = 600.0) -> Comm:
@@ -92,6 +106,7 @@ class Comm:
         comm._root = dist.get_global_rank(group, 0) if comm.world > 1 else 0
         comm._borrowed = True
         comm._side = None
+        comm._pulse, comm._aborts, comm._watchdog = Pulse(), [], None  # the job's group: no watchdog of ours
         if "gloo" not in backend or SIDE_GROUP:
             comm._side = _side_group(group, timedelta(seconds=timeout_s))
         cpu_data = comm.device.type == "cpu" and "gloo" not in backend  # NCCL carries only CUDA tensors
@@ -127,6 +142,30 @@ class Comm:
                                                f"{_first_line(err)}): {hint}, or use --device cpu")) from None
         self._data = dist.group.WORLD
 
+    # -- what the engine tells the watchdog ------------------------------------------------------------
+    def phase(self, words: str) -> None:
+        """What the ranks are doing from here on ("discovery", "round 3 of 12"): a silent rank is named with it."""
+        self._pulse.phase = words
+
+    def on_abort(self, callback: Callable[[], Any]) -> Callable[[], None]:
+        """Call `callback` (no arguments) if the watchdog ends this process (a silent rank, under a command):
+        what an exception's unwinding would otherwise undo, e.g. rank 0 releasing a lock on the output. Runs in
+        another thread, while the main thread is blocked in a collective, within watchdog.dog.CLEANUP_WAIT_S.
+        Without a watchdog (one process, a borrowed group, the store not a TCPStore) it is never called.
+        Returns a function that unregisters it."""
+        self._aborts.append(callback)
+
+        def unregister() -> None:
+            if callback in self._aborts:
+                self._aborts.remove(callback)
+
+        return unregister
+
+    @property
+    def silence(self) -> str | None:
+        """The watchdog's verdict, once it found a silent rank (without on_silence the process goes on)."""
+        return self._watchdog.verdict.line if self._watchdog is not None and self._watchdog.verdict else None
+
     # -- collectives -------------------------------------------------------------------------------
     def root_only(self, work: Callable[[], T]) -> T:
         mine = self._attempt(work) if self.rank == 0 else None
@@ -150,10 +189,11 @@ class Comm:
 
         data = pickle.dumps(obj) if self.rank == 0 else b""
         size = torch.tensor([len(data)], dtype=torch.int64)
-        dist.broadcast(size, src=self._root, group=self._control)
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 else torch.empty(int(size),
-                                                                                                      dtype=torch.uint8)
-        dist.broadcast(buf, src=self._root, group=self._control)
+        with self._pulse.waiting(self._pulse.join()):
+            dist.broadcast(size, src=self._root, group=self._control)
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 else torch.empty(
+                int(size), dtype=torch.uint8)
+            dist.broadcast(buf, src=self._root, group=self._control)
         self._keep(size, buf)
         return pickle.loads(buf.numpy().tobytes())
 
@@ -166,12 +206,13 @@ class Comm:
         data = pickle.dumps(obj)
         size = torch.tensor([len(data)], dtype=torch.int64)
         sizes = [torch.empty(1, dtype=torch.int64) for _ in range(self.world)]
-        dist.all_gather(sizes, size, group=self._control)
-        longest = max(int(s) for s in sizes)
-        buf = torch.zeros(longest, dtype=torch.uint8)
-        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
-        every = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world)]
-        dist.all_gather(every, buf, group=self._control)
+        with self._pulse.waiting(self._pulse.join()):
+            dist.all_gather(sizes, size, group=self._control)
+            longest = max(int(s) for s in sizes)
+            buf = torch.zeros(longest, dtype=torch.uint8)
+            buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
+            every = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world)]
+            dist.all_gather(every, buf, group=self._control)
         self._keep(size, *sizes, buf, *every)
         return [pickle.loads(b[: int(n)].numpy().tobytes()) for b, n in zip(every, sizes, strict=True)]
 
@@ -191,7 +232,9 @@ class Comm:
         import torch.distributed as dist
 
         self._kept_data = (recv, send)  # the last exchange's buffers, for the reason _keep gives
-        return dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self._data, async_op=True)
+        step = self._pulse.join()
+        work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self._data, async_op=True)
+        return WatchedWork(work, self._pulse, step, poll=recv.device.type == "cuda")  # NCCL: polled
 
     def close(self) -> None:
         """Destroy the groups now, while this process still runs.
@@ -204,6 +247,9 @@ class Comm:
         A borrowed group (borrow) is the caller's: it stays up, and only our references go (and the side group
         we made beside it).
         """
+        if self._watchdog is not None:  # first: under srun rank 0's process serves the store it reads
+            self._watchdog.stop()
+            self._watchdog = None
         if self.world > 1 and not self._borrowed:
             import torch.distributed as dist
 
@@ -215,6 +261,7 @@ class Comm:
             dist.destroy_process_group(self._side)
             self._side = None
         self._data = self._control = None
+        self._aborts.clear()
         self._kept.clear()  # after the worker threads are gone (_keep)
         self._kept_data = ()
 
@@ -242,20 +289,25 @@ class Comm:
 
 
 @contextmanager
-def process_group(*, device: str, timeout_s: float, borrow: bool = False, group: Any = None) -> Iterator[Comm]:
+def process_group(*, device: str, timeout_s: float, borrow: bool = False, group: Any = None,
+                  on_silence: Callable[[str, bool], None] | None = None) -> Iterator[Comm]:
     """A Comm for one command. An unexpected exception (a peer died, a collective timed out) becomes
-    this rank's one-line error; the group is destroyed and stdout flushed on success and on failure.
-    `borrow`: use the running job's `group` (None: its default group) instead, and leave it up (Comm.borrow);
-    `device` is then auto, cpu or cuda, resolved against that group."""
+    this rank's one-line error (the watchdog's verdict when it found a silent rank); the group is destroyed and
+    stdout flushed on success and on failure. `borrow`: use the running job's `group` (None: its default group)
+    instead, and leave it up (Comm.borrow); `device` is then auto, cpu or cuda, resolved against that group; no
+    watchdog runs, and `on_silence` (Comm's) is not used."""
     comm = None
     try:  # inside: a group that cannot start is one line too
-        comm = Comm.borrow(group, device=device, timeout_s=timeout_s) if borrow else Comm(device=device,
-                                                                                           timeout_s=timeout_s)
+        comm = Comm.borrow(group, device=device, timeout_s=timeout_s) if borrow else Comm(
+            device=device, timeout_s=timeout_s, on_silence=on_silence)
         yield comm
     except DistmergeError:
         raise
     except Exception as err:
         rank = comm.rank if comm is not None else int(os.environ.get("RANK", "0"))
+        if comm is not None and comm.silence is not None:
+            comm._watchdog.await_end()  # a command's: the watchdog ends the process and says why, once
+            raise DistmergeError(comm.silence) from err
         raise DistmergeError(f"rank {rank}: {type(err).__name__}: {_first_line(err)}") from err
     finally:
         if comm is not None:

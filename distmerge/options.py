@@ -163,7 +163,8 @@ OPTIONS: tuple[Opt | str, ...] = (
     Opt(name="device", flags=("--device",), commands=RUN, group="run", default="auto", choices=("auto", "cpu", "cuda"),
         help="where tensors are moved and computed (auto: cuda if present)"),
     Opt(name="timeout", flags=("--timeout",), commands=RUN, group="run", kind="float", default=600.0,
-        metavar="SECONDS", help="give up when another process is silent this long (default 600)"),
+        metavar="SECONDS", help="a process that waits this long for another names it (rank, host, phase) and the "
+                                "job ends; the group's own timeout is this + 25 s (default 600)"),
     Opt(name="quiet", flags=("--quiet", "-q"), commands=RUN, group="run", kind="switch", default=False, api=False,
         help="no progress and no summary"),
     Opt(name="debug", flags=("--debug",), commands=ALL, group="run", kind="switch", default=False, api=False,

@@ -209,7 +209,7 @@ def test_the_api_in_a_one_process_job(job_group, fsdp_ckpts, tmp_path):
 # The functions that may write to stdout/stderr: the command line's, and the progress, summary and report that
 # the API shows only with progress=True.
 PRINTERS = {
-    "distmerge/cli.py": {"main", "_report_error"},
+    "distmerge/cli.py": {"main", "_report_error", "report_silence"},
     "distmerge/verl_cli.py": {"say_notes", "after_merge"},
     "distmerge/inspect.py": {"run_inspect"},
     "distmerge/report.py": {"Progress.say", "Progress.start", "Progress.advance", "print_summary"},

@@ -66,6 +66,10 @@ ROUND_DELAY_S = float(os.environ.get("DISTMERGE_TEST_ROUND_DELAY", "0"))
 # Fault-injection aid for the test that one rank's error mid-round is raised on every rank: "RANK:ROUND" makes
 # that rank's share of that round fail as a read error would (tests/test_promises.py). Empty otherwise.
 FAIL_AT = os.environ.get("DISTMERGE_TEST_FAIL_AT", "")
+# Fault-injection aid for the watchdog's tests (tests/test_silent_rank.py): "RANK:ROUNDS:SECONDS" (ROUNDS: K or
+# K-L, 0-based) makes that rank sleep that long in its share of each of those rounds, before its reads, as a hung
+# filesystem would hold it while its threads live. Empty otherwise.
+STALL = os.environ.get("DISTMERGE_TEST_STALL", "")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,17 +91,24 @@ def merge(opts: MergeOptions, comm: Comm, progress: Progress) -> MergeResult:
     start = time.perf_counter()
     store = open_store(opts.output)
     held: list[Lease] = []  # rank 0's lock on the output (output/lock.py), from discovery to the exit
+    unregister = comm.on_abort(lambda: _release(held))  # the watchdog ends the process without unwinding
     try:
         return _merge(opts, comm, progress, store, held, start)
     finally:
-        for lease in held:
-            lease.release()
+        unregister()
+        _release(held)
+
+
+def _release(held: list[Lease]) -> None:
+    while held:
+        held.pop().release()
 
 
 def _merge(opts: MergeOptions, comm: Comm, progress: Progress, store: Store, held: list[Lease],
            start: float) -> MergeResult:
     laps = Laps()
     said: list[str] = []
+    comm.phase("discovery")
     found = comm.root_only(lambda: _discover(opts, store, held, said.append))
     for line in said:
         progress.say(line)
@@ -112,6 +123,7 @@ def _merge(opts: MergeOptions, comm: Comm, progress: Progress, store: Store, hel
                                sharing=store.sharing, laps=laps)
         run = resume.describe(plan, scan.files, resume.output_options(opts.settings, scan.format,
                                                                       opts.format_options, found.config))
+        comm.phase("the start of the output (its checks for --resume)")
         begun = resume.start(store, plan, run, comm, resuming=opts.resume, checksum=opts.checksum)
         progress.say(begun.line)
         todo = planning.without_files(plan, list(begun.kept))
@@ -122,8 +134,10 @@ def _merge(opts: MergeOptions, comm: Comm, progress: Progress, store: Store, hel
         run_rounds(todo, comm, reader, sink, progress)
         progress.stop()
         laps.lap("rounds")
+        comm.phase("the commit of the output files")
         receipts = comm.gather(sink.receipts) if sink.needs_receipts else None
         ranks = comm.gather(lambda: sink.commit_shared(receipts) or _stats(comm.rank, reader, sink.writers, laps))
+        comm.phase("finalize (rank 0 writes config.json and the index)")
         copied = [] if begun.complete else comm.root_only(
             lambda: _still_ours(held, store) or finalize(store, plan, found.config, Path(found.hf_dir),
                                                           scan.not_model_files))
@@ -169,10 +183,12 @@ def plan_checkpoint(found: disc.Discovery, reader: Reader, comm: Comm, settings:
     laps = laps if laps is not None else Laps()
     readers = planning.assign_readers(found.scan.files, comm.world)
     mine = [i for i, r in enumerate(readers) if r == comm.rank]
+    comm.phase("the opening of the input files")
     # inventories travel as columns (inventory.py says why), with the host of each rank (spread.py)
     gathered = comm.gather(lambda: (host(), inventory.pack(reader.open(mine))))
     laps.lap("open")
     hosts = _host_numbers([name for name, _ in gathered])
+    comm.phase("planning")
     prepared = comm.agree(lambda: _prepare(found, inventory.unpack([part for _, part in gathered]), comm.world,
                                            settings, hosts, claims, sharing))
     laps.lap("plan")
@@ -217,11 +233,13 @@ def run_in_lockstep(works: tuple[Work, ...], comm: Comm, progress: Progress) -> 
     def start(k: int) -> list[Pending]:
         return [x.start(_round(w.todo, k), k % 2) for x, w in zip(exchangers, works, strict=True)]
 
+    comm.phase(f"round 1 of {depth}")
     pending, ahead = start(0) if depth else [], []
     try:
         for k in range(depth):
+            comm.phase(f"round {k + 1} of {depth}")
             ahead = start(k + 1) if k + 1 < depth else []
-            done = comm.gather(lambda p=pending, k=k: _test_fault(k, comm.rank) or sum(
+            done = comm.gather(lambda p=pending, k=k: _test_fault(k, comm.rank) or _test_stall(k, comm.rank) or sum(
                 _build(w.todo, _round(w.todo, k), pk, comm, w.reader, w.sink) for w, pk in zip(works, p, strict=True)))
             progress.advance(sum(done))
             pending, ahead = ahead, []
@@ -240,6 +258,14 @@ def _round(todo: Plan, k: int) -> tuple[int, ...]:
 def _test_fault(k: int, rank: int) -> None:
     if f"{rank}:{k}" == FAIL_AT:
         raise CorruptInputError(f"test fault (DISTMERGE_TEST_FAIL_AT) on rank {rank} in round {k}")
+
+
+def _test_stall(k: int, rank: int) -> None:
+    if STALL:
+        who, rounds, seconds = STALL.split(":")
+        first, _, last = rounds.partition("-")
+        if int(who) == rank and int(first) <= k <= int(last or first):
+            time.sleep(float(seconds))
 
 
 def _discover(opts: MergeOptions, store: Store, held: list[Lease], say: Callable[[str], None]) -> disc.Discovery:

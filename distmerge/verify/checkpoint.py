@@ -81,6 +81,7 @@ def verify_checkpoint(opts: VerifyOptions, comm: Comm, role: str = "merged") -> 
             run_rounds(todo, comm, reader, sink, Progress(enabled=False), send_sets=1)
         finally:
             other.close()
+        comm.phase("the collection of the figures")
         per_rank = comm.gather(lambda: sink.checks)
     finally:
         reader.close()

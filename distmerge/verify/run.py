@@ -73,6 +73,7 @@ def verify(opts: VerifyOptions, comm: Comm) -> VerifyResult:
 
 def _verify(opts: VerifyOptions, comm: Comm) -> VerifyResult:
     start = time.perf_counter()
+    comm.phase("discovery")
     merged_ckpt, reference_ckpt = comm.root_only(lambda: kinds(opts))
     if merged_ckpt or reference_ckpt:
         got = verify_two_checkpoints(opts, comm) if merged_ckpt and reference_ckpt else verify_checkpoint(
@@ -82,7 +83,9 @@ def _verify(opts: VerifyOptions, comm: Comm) -> VerifyResult:
                             seconds=time.perf_counter() - start, peak_rss=_peak_rss(comm), format=got.format,
                             notes=got.notes, reference_format=got.reference_format,
                             reference_notes=got.reference_notes)
+    comm.phase("the listing of the tensors (rank 0)")
     listing = comm.root_only(lambda: make_listing(opts))
+    comm.phase("the comparison of the tensors")
     per_rank = comm.gather(lambda: check_mine(listing, opts.criteria, comm))
     checks = sorted([*listing.settled, *(c for mine in per_rank for c in mine)],
                     key=lambda c: natural_key(c.name))
@@ -90,6 +93,7 @@ def _verify(opts: VerifyOptions, comm: Comm) -> VerifyResult:
     if opts.logits:
         from distmerge.verify.logits import compare_logits
 
+        comm.phase("the comparison of the logits (rank 0)")
         logits = comm.root_only(lambda: compare_logits(listing, opts, comm.device))
     return VerifyResult(checks=checks, logits=logits, processes=comm.world, per_rank=[len(c) for c in per_rank],
                         device=str(comm.device), seconds=time.perf_counter() - start, peak_rss=_peak_rss(comm))
@@ -135,6 +139,7 @@ def verify_and_write(opts: VerifyOptions, comm: Comm, *, plot: Path | None, show
                        f" vs {opts.reference.name or opts.reference}")
         sys.stdout.flush()  # before the other ranks go on: torchrun stops rank 0 when another rank exits 1
 
+    comm.phase("the report (rank 0)")
     comm.root_only(report)
     return result
 

@@ -66,6 +66,7 @@ def verify_two_checkpoints(opts: VerifyOptions, comm: Comm) -> Compared:
         sink = PairedSink(todo_b, listing, opts.criteria, comm.device, held)
         run_in_lockstep((Work(todo=todo_a, reader=reader_a, sink=held, send_sets=1),
                          Work(todo=todo_b, reader=reader_b, sink=sink, send_sets=1)), comm, Progress(enabled=False))
+        comm.phase("the collection of the figures")
         per_rank = comm.gather(lambda: sink.checks)
     finally:
         reader_b.close()
