@@ -349,3 +349,21 @@ def test_a_full_disk_is_one_line_and_resume_finishes_once_it_has_room(fsdp_ckpts
     clean = tmp_path / "clean"
     assert merge_inproc("--input", fsdp_ckpts[A], "--output", clean, *split) == 0
     assert tree_bytes(out) == tree_bytes(clean)
+
+
+def test_a_gone_holders_lock_is_removed_only_if_it_is_still_the_one_judged(tmp_path, s3):
+    """Two merges take over the same gone holder's lock: the first removes it and takes the output; the second,
+    which read the same gone lock, must not remove the first one's new lock (its remove_if finds another)."""
+    from distmerge.output.local_lock import FolderLock
+    from distmerge.output.s3_lock import ObjectLock
+    from distmerge.s3_client import parse
+
+    for make in (lambda: FolderLock(tmp_path / "out"), lambda: ObjectLock(parse("s3://models/judged", "", OSError))):
+        gone, first, second = make(), make(), make()
+        assert gone.create(b"the gone holder's record")
+        judged = second.read()
+        assert first.remove_if(first.read().version) and first.create(b"the first taker's record")
+        assert not second.remove_if(judged.version)
+        assert second.read().data == b"the first taker's record" and first.holds()
+        first.release()
+        assert second.read() is None

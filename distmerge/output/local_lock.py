@@ -5,7 +5,7 @@ name, which fails if the lock exists (link is atomic on local file systems and o
 before NFSv3; Lustre and GPFS keep it atomic). The holder keeps the file open: the lock is its own while the name
 still leads to that inode; it renews it by touching the open file (the mtime is the lease's clock: the file
 server's, on NFS). Removing a gone holder's lock is a rename to a name of our own first, then a look at what we
-moved: if it is not the lock we judged gone (another merge took it over meanwhile), it is put back.
+moved (its inode and its record, whose token is unique): if it is not the lock we judged gone (another merge took it over meanwhile), it is put back.
 """
 
 from __future__ import annotations
@@ -59,8 +59,7 @@ class FolderLock:
         except FileNotFoundError:
             return None
         try:
-            st = os.fstat(fd)
-            return Found(data=os.read(fd, 1 << 16), version=(st.st_dev, st.st_ino), renewed=st.st_mtime)
+            return _found(fd)
         finally:
             os.close(fd)
 
@@ -70,8 +69,12 @@ class FolderLock:
             os.rename(self.path, aside)
         except FileNotFoundError:
             return True  # removed by someone else: the lock is free
-        st = os.stat(aside)
-        if (st.st_dev, st.st_ino) == version:
+        fd = os.open(aside, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            moved = _found(fd).version
+        finally:
+            os.close(fd)
+        if moved == version:
             aside.unlink()
             return True
         with contextlib.suppress(FileExistsError):  # a newer holder's lock: put back unless a third took the name
@@ -102,3 +105,11 @@ class FolderLock:
             self.path.unlink(missing_ok=True)
         os.close(self.fd)
         self.fd = -1
+
+
+def _found(fd: int) -> Found:
+    """The lock open at `fd`. Its version is its inode and its record (whose token is unique): an inode number
+    alone may be reused by the next lock as soon as the last one is removed."""
+    st = os.fstat(fd)
+    data = os.pread(fd, 1 << 16, 0)
+    return Found(data=data, version=(st.st_dev, st.st_ino, data), renewed=st.st_mtime)
