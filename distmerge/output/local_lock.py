@@ -5,7 +5,8 @@ name, which fails if the lock exists (link is atomic on local file systems and o
 before NFSv3; Lustre and GPFS keep it atomic). The holder keeps the file open: the lock is its own while the name
 still leads to that inode; it renews it by touching the open file (the mtime is the lease's clock: the file
 server's, on NFS). Removing a gone holder's lock is a rename to a name of our own first, then a look at what we
-moved (its inode and its record, whose token is unique): if it is not the lock we judged gone (another merge took it over meanwhile), it is put back.
+moved (its inode and its record, whose token is unique): if it is not the lock we judged gone (another merge
+took it over meanwhile), it is put back.
 """
 
 from __future__ import annotations
