@@ -94,11 +94,12 @@ def test_a_requeued_merge_fails_at_once_and_the_first_keeps_its_model(fsdp_ckpts
 @pytest.mark.torchrun
 def test_under_torchrun_every_rank_learns_the_output_is_held(fsdp_ckpts, tmp_path):
     out = tmp_path / "out"
-    first = start(fsdp_ckpts[A], out, *SLOW)
+    first = start(fsdp_ckpts[A], out, *SLOW, delay=1.0)  # still writing once torchrun has started (seconds)
     try:
         wait_for(lambda: (out / LOCK).exists(), first)
         run = torchrun(2, "merge", "--quiet", "--input", fsdp_ckpts[B], "--output", out, *SLOW, "--resume")
-        _, err = first.communicate(timeout=180)
+        assert first.poll() is None, "the first merge ended before the second began: slow it down"
+        _, err = first.communicate(timeout=300)
     finally:
         first.kill()
     assert run.returncode != 0

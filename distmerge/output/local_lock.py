@@ -28,6 +28,7 @@ class FolderLock:
         self.path = root / LOCK
         self.where = str(self.path)
         self.fd = -1
+        self.made_root = False
 
     def create(self, data: bytes) -> bool:
         try:
@@ -37,7 +38,11 @@ class FolderLock:
                               "not writable?)") from None
 
     def _link(self, data: bytes) -> bool:
-        self.root.mkdir(parents=True, exist_ok=True)  # left behind, empty, if the merge fails (as before the lock)
+        try:
+            self.root.mkdir(parents=True)
+            self.made_root = True  # a merge that fails before writing anything leaves no empty folder behind
+        except FileExistsError:
+            pass
         temp = self.root / f"{LOCK}.{uuid.uuid4().hex}"
         fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         try:
@@ -106,6 +111,9 @@ class FolderLock:
             self.path.unlink(missing_ok=True)
         os.close(self.fd)
         self.fd = -1
+        if self.made_root:
+            with contextlib.suppress(OSError):  # not empty: the merge's finished files stay for --resume
+                self.root.rmdir()
 
 
 def _found(fd: int) -> Found:
