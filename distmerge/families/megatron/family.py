@@ -64,15 +64,9 @@ def _units(sources: dict[str, SourceMeta], ctx: FamilyContext, lm_head: bool) ->
     sizes = base.CAUSAL_LM.sizes(ctx.config)
     # multi-token prediction layers are found by the rows of the decoder layer they are built like
     aliases = megatron_mla.mtp_aliases(sources, sizes, arch in MTP)
-    out, notes, unmapped = [], [], []
-    for meta in sources.values():
-        name = aliases.get(meta.name, meta.name)
-        found = next(((row, m) for row, pattern in rows if (m := pattern.fullmatch(name))), None)
-        if found is None:
-            unmapped.append(meta.name)
-            continue
-        row, match = found
-        names = tuple(t.format(*match.groups()) for t in row.targets)
+    out, notes = [], []
+    for meta, row, numbers in base.matched_rows(sources, rows, "Megatron", arch, aliases):
+        names = tuple(t.format(*numbers) for t in row.targets)
         if tied and names == (HEAD,):
             notes.append("output_layer.weight not written: config.json ties it to the embedding")
             continue
@@ -83,10 +77,6 @@ def _units(sources: dict[str, SourceMeta], ctx: FamilyContext, lm_head: bool) ->
         dtype = output_dtype(meta.dtype, "F32" if float32 else ctx.cast)
         targets = tuple(Target(name=n, shape=s, dtype=dtype) for n, s in zip(names, shapes, strict=True))
         out.append(Unit(sources=(meta.name,), targets=targets, transform=transform, params=params))
-    if unmapped:
-        shown = ", ".join(sorted(unmapped)[:6])
-        raise InputError(f"{len(unmapped)} Megatron tensors have no mapping for {arch} ({shown}): "
-                         "distmerge would drop them; is config.json for this model?")
     _check_complete([u for u in out if u.sources[0] not in aliases], sizes, tied or not lm_head, arch)
     layers = {int(m[1]) for u in out if u.sources[0] in aliases for t in u.targets if (m := mtp.LAYER.match(t.name))}
     out, updates, mtp_notes = mtp.finish(out, layers, sizes)
@@ -102,8 +92,7 @@ def architecture(config: dict[str, Any]) -> str:
 
 @cache
 def _compiled(arch: str) -> list[tuple[Row, re.Pattern[str]]]:
-    return [(row, re.compile(re.escape(row.source).replace(r"\{\}", r"(\d+)")))
-            for row in FAMILIES[arch] + MTP.get(arch, ())]
+    return base.compile_rows(FAMILIES[arch] + MTP.get(arch, ()))
 
 
 def _params(transform: str, meta: SourceMeta, config: dict[str, Any], hints: Hints) -> tuple[tuple[str, object], ...]:
@@ -146,7 +135,7 @@ def target_shapes(transform: str, meta: SourceMeta, params: tuple) -> list[tuple
 
 def _check_complete(out: list[Unit], config: dict[str, Any], tied: bool, arch: str) -> None:
     names = {t.name for u in out for t in u.targets}
-    layer = re.compile(re.escape(LAYERS).replace(r"\{\}", r"(\d+)"))
+    layer = base.row_pattern(LAYERS)
     layers = {int(m[1]) for n in names if (m := layer.match(n))}
     expected = config.get("num_hidden_layers")
     if isinstance(expected, int) and layers != set(range(expected)):

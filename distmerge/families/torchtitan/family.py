@@ -30,13 +30,9 @@ def units(sources: dict[str, SourceMeta], ctx: FamilyContext) -> FamilyResult:
     arch = architecture(ctx.config)
     size = sizes(ctx.config, arch)
     tied = base.CAUSAL_LM.ties(ctx.config)
-    out, left_out, unmapped, written = [], {}, [], {}
-    for meta in sources.values():
-        found = _row(arch, meta.name)
-        if found is None:
-            unmapped.append(meta.name)
-            continue
-        row, numbers = found
+    out, left_out, written = [], {}, {}
+    for meta, row, groups in base.matched_rows(sources, _compiled(arch), "torchtitan", arch):
+        numbers = tuple(int(g) for g in groups)
         if row.target is None:
             left_out[meta.name] = row.why
             continue
@@ -51,10 +47,6 @@ def units(sources: dict[str, SourceMeta], ctx: FamilyContext) -> FamilyResult:
         out.append(Unit(sources=(meta.name,), targets=(Target(name=target, shape=meta.shape,
                                                                dtype=output_dtype(meta.dtype, ctx.cast)),),
                         transform=row.transform, params=params))
-    if unmapped:
-        shown = ", ".join(sorted(unmapped)[:6])
-        raise InputError(f"{len(unmapped)} torchtitan tensors have no mapping for {arch} ({shown}): distmerge "
-                         "would drop them; is config.json for this model?")
     out, must_equal = _tie(out, written, tied)
     _check_counts(written, size, arch)
     # MTP layers also carry the embedding and the head, as DeepSeek-V3's checkpoint does (families/mtp.py)
@@ -96,14 +88,7 @@ def _mul(a: int | None, b: int | None) -> int | None:
 
 @cache
 def _compiled(arch: str) -> list[tuple[Row, re.Pattern[str]]]:
-    return [(row, re.compile(re.escape(row.source).replace(r"\{\}", r"(\d+)"))) for row in FAMILIES[arch]]
-
-
-def _row(arch: str, name: str) -> tuple[Row, tuple[int, ...]] | None:
-    for row, pattern in _compiled(arch):
-        if m := pattern.fullmatch(name):
-            return row, tuple(int(g) for g in m.groups())
-    return None
+    return base.compile_rows(FAMILIES[arch])
 
 
 def shape_key(target: str) -> str:
