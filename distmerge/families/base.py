@@ -42,7 +42,7 @@ class Target:
     name: str
     shape: tuple[int, ...]
     dtype: str
-    group: str = "model"  # "model": the sharded model files; other groups: output_files.GROUP_FILES
+    group: str = "model"  # "model": the sharded model files; other groups: output/names.py GROUP_FILES
 
     @property
     def nbytes(self) -> int:

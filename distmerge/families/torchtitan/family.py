@@ -1,6 +1,6 @@
 """torchtitan tensors (as formats/torchtitan.py presents them: stacked experts one per expert) -> Hugging Face units.
 
-The table (torchtitan_tables.py) is picked from config.json's architecture; every source must find a row
+The table (tables.py) is picked from config.json's architecture; every source must find a row
 (or the merge stops naming it), every target's shape is checked against config.json's sizes, the layers
 and each MoE layer's experts are counted, all before any byte moves. Rows with no target are left out with
 their reason; a head the config ties is not written but declared a copy of the embedding: the engine
@@ -49,7 +49,7 @@ def units(sources: dict[str, SourceMeta], ctx: FamilyContext) -> FamilyResult:
                         transform=row.transform, params=params))
     out, must_equal = _tie(out, written, tied)
     _check_counts(written, size, arch)
-    # MTP layers also carry the embedding and the head, as DeepSeek-V3's checkpoint does (families/mtp.py)
+    # MTP layers also carry the embedding and the head, as DeepSeek-V3's checkpoint does (families/megatron/mtp.py)
     layers = {int(m[1]) for t, s in written.items() if s.startswith("mtp_") and (m := LAYER.match(t))}
     out, updates, notes = mtp.finish(out, layers, base.CAUSAL_LM.sizes(ctx.config))
     return FamilyResult(units=out, left_out=left_out, must_equal=must_equal, config_updates=updates, notes=notes)
