@@ -1,6 +1,6 @@
 """Megatron-core tensors (global, as the Megatron formats present them) -> Hugging Face units.
 
-The family's table (megatron_tables.py) says which Hugging Face tensors each Megatron tensor becomes and
+The family's table (tables.py) says which Hugging Face tensors each Megatron tensor becomes and
 through which transform; this module finds the row of every source, fills in the layer/expert numbers,
 computes the transform's parameters from config.json (and the format's details), and checks the shapes
 so that a wrong config is an error before anything is read.
@@ -15,8 +15,7 @@ from typing import Any
 from distmerge.errors import InputError, LayoutError
 from distmerge.families import base, value_head
 from distmerge.families.base import FamilyContext, FamilyResult, SourceMeta, Target, Unit, output_dtype
-from distmerge.families.megatron import mla as megatron_mla
-from distmerge.families.megatron import mtp
+from distmerge.families.megatron import mla, mtp
 from distmerge.families.megatron.tables import FAMILIES, FLOAT32_TARGETS, LAYERS, MODEL_TYPES, MTP, Row
 from distmerge.formats.base import Hints
 
@@ -63,14 +62,14 @@ def _units(sources: dict[str, SourceMeta], ctx: FamilyContext, lm_head: bool) ->
     tied = base.CAUSAL_LM.ties(ctx.config)
     sizes = base.CAUSAL_LM.sizes(ctx.config)
     # multi-token prediction layers are found by the rows of the decoder layer they are built like
-    aliases = megatron_mla.mtp_aliases(sources, sizes, arch in MTP)
+    aliases = mla.mtp_aliases(sources, sizes, arch in MTP)
     out, notes = [], []
     for meta, row, numbers in base.matched_rows(sources, rows, "Megatron", arch, aliases):
         names = tuple(t.format(*numbers) for t in row.targets)
         if tied and names == (HEAD,):
             notes.append("output_layer.weight not written: config.json ties it to the embedding")
             continue
-        transform, params = (megatron_mla.resolve(meta, sizes) if row.transform == megatron_mla.MLA
+        transform, params = (mla.resolve(meta, sizes) if row.transform == mla.MLA
                              else (row.transform, _params(row.transform, meta, sizes, ctx.hints)))
         shapes = target_shapes(transform, meta, params)
         float32 = ctx.cast and names[0].endswith(FLOAT32_TARGETS.get(arch, ()))
