@@ -15,7 +15,7 @@ A format module registers itself with `@register`; distmerge/formats/__init__.py
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -65,6 +65,16 @@ def inside(root: Path, path: str) -> Path:
         raise InputError(f"{root}: {path} leads outside the input folder or is not a plain file ({entry.why}); "
                          "distmerge does not follow it")
     return walk.root / rel
+
+
+def config_dir(folders: Iterable[Path], names: tuple[str, ...] = ("huggingface",)) -> str | None:
+    """The config folder a format finds near its save (Scan.hf_dir): the first folder/name, folder by folder and
+    name by name in the order given, that holds a config.json ("" names the folder itself)."""
+    for folder in folders:
+        for name in names:
+            if (folder / name / "config.json").is_file():
+                return str(folder / name)
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)

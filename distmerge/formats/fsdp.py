@@ -18,7 +18,7 @@ from typing import Any
 
 from distmerge import dtypes
 from distmerge.errors import InputError, LayoutError
-from distmerge.formats import copies
+from distmerge.formats import base, copies
 from distmerge.formats.base import FormatDefaults, Fragment, Hints, InputFile, OpenedFile, Scan, input_file, register
 from distmerge.formats.torch_private import archive_name, state_dicts, torch_save
 from distmerge.formats.torch_private.mesh_record import MeshCache
@@ -60,13 +60,12 @@ class FsdpFormat(FormatDefaults):
             raise LayoutError(f"{root}: {copy[1].name} is the same file as {copy[0].name} (a copy or a link): "
                               "each rank file must be the one its rank saved; restore the original files")
         archive_name.check_saved_names([root / f.path for f in files])  # a rank file renamed to another's name
-        hf = root / "huggingface"
         hints = Hints(lora_meta=_lora_meta(root) if (root / LORA_META).is_file() else None)
         return Scan(
             format=self.name,
             root=str(root),
             files=files,
-            hf_dir=str(hf) if (hf / "config.json").is_file() else None,
+            hf_dir=base.config_dir((root,)),
             world_size=world,
             notes=tuple(notes),
             hints=hints,

@@ -29,6 +29,7 @@ from typing import Any
 
 from distmerge import dtypes
 from distmerge.errors import InputError
+from distmerge.formats import base
 from distmerge.formats.base import FormatDefaults, FormatOption, Fragment, Hints, InputFile, OpenedFile, Scan, register
 from distmerge.formats.dcp import folder as dcp_folder
 from distmerge.formats.dcp.folder import METADATA, DcpFormat
@@ -151,10 +152,7 @@ def own_names(step: Path) -> tuple[list[str], bool]:
 def hf_dir_near(step: Path) -> str | None:
     """huggingface/config.json in the step folder, the checkpoint folder or the dump folder (torchtitan writes
     none; users put the config of hf_assets_path there, or pass --hf-config)."""
-    for folder in (step, step.parent, step.parent.parent):
-        if (folder / "huggingface" / "config.json").is_file():
-            return str(folder / "huggingface")
-    return None
+    return base.config_dir((step, step.parent, step.parent.parent))
 
 
 def per_expert(frag: Fragment) -> list[Fragment]:

@@ -24,6 +24,7 @@ import torch
 
 from distmerge import dtypes
 from distmerge.errors import CorruptInputError, InputError
+from distmerge.formats import base
 from distmerge.formats.base import FormatDefaults, Fragment, InputFile, OpenedFile, Scan, input_file, inside, register
 from distmerge.formats.dcp.keys import model_names
 from distmerge.formats.torch_private import dcp as private
@@ -98,10 +99,7 @@ def _by_file(chunks: ModelChunks) -> tuple[torch.Tensor, dict[int, tuple[int, in
 
 
 def hf_dir_near(root: Path) -> str | None:
-    for candidate in (root / "huggingface", root.parent / "huggingface"):
-        if (candidate / "config.json").is_file():
-            return str(candidate)
-    return None
+    return base.config_dir((root, root.parent))
 
 
 @register

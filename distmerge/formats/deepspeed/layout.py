@@ -22,7 +22,7 @@ from typing import Any
 
 from distmerge.errors import InputError, LayoutError
 from distmerge.formats import copies
-from distmerge.formats.base import FormatOption
+from distmerge.formats.base import FormatOption, config_dir
 from distmerge.input import tree
 
 LATEST = "latest"
@@ -101,11 +101,7 @@ def partition_owner(recorded: dict, layout_of: Callable[[int], dict], world: int
 
 def hf_dir_near(save: Path, root: Path) -> str | None:
     """config.json: in the folder passed (HF Trainer's checkpoint-N), a huggingface/ folder there, or beside."""
-    for folder in dict.fromkeys((root, save.parent, root.parent)):
-        for candidate in (folder, *(folder / name for name in HF_DIRS)):
-            if (candidate / "config.json").is_file():
-                return str(candidate)
-    return None
+    return config_dir(dict.fromkeys((root, save.parent, root.parent)), ("", *HF_DIRS))
 
 
 def explain(root: Path) -> str | None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from distmerge.errors import InputError
-from distmerge.formats.base import FormatOption
+from distmerge.formats.base import FormatOption, config_dir
 from distmerge.input import tree
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -189,8 +189,4 @@ def hf_dir_near(save: Path, root: Path) -> str | None:
     """config.json's folder: next to the save, or up to the folder the user passed (and its parent)."""
     folders = [save, *save.parents]
     stop = folders.index(root.parent) + 1 if root.parent in folders else 3
-    for folder in folders[:stop]:
-        for name in HF_DIRS:
-            if (folder / name / "config.json").is_file():
-                return str(folder / name)
-    return None
+    return config_dir(folders[:stop], HF_DIRS)
