@@ -1,4 +1,5 @@
-"""What a merge reports: per-rank figures and the whole run's result (printed by report.py, returned by engine.py)."""
+"""What a merge reports: per-rank figures and the whole run's result (printed by report.py, returned by
+engine/run.py)."""
 
 from __future__ import annotations
 

@@ -116,7 +116,7 @@ def mla_rope_halves(sources: list[torch.Tensor], heads: int, keep: int, rope: in
 
 def copies(sources: list[torch.Tensor], of: str, count: int, **params: object) -> list[torch.Tensor]:
     """One target that a checkpoint also carries under other names (DeepSeek-V3's MTP layers repeat the embedding
-    and the output head, families/mtp.py): the transform `of` applied once, its one result given `count` times.
+    and the output head, families/megatron/mtp.py): the transform `of` applied once, its one result given `count` times.
 
         source -> of(source) = t   ->   [t, t, ...]   (count targets, the same bytes)
     """

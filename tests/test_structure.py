@@ -129,3 +129,17 @@ def test_inside_a_package_nothing_imports_a_higher_sublayer():
         assert members == set(level), (package, sorted(members ^ set(level)))
         upward = [(m, i) for m in members for i in imports(mods[m], set(mods)) if i in level and level[i] > level[m]]
         assert upward == [], upward
+
+
+def test_a_package_attribute_is_the_package():
+    """`import distmerge.families.megatron as m` gives the package, not a module an alias put in its place (the
+    registries' `from ...megatron import family as megatron` did)."""
+    import importlib
+    import sys
+
+    mods = modules()
+    for name in sorted(mods):
+        importlib.import_module(name)
+    wrong = [n for n in mods if "." in n and getattr(sys.modules[n.rsplit(".", 1)[0]], n.rsplit(".", 1)[1], None)
+             is not sys.modules[n]]
+    assert wrong == []

@@ -36,7 +36,7 @@ STAGE = 8 << 20
 
 
 class TargetOut(Protocol):
-    """Where a unit's targets go (engine.Sink.output): writer.ShardWriter, or verify's comparison.
+    """Where a unit's targets go (sink.Sink.output): writer.ShardWriter, or verify's comparison.
 
     `write` takes each whole target as it will be written (its output dtype, on the process group's device).
     An output with `takes_bytes` also takes a direct unit's bytes at their place, without a tensor being built:

@@ -11,7 +11,7 @@ from typing import Any
 from distmerge import dtypes, fp8
 from distmerge.engine.plan import Plan
 from distmerge.engine.resume import write_manifest
-from distmerge.input import tree as input_tree
+from distmerge.input import tree
 from distmerge.output.names import INDEX_NAME, MODEL_FILES
 from distmerge.output.store import Store
 
@@ -43,17 +43,17 @@ def write_config(out: Store, config: dict[str, Any], dtype: str | None) -> None:
 
 def copy_hf_files(hf_dir: Path, out: Store, skip: tuple[str, ...] = ()) -> list[str]:
     """Tokenizer, generation config, chat template, custom code: regular files only, never links, each
-    opened once and checked (input_tree.read_chunks). Inside the input the listing is the one discovery
+    opened once and checked (tree.read_chunks). Inside the input the listing is the one discovery
     walked, so a config folder that leads out of the input is never read. `skip`: what the format knows
     to be the trainer's own (a Trainer checkpoint folder doubles as the config folder)."""
-    tree = input_tree.tree_for(hf_dir)
-    names = tree.files_in(hf_dir) if tree else [p.name for p in sorted(hf_dir.iterdir())
+    walk = tree.tree_for(hf_dir)
+    names = walk.files_in(hf_dir) if walk else [p.name for p in sorted(hf_dir.iterdir())
                                                    if not p.is_symlink() and p.is_file()]
     copied = []
     for name in names:
         if name == "config.json" or name in skip or name.endswith(SKIP_SUFFIXES):
             continue
-        out.put_stream(name, input_tree.read_chunks(hf_dir / name))
+        out.put_stream(name, tree.read_chunks(hf_dir / name))
         copied.append(name)
     return copied
 

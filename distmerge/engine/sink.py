@@ -1,6 +1,6 @@
 """Where the engine's assembled targets go: the `Sink` protocol, and merge's sink, the output files.
 
-The engine (engine.run_rounds) is the same for every sink; a sink only decides what happens to a target once
+The engine (run.run_rounds) is the same for every sink; a sink only decides what happens to a target once
 it is built. Call order on each rank, per round:
 
     output(i)     once per unit i of the round this rank owns, before any of its fragments is placed: where the

@@ -4,7 +4,10 @@ Registration: a family module calls `register(...)` on its instance; the import 
 Which family takes a checkpoint is decided by `base.claim`, in each family's declared order.
 """
 
-from distmerge.families import hf, quantized, value_head  # noqa: F401
-from distmerge.families.lora import family as lora  # noqa: F401
-from distmerge.families.megatron import family as megatron  # noqa: F401
-from distmerge.families.torchtitan import family as torchtitan  # noqa: F401
+# Plain imports: an alias here (`family as lora`) would put the module where the package `distmerge.families.lora` is.
+import distmerge.families.hf  # noqa: F401
+import distmerge.families.lora.family  # noqa: F401
+import distmerge.families.megatron.family  # noqa: F401
+import distmerge.families.quantized  # noqa: F401
+import distmerge.families.torchtitan.family  # noqa: F401
+import distmerge.families.value_head  # noqa: F401

@@ -9,15 +9,17 @@ Call order (distmerge/engine/prepare.py drives it, the same for merge and inspec
     family.traits(config)         -> ModelTraits: what the written model is (tied heads, the transformers
                                   class to load it with, where its attention sizes live)
 
-A family module registers its instance with `register`; distmerge/families/__init__.py imports it.
+A family module registers its instance with `register`; distmerge/families/__init__.py imports it. A family
+written as a table of rows (megatron/, torchtitan/) finds each source's row with `matched_rows`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection
+import re
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from distmerge import dtypes
 from distmerge.errors import ConfigError, InputError
@@ -40,7 +42,7 @@ class Target:
     name: str
     shape: tuple[int, ...]
     dtype: str
-    group: str = "model"  # "model": the sharded model files; other groups: output_files.GROUP_FILES
+    group: str = "model"  # "model": the sharded model files; other groups: output/names.py GROUP_FILES
 
     @property
     def nbytes(self) -> int:
@@ -158,6 +160,42 @@ def table_for(config: dict[str, Any], tables: Collection[str], model_types: dict
         raise ConfigError(f"config.json's architecture {archs[0] or config.get('model_type')!r} has no {layout} "
                           f"mapping; supported: {', '.join(tables)}")
     return arch
+
+
+class TableRow(Protocol):
+    @property
+    def source(self) -> str: ...  # a source tensor's name, `{}` for each layer or expert number
+
+
+R = TypeVar("R", bound=TableRow)
+
+
+def row_pattern(source: str) -> re.Pattern[str]:
+    """A table row's source name as a pattern: each `{}` matches a number, a group of its own."""
+    return re.compile(re.escape(source).replace(r"\{\}", r"(\d+)"))
+
+
+def compile_rows(rows: Iterable[R]) -> list[tuple[R, re.Pattern[str]]]:
+    return [(row, row_pattern(row.source)) for row in rows]
+
+
+def matched_rows(sources: dict[str, SourceMeta], rows: list[tuple[R, re.Pattern[str]]], layout: str, arch: str,
+                 aliases: dict[str, str] | None = None) -> Iterator[tuple[SourceMeta, R, tuple[str, ...]]]:
+    """Each source with the first row whose pattern takes its name (`aliases`: the name to match it by instead)
+    and the numbers in it, in the sources' order. A source no row takes would be dropped from the output: once
+    the others are given, an InputError names them (so an error raised while building a unit comes first)."""
+    unmapped = []
+    for meta in sources.values():
+        name = (aliases or {}).get(meta.name, meta.name)
+        found = next(((row, m) for row, pattern in rows if (m := pattern.fullmatch(name))), None)
+        if found is None:
+            unmapped.append(meta.name)
+            continue
+        yield meta, found[0], found[1].groups()
+    if unmapped:
+        shown = ", ".join(sorted(unmapped)[:6])
+        raise InputError(f"{len(unmapped)} {layout} tensors have no mapping for {arch} ({shown}): distmerge "
+                         "would drop them; is config.json for this model?")
 
 
 def config_int(config: dict[str, Any], key: str, layout: str) -> int:

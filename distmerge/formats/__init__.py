@@ -3,9 +3,11 @@
 Registration: a format module decorates its class with `@register`; the import below makes it known.
 """
 
-from distmerge.formats import fsdp, torchtitan  # noqa: F401
-from distmerge.formats.dcp import folder as dcp  # noqa: F401
-from distmerge.formats.dcp import hf_writer as dcp_hf  # noqa: F401
-from distmerge.formats.deepspeed import folder as deepspeed  # noqa: F401
-from distmerge.formats.megatron import dist as megatron_dist  # noqa: F401
-from distmerge.formats.megatron import legacy as megatron_legacy  # noqa: F401
+# Plain imports: an alias here (`folder as dcp`) would put the module where the package `distmerge.formats.dcp` is.
+import distmerge.formats.dcp.folder  # noqa: F401
+import distmerge.formats.dcp.hf_writer  # noqa: F401
+import distmerge.formats.deepspeed.folder  # noqa: F401
+import distmerge.formats.fsdp  # noqa: F401
+import distmerge.formats.megatron.dist  # noqa: F401
+import distmerge.formats.megatron.legacy  # noqa: F401
+import distmerge.formats.torchtitan  # noqa: F401

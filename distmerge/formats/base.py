@@ -15,7 +15,7 @@ A format module registers itself with `@register`; distmerge/formats/__init__.py
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -24,7 +24,7 @@ import torch
 
 from distmerge import dtypes
 from distmerge.errors import InputError
-from distmerge.input import tree as input_tree
+from distmerge.input import tree
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,14 +57,24 @@ def input_file(root: Path, index: int, path: str, rank: int = -1) -> InputFile:
 
 def inside(root: Path, path: str) -> Path:
     """root/path, refusing names (from a listing or from metadata) and links that lead out of the input.
-    Judged by the input folder's tree (input_tree.py), walked at discovery: never by a subfolder's own
+    Judged by the input folder's tree (input/tree.py), walked at discovery: never by a subfolder's own
     resolution, so a linked save folder cannot move the anchor."""
-    tree = input_tree.tree_at(root)
-    rel, entry = tree.lookup(Path(root) / path)
+    walk = tree.tree_at(root)
+    rel, entry = walk.lookup(Path(root) / path)
     if entry is not None and entry.kind == "refused":
         raise InputError(f"{root}: {path} leads outside the input folder or is not a plain file ({entry.why}); "
                          "distmerge does not follow it")
-    return tree.root / rel
+    return walk.root / rel
+
+
+def config_dir(folders: Iterable[Path], names: tuple[str, ...] = ("huggingface",)) -> str | None:
+    """The config folder a format finds near its save (Scan.hf_dir): the first folder/name, folder by folder and
+    name by name in the order given, that holds a config.json ("" names the folder itself)."""
+    for folder in folders:
+        for name in names:
+            if (folder / name / "config.json").is_file():
+                return str(folder / name)
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,7 +100,7 @@ class Scan:
     notes: tuple[str, ...] = ()
     hints: Hints = field(default_factory=Hints)
     state: Any = None  # the format's own scan -> open() state (picklable); nothing else reads it
-    walked: Any = None  # input_tree.Walked: the walk's record of `files`, each rank opens them by (discover sets it)
+    walked: Any = None  # tree.Walked: the walk's record of `files`, each rank opens them by (discover sets it)
 
 
 _set = object.__setattr__  # a frozen dataclass's fields, set once (Fragment.make, the cached sizes)

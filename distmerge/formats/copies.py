@@ -23,8 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from distmerge.formats.torch_private import zip_records
-from distmerge.input import objects as input_objects
-from distmerge.input import tree as input_tree
+from distmerge.input import objects, tree
 
 HASHED = 64 * 1024  # bytes hashed at each end of a file to tell copies apart
 SAMPLES, BLOCK = 16, 4096  # payload blocks fingerprinted per file
@@ -38,7 +37,7 @@ def first_copy(paths: list[Path]) -> tuple[Path, Path] | None:
     seen: dict[tuple, Path] = {}
     by_size: dict[int, list[Path]] = {}
     for path in paths:
-        with input_tree.open_input(path) as f:
+        with tree.open_input(path) as f:
             if f.ident in seen:
                 return seen[f.ident], path
             seen[f.ident] = path
@@ -54,14 +53,14 @@ def first_copy(paths: list[Path]) -> tuple[Path, Path] | None:
 
 def _ends_digests(paths: list[Path]) -> list[str]:
     """Each file's ends digest; an object store's objects several at once (two GETs each: a round trip apiece)."""
-    if not input_objects.remote(paths[0]):
+    if not objects.remote(paths[0]):
         return [_ends_digest(p) for p in paths]
     with ThreadPoolExecutor(max_workers=CONCURRENT, thread_name_prefix="distmerge-ends") as pool:
         return list(pool.map(_ends_digest, paths))
 
 
 def _ends_digest(path: Path) -> str:
-    with input_tree.open_input(path) as f:
+    with tree.open_input(path) as f:
         head = f.pread(HASHED, 0)
         tail = f.pread(HASHED, max(0, f.size - HASHED))
     return hashlib.sha256(head + tail).hexdigest()
@@ -90,7 +89,7 @@ def _spans(fd: Any, where: str) -> Spans:
 
 
 def _fingerprint(path: Path) -> str:
-    with input_tree.open_input(path) as f:
+    with tree.open_input(path) as f:
         spans = _spans(f, str(path))
         total = sum(size for _, size in spans)
         digest = hashlib.sha256(repr([size for _, size in spans]).encode())
@@ -113,7 +112,7 @@ def _pieces(spans: Spans, at: int, length: int) -> list[tuple[int, int]]:
 
 
 def _same_payload(a: Path, b: Path) -> bool:
-    with input_tree.open_input(a) as fd_a, input_tree.open_input(b) as fd_b:
+    with tree.open_input(a) as fd_a, tree.open_input(b) as fd_b:
         spans_a, spans_b = _spans(fd_a, str(a)), _spans(fd_b, str(b))
         if [s for _, s in spans_a] != [s for _, s in spans_b]:
             return False

@@ -18,11 +18,11 @@ from typing import Any
 
 from distmerge import dtypes
 from distmerge.errors import InputError, LayoutError
-from distmerge.formats import copies
+from distmerge.formats import base, copies
 from distmerge.formats.base import FormatDefaults, Fragment, Hints, InputFile, OpenedFile, Scan, input_file, register
 from distmerge.formats.torch_private import archive_name, state_dicts, torch_save
 from distmerge.formats.torch_private.mesh_record import MeshCache
-from distmerge.input import tree as input_tree
+from distmerge.input import tree
 
 RANK_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 LORA_META = "lora_train_meta.json"  # verl writes r, lora_alpha, task_type beside the rank files of a LoRA run
@@ -60,13 +60,12 @@ class FsdpFormat(FormatDefaults):
             raise LayoutError(f"{root}: {copy[1].name} is the same file as {copy[0].name} (a copy or a link): "
                               "each rank file must be the one its rank saved; restore the original files")
         archive_name.check_saved_names([root / f.path for f in files])  # a rank file renamed to another's name
-        hf = root / "huggingface"
         hints = Hints(lora_meta=_lora_meta(root) if (root / LORA_META).is_file() else None)
         return Scan(
             format=self.name,
             root=str(root),
             files=files,
-            hf_dir=str(hf) if (hf / "config.json").is_file() else None,
+            hf_dir=base.config_dir((root,)),
             world_size=world,
             notes=tuple(notes),
             hints=hints,
@@ -128,7 +127,7 @@ def _check_config(root: Path, world: int) -> list[str]:
     if not os.path.lexists(config):
         return [f"fsdp_config.json is missing: world size {world} inferred from the file names"]
     try:
-        saved = input_tree.read_json(config, input_tree.MARKER_CAP, "fsdp_config.json")["world_size"]
+        saved = tree.read_json(config, tree.MARKER_CAP, "fsdp_config.json")["world_size"]
     except (KeyError, TypeError):
         raise InputError(f"{config} is not valid JSON with a world_size: fix or remove it") from None
     if saved != world:
@@ -137,7 +136,7 @@ def _check_config(root: Path, world: int) -> list[str]:
 
 
 def _lora_meta(root: Path) -> dict:
-    meta = input_tree.read_json(root / LORA_META, input_tree.MARKER_CAP, LORA_META)
+    meta = tree.read_json(root / LORA_META, tree.MARKER_CAP, LORA_META)
     if not isinstance(meta, dict):
         raise InputError(f"{root / LORA_META} is not a JSON object")
     return meta

@@ -12,7 +12,7 @@ from typing import Any
 
 from distmerge import dtypes
 from distmerge.errors import CorruptInputError
-from distmerge.input import tree as input_tree
+from distmerge.input import tree
 
 MAX_HEADER = 100 * 2**20  # the safetensors library's own limit
 # A header entry costs ~100-200 bytes of JSON per tensor; a 671B model in one file (~92k tensors) needs ~15 MB.
@@ -40,7 +40,7 @@ class Header:
 
 
 def read_header(path: Path) -> Header:
-    with input_tree.open_input(path) as f:  # inside the input: the file the walk listed, no link or FIFO instead
+    with tree.open_input(path) as f:  # inside the input: the file the walk listed, no link or FIFO instead
         size = f.size
         head = f.pread(8, 0)
         if len(head) < 8:

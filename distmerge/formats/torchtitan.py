@@ -9,7 +9,7 @@
 
 A full save holds the model's entries at the top level (older saves: under `model.`) beside
 `optimizer.state.*`, `optimizer.param_groups.*`, `lr_scheduler.*`, `dataloader.*` and `train_state.*`,
-which are skipped (formats/dcp_keys.py); the last step may be the model-only export, floating tensors cast
+which are skipped (formats/dcp/keys.py); the last step may be the model-only export, floating tensors cast
 to `export_dtype`. The DCP reader does the work. MoE experts are stored stacked on a leading expert axis
 (0.3: `moe.routed_experts.inner_experts.w1_EFD` [E, F, D], `w3_EFD`, `w2_EDF`; 0.2: `moe.experts.w1/w2/w3`),
 FSDP-sharded over experts or, with more ranks than experts, over the next axis (Shard(1)). Each chunk is
@@ -29,8 +29,9 @@ from typing import Any
 
 from distmerge import dtypes
 from distmerge.errors import InputError
+from distmerge.formats import base
 from distmerge.formats.base import FormatDefaults, FormatOption, Fragment, Hints, InputFile, OpenedFile, Scan, register
-from distmerge.formats.dcp import folder as dcp
+from distmerge.formats.dcp import folder as dcp_folder
 from distmerge.formats.dcp.folder import METADATA, DcpFormat
 from distmerge.formats.dcp.keys import WRAPPER, model_names
 
@@ -139,9 +140,9 @@ def _is_hf(step: Path) -> bool:
 
 
 def own_names(step: Path) -> tuple[list[str], bool]:
-    """The model's names, and whether a `model.` wrapper was left on them: dcp_keys strips it from full saves
+    """The model's names, and whether a `model.` wrapper was left on them: dcp/keys.py strips it from full saves
     (the other groups give it away) but not from a model-only save, whose torchtitan names do."""
-    md = dcp.load_metadata(step)
+    md = dcp_folder.load_metadata(step)
     names = list(model_names(sorted(md.fqns), str(step)).values())
     if all(n.startswith(WRAPPER) for n in names) and any(OWN_NAMES.match(n.removeprefix(WRAPPER)) for n in names):
         return [n.removeprefix(WRAPPER) for n in names], True
@@ -151,10 +152,7 @@ def own_names(step: Path) -> tuple[list[str], bool]:
 def hf_dir_near(step: Path) -> str | None:
     """huggingface/config.json in the step folder, the checkpoint folder or the dump folder (torchtitan writes
     none; users put the config of hf_assets_path there, or pass --hf-config)."""
-    for folder in (step, step.parent, step.parent.parent):
-        if (folder / "huggingface" / "config.json").is_file():
-            return str(folder / "huggingface")
-    return None
+    return base.config_dir((step, step.parent, step.parent.parent))
 
 
 def per_expert(frag: Fragment) -> list[Fragment]:

@@ -14,8 +14,7 @@ from typing import Any
 from distmerge.errors import ConfigError, InputError
 from distmerge.formats import registry
 from distmerge.formats.base import Scan
-from distmerge.input import objects as input_objects
-from distmerge.input import tree as input_tree
+from distmerge.input import objects, tree
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,7 +33,7 @@ def discover(root: Path, fmt_name: str, hf_config: Path | None, options: Mapping
     fmt = registry.pick(root, fmt_name)
     registry.check_options(fmt, options)
     scan = fmt.scan(root, options)
-    scan = replace(scan, walked=input_tree.record(scan.root, [Path(scan.root) / f.path for f in scan.files]))
+    scan = replace(scan, walked=tree.record(scan.root, [Path(scan.root) / f.path for f in scan.files]))
     hf_dir = Path(hf_config) if hf_config else (Path(scan.hf_dir) if scan.hf_dir else None)
     if base_model is not None:
         scan = registry.with_base_model(scan, base_model)
@@ -44,27 +43,27 @@ def discover(root: Path, fmt_name: str, hf_config: Path | None, options: Mapping
         raise ConfigError(
             f"no config.json: {root} has no huggingface/ folder; pass --hf-config DIR with the model's config.json"
         )
-    if not hf_config and (tree := input_tree.tree_for(hf_dir)) is not None:
-        _check_hf_dir(tree, hf_dir)
+    if not hf_config and (walk := tree.tree_for(hf_dir)) is not None:
+        _check_hf_dir(walk, hf_dir)
     return Discovery(scan=scan, config=read_config(hf_dir), hf_dir=str(hf_dir))
 
 
-def _check_hf_dir(tree: input_tree.InputTree, hf_dir: Path) -> None:
+def _check_hf_dir(walk: tree.InputTree, hf_dir: Path) -> None:
     """The config folder the format found inside the input is copied from: it must not lead out of it
     (an outside folder is the user's to name, with --hf-config)."""
     try:
-        tree.folder(hf_dir)
+        walk.folder(hf_dir)
     except InputError:
         raise InputError(f"{hf_dir} leads outside the input folder (or is not a folder): distmerge does not "
                          "follow it; pass --hf-config DIR with the model's config folder if you trust it") from None
 
 
 def check_input(input_dir: Path | str) -> Path:
-    """The input folder, resolved and walked once (input_tree.py): later lookups go through that walk. An
-    object-store input (`s3://bucket/prefix`) is listed once and walked as its placeholders (input_objects.py)."""
-    if input_objects.is_url(input_dir):
-        root = Path(input_objects.listing(str(input_dir), input_tree.MAX_ENTRIES).root)
-        input_tree.load(root)
+    """The input folder, resolved and walked once (tree.py): later lookups go through that walk. An
+    object-store input (`s3://bucket/prefix`) is listed once and walked as its placeholders (objects.py)."""
+    if objects.is_url(input_dir):
+        root = Path(objects.listing(str(input_dir), tree.MAX_ENTRIES).root)
+        tree.load(root)
         return root
     root = Path(input_dir).resolve()
     if not root.exists():
@@ -73,7 +72,7 @@ def check_input(input_dir: Path | str) -> Path:
         raise InputError(f"input {input_dir} is not a folder: pass the checkpoint folder")
     if not any(root.iterdir()):
         raise InputError(f"input {input_dir} is empty")
-    input_tree.load(root)
+    tree.load(root)
     return root
 
 
@@ -82,7 +81,7 @@ def read_config(hf_dir: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"{path} does not exist; pass --hf-config DIR with the model's config.json")
     try:
-        config = input_tree.read_json(path, input_tree.CONFIG_CAP, "model config")
+        config = tree.read_json(path, tree.CONFIG_CAP, "model config")
     except InputError as err:
         raise ConfigError(f"{err}; or pass --hf-config DIR") from None
     if not isinstance(config, dict):

@@ -2,10 +2,10 @@
 
 The listing (one paginated LIST, at discovery, on rank 0) is laid out as a tree of empty placeholders: folders,
 and sparse files of each object's size and time, in a private temporary folder. Every format detects, lists and
-sizes the checkpoint there exactly as it does a folder (input_tree walks it; no format knows the difference),
-and no byte of it is ever read: input_tree.open_input hands out an `ObjectFile` for each placeholder, whose reads
+sizes the checkpoint there exactly as it does a folder (tree.py walks it; no format knows the difference),
+and no byte of it is ever read: tree.open_input hands out an `ObjectFile` for each placeholder, whose reads
 are ranged GETs, pinned to the ETag the listing saw (an object replaced since is an error, not a mix of two
-checkpoints). The listing travels to every rank with the scan (input_tree.Walked), and a rank on another host
+checkpoints). The listing travels to every rank with the scan (tree.Walked), and a rank on another host
 lays out the same placeholders at the same path before it opens anything.
 
 A request costs a round trip on S3 (and, on some servers, a read of the whole object), so reads are few and
@@ -200,7 +200,7 @@ def _remember(ident: tuple[str, str, str], offset: int, data: bytes) -> None:
 
 
 class ObjectFile:
-    """An object of the input opened for reading (input_tree.open_input): positional reads by ranged GETs."""
+    """An object of the input opened for reading (tree.open_input): positional reads by ranged GETs."""
 
     fd = -1  # no descriptor: nothing can map it (torch_save.mapped_views reads the views' bytes instead)
     remote = True  # reads cost a request each: callers that can ask for many ranges at once do (reader.Batch)

@@ -1,6 +1,6 @@
 """Reads fragment bytes on the rank that owns the input file: pread into memory, or through one reused 1 MiB
 buffer into an output file. No mapping of the input is kept (mmap only told us where bytes are). Every
-file is opened through input_tree.open_input, by the walk's record that came with the scan: on every rank,
+file is opened through tree.open_input, by the walk's record that came with the scan: on every rank,
 a file replaced by a link or a FIFO after discovery is refused, never followed."""
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ from distmerge.engine.plan import Plan
 from distmerge.errors import CorruptInputError
 from distmerge.formats import registry
 from distmerge.formats.base import Fragment, InputFormat, OpenedFile, Scan
-from distmerge.input import objects as input_objects
-from distmerge.input import tree as input_tree
+from distmerge.input import objects, tree
 from distmerge.input.reads import Batch
 
 # The copy of a fragment into an output file goes through one reused buffer of this size: preadv from the input,
@@ -45,7 +44,7 @@ class Reader:
         self.fmt = fmt
         self.files = scan.files
         self.opened: dict[int, OpenedFile] = {}
-        self._files: dict[int, Any] = {}  # input_tree.open_input: a file, or an object of an object-store input
+        self._files: dict[int, Any] = {}  # tree.open_input: a file, or an object of an object-store input
         self.bytes_read = 0
         self._bounce = memoryview(bytearray(BOUNCE))
         self._taken: dict[int, list[tuple[int, int]]] = {}
@@ -54,10 +53,10 @@ class Reader:
         self._done: set[Fragment] = set()  # read by a batch
         self._kept: dict[Fragment, torch.Tensor] = {}  # read in passing, for a later round
         self.kept_bytes = 0
-        input_tree.adopt(scan.walked, also=second)  # files are opened by the walk's record, on every rank
-        # an object-store input (input_objects.py): its reads are made in batches of merged GETs (reads.Batch), the
+        tree.adopt(scan.walked, also=second)  # files are opened by the walk's record, on every rank
+        # an object-store input (objects.py): its reads are made in batches of merged GETs (reads.Batch), the
         # owners' own with the packing (exchange.held_back); a file's take the paths below, as they are
-        self.objects = input_objects.remote(self.root)
+        self.objects = objects.remote(self.root)
 
     def open(self, indices: list[int]) -> list[Fragment]:
         """Discover: open the assigned files, return their fragments (the rank's inventory)."""
@@ -217,7 +216,7 @@ class Reader:
         self._done.update(frags)
 
     def file(self, index: int) -> Any:
-        """The input file, opened once (input_tree.open_input): a file, or an object of an object-store input."""
+        """The input file, opened once (tree.open_input): a file, or an object of an object-store input."""
         return self._file(index)
 
     def pool(self, threads: int) -> ThreadPoolExecutor:
@@ -233,7 +232,7 @@ class Reader:
     def _file(self, index: int) -> Any:
         if index not in self._files:
             file = self.files[index]  # a second input root's file (--base-model) names its own folder
-            self._files[index] = input_tree.open_input(Path(file.root or self.root) / file.path)
+            self._files[index] = tree.open_input(Path(file.root or self.root) / file.path)
         return self._files[index]
 
     def close(self) -> None:
@@ -245,7 +244,7 @@ class Reader:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
-        input_tree.adopt(None)
+        tree.adopt(None)
 
 
 def _tensor(dest: memoryview | torch.Tensor) -> torch.Tensor:

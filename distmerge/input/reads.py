@@ -12,7 +12,7 @@ data descriptor and the next local header, about a hundred bytes), or fragments 
 not bytes, are what an object store charges time for (a round trip each on S3; the whole object's read on some
 servers: docs/benchmarks.md, "Object stores"), and a round's fragments of a rank file lie mostly side by side, so
 a round costs a GET or two per object instead of one per fragment. A merged GET is never held whole: its pieces
-(input_objects.PIECE) go to their fragments' destinations as they arrive (a send buffer's slot, a source tensor,
+(objects.PIECE) go to their fragments' destinations as they arrive (a send buffer's slot, a source tensor,
 an output file's part), so memory stays what the round's destinations already are, whatever the GET's length.
 A few GETs of one batch are in flight at once (THREADS); their pieces are handed over one at a time (the
 destinations are not thread-safe: an upload's parts).

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from distmerge.errors import InputError
-from distmerge.input import objects as input_objects
+from distmerge.input import objects
 
 MAX_ENTRIES = 1_000_000  # entries walked under one input folder; a checkpoint folder has far fewer
 # Size caps for the small files distmerge reads whole (a real one is far below each).
@@ -205,7 +205,7 @@ class Walked:
     host: str  # host_id() of the walking process
     files: dict[str, tuple[str, int, int, int]] = field(default_factory=dict)  # path -> (inside, size, dev, ino)
     folders: dict[str, str] = field(default_factory=dict)  # folders whose unlisted files are opened (scan root)
-    listing: Any = None  # input_objects.Listing: the walked folder holds the placeholders of an object-store input
+    listing: Any = None  # objects.Listing: the walked folder holds the placeholders of an object-store input
 
 
 def host_id() -> str:
@@ -223,7 +223,7 @@ def record(folder: Path | str, paths: Iterable[Path | str]) -> Walked | None:
     tree = tree_for(folder)
     if tree is None:
         return None
-    remote = input_objects.source_of(str(tree.root))
+    remote = objects.source_of(str(tree.root))
     walked = Walked(root=str(tree.root), host=host_id(), listing=remote[0] if remote else None)
     walked.folders[os.path.abspath(folder)] = str(tree.folder(folder).relative_to(tree.root))
     for path in paths:
@@ -243,12 +243,12 @@ def adopt(walked: Walked | None, *, also: bool = False) -> None:
     if walked is not None:
         _ADOPTED.append(walked)
         if walked.listing is not None:  # the placeholders formats look at, on this host too
-            input_objects.lay_out(walked.listing)
+            objects.lay_out(walked.listing)
 
 
 # -- opening: through the record, never by a path the file system resolves --------------------------------
 class Opened:
-    """An input file opened for reading: positional reads on its descriptor (input_objects.ObjectFile: same API)."""
+    """An input file opened for reading: positional reads on its descriptor (objects.ObjectFile: same API)."""
 
     def __init__(self, fd: int, real: Path) -> None:
         st = os.fstat(fd)
@@ -276,7 +276,7 @@ def readable(f: Any) -> Any:
     return Opened(f, Path(f"/dev/fd/{f}")) if isinstance(f, int) else f
 
 
-def open_input(path: Path | str) -> Opened | input_objects.ObjectFile:
+def open_input(path: Path | str) -> Opened | objects.ObjectFile:
     """A file of the input opened for reading, checked against the walk's record (the module docstring says how);
     outside any walked input (--hf-config, --base-model: the user's own folders) any regular file its path
     leads to; a placeholder of an object-store input: its object. One line when the file is not the one listed."""
@@ -284,22 +284,22 @@ def open_input(path: Path | str) -> Opened | input_objects.ObjectFile:
     if tree is not None:
         real, entry = tree._checked(path, "file")
         rel = str(real.relative_to(tree.root))
-        if (remote := input_objects.source_of(str(tree.root))) is not None:
-            return input_objects.ObjectFile(remote[0], os.path.normpath(os.path.join(remote[1], rel)))
+        if (remote := objects.source_of(str(tree.root))) is not None:
+            return objects.ObjectFile(remote[0], os.path.normpath(os.path.join(remote[1], rel)))
         return Opened(_open_beneath(path, tree.root, rel, entry.size, (entry.dev, entry.ino)), real)
     full = os.path.abspath(path)
     for walked in _ADOPTED:
         if full in walked.files:
             rel, size, dev, ino = walked.files[full]
             if walked.listing is not None:
-                return input_objects.ObjectFile(walked.listing, rel)
+                return objects.ObjectFile(walked.listing, rel)
             same_host = walked.host == host_id()
             return Opened(_open_beneath(path, Path(walked.root), rel, size, (dev, ino) if same_host else None),
                           Path(walked.root) / rel)
         folder = next((f for f in walked.folders if Path(full).is_relative_to(f)), None)
         if folder is not None:  # an unlisted file of the save (DCP's .metadata): no link on the way, regular
             rel = os.path.normpath(os.path.join(walked.folders[folder], os.path.relpath(full, folder)))
-            return input_objects.ObjectFile(walked.listing, rel) if walked.listing is not None else \
+            return objects.ObjectFile(walked.listing, rel) if walked.listing is not None else \
                 Opened(_open_beneath(path, Path(walked.root), rel, None, None), Path(walked.root) / rel)
     real = Path(os.path.realpath(path))
     if not real.is_file():

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from distmerge.errors import OutputError
-from distmerge.input import tree as input_tree
+from distmerge.input import tree
 from distmerge.output.local_lock import FolderLock
 from distmerge.output.names import FINISHED, INDEX_NAME, LOCK, PARTIAL, RECORDS, partial_name
 from distmerge.output.store import FileLayout, Sharing
@@ -73,9 +73,9 @@ class LocalStore:
             shutil.rmtree(out / RECORDS, ignore_errors=True)
 
     def host(self) -> str:
-        """This machine (input_tree.host_id: host name and boot id, since host names repeat across containers) and
+        """This machine (tree.host_id: host name and boot id, since host names repeat across containers) and
         its view of the output folder: its device (two containers of one machine may mount it apart)."""
-        return f"{input_tree.host_id()}:{os.stat(self.root).st_dev}"
+        return f"{tree.host_id()}:{os.stat(self.root).st_dev}"
 
     def create(self, layout: FileLayout, rank: int) -> LocalFile:
         return LocalFile(self.root, layout, create=True)

@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from distmerge.errors import OutputError
-from distmerge.input import tree as input_tree
+from distmerge.input import tree
 
 LEASE_S = 300.0  # a holder on another machine that has not renewed for this long is gone (the lock's docstring)
 RENEW_S = LEASE_S / 6  # how often the holder renews: a few missed renewals (a slow store) never lose the lock
@@ -49,7 +49,7 @@ class Holder:
     """Who holds the lock: what the refusal names, and what tells whether the holder is gone."""
 
     host: str  # the host name, as the refusal shows it
-    machine: str  # host name and boot id (input_tree.host_id): where a pid means this process
+    machine: str  # host name and boot id (tree.host_id): where a pid means this process
     pid: int
     pid_start: str  # the process's start time in clock ticks since boot (/proc/PID/stat field 22): pids are reused
     started: float  # seconds since the epoch
@@ -63,13 +63,13 @@ class Holder:
 
     def describe(self) -> str:
         when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.started))
-        here = self.machine == input_tree.host_id()
+        here = self.machine == tree.host_id()
         return f"pid {self.pid} on {self.host}{' (this machine)' if here else ''}, started {when}, input {self.input}"
 
 
 def this_process(input_root: str) -> Holder:
     pid = os.getpid()
-    return Holder(host=socket.gethostname(), machine=input_tree.host_id(), pid=pid, pid_start=_start_ticks(pid),
+    return Holder(host=socket.gethostname(), machine=tree.host_id(), pid=pid, pid_start=_start_ticks(pid),
                   started=time.time(), input=input_root, command=shlex.join(sys.argv)[:400],
                   token=uuid.uuid4().hex)
 
@@ -118,7 +118,7 @@ class LockFile(Protocol):
 
 def gone(holder: Holder, renewed: float) -> bool:
     """Whether the lock's holder is gone (the module docstring's rule)."""
-    if holder.machine == input_tree.host_id():
+    if holder.machine == tree.host_id():
         return not _alive(holder.pid, holder.pid_start)
     return time.time() - renewed > holder.lease_s
 

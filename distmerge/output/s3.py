@@ -111,7 +111,7 @@ class ObjectStore:
         self.call("write", name, "put_object", Key=self.loc.key(name), Body=data)
 
     def put_stream(self, name: str, chunks: Iterable[bytes]) -> None:
-        self.write_small(name, b"".join(chunks))  # config-folder files, at most input_tree.COPY_CAP
+        self.write_small(name, b"".join(chunks))  # config-folder files, at most input/tree.py's COPY_CAP
 
     def read(self, name: str) -> bytes | None:
         try:

@@ -8,13 +8,14 @@ Every rank makes the same calls in this order (run.py decides, on rank 0, which 
 
     phase     who works                                                     collective
     discover  rank 0: format, files, config, as merge (no output folder)    broadcast (comm.root_only)
-    plan      every rank, as merge (engine.plan_checkpoint): inventories,   all_gathers, as merge's
-              the plan, the checks of replicas and of unwritten sources
+    plan      every rank, as merge (engine.run.plan_checkpoint):            all_gathers, as merge's
+              inventories, the plan, the checks of replicas and of
+              unwritten sources
     pair      rank 0: the plan's targets (names, shapes and dtypes are      broadcast (comm.root_only)
               known before any byte is read) with the reference's headers
               (listing.pair_sides): missing, extra, shape settled there
-    rounds    merge's rounds (engine.run_rounds) over the units that have   per round: all_to_all_single,
-              a tensor to compare; each owner compares the targets it       all_gather
+    rounds    merge's rounds (engine.run.run_rounds) over the units that    per round: all_to_all_single,
+              have a tensor to compare; each owner compares the targets it  all_gather
               assembles with the reference's tensors of the same names,
               block by block (stream.StreamSink)
     collect   every rank's records                                          all_gather (comm.gather)

@@ -11,7 +11,7 @@ other that builds its reference tensor. A comparison component is a connected se
 Each component gets one owner (largest first onto the rank with the fewest bytes, plan.assign_owners), and each
 owner takes its components in order in batches whose source bytes, both sides together, fit the budget; round k
 is every owner's k-th batch (as plan._rounds does for one plan). Those owners and rounds are imposed on both
-plans, which the engine then runs in lockstep (engine.run_in_lockstep): an owner builds all of a component's
+plans, which the engine then runs in lockstep (engine.run.run_in_lockstep): an owner builds all of a component's
 targets, both sides, in the same round.
 """
 

@@ -35,7 +35,7 @@ class VerifyOptions:
     `reference`: a Hugging Face folder or file, or a checkpoint too (detected, or named by `reference_format`),
     read with the `reference_` fields as `merged` is with theirs (its config.json from `reference_hf_config` when
     it has none of its own): merged in memory with the same `settings` and compared with `merged`, whichever
-    kind that is (verify/kinds.py). The fields from `format` on are engine.MergeOptions's and apply to a
+    kind that is (verify/kinds.py). The fields from `format` on are engine.run.MergeOptions's and apply to a
     checkpoint only (given with a finished model they are an error): `format_options` are the format's own
     (Megatron's iteration, DeepSpeed's tag, torchtitan's step), `base_model` a second input root (a LoRA-only
     save's base folder), `settings` --dtype, --lora, --budget and the rest.
@@ -110,7 +110,7 @@ def pair_sides(merged: Side, reference: Side, config: dict | None, quantized: st
     tied = _tied(traits, rules, {*on_merged, *on_reference}) if ties else {}
     pairs, settled = [], []
     # MTP layers the reference lacks entirely (save_pretrained of transformers' DeepSeek-V3 has no module for
-    # them): nothing to compare with, which is not a failure (families/mtp.py)
+    # them): nothing to compare with, which is not a failure (families/megatron/mtp.py)
     absent = tuple(p for p in mtp.layer_prefixes(config or {}) if not any(n.startswith(p) for n in on_reference))
     for name in sorted(set(on_merged) | set(on_reference), key=natural_key):
         if name.startswith(absent) and name not in on_reference:

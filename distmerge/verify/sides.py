@@ -19,7 +19,7 @@ from distmerge.errors import CorruptInputError, InputError
 from distmerge.formats.safetensors_header import read_header
 from distmerge.formats.torch_private import torch_save
 from distmerge.formats.torch_private.restricted import TENSOR_GLOBALS, TensorRef
-from distmerge.input import tree as input_tree
+from distmerge.input import tree
 from distmerge.output.names import INDEX_NAME
 
 TORCH_SUFFIXES = (".bin", ".pt", ".pth")
@@ -180,7 +180,7 @@ class TensorFiles:
         if loc.file not in self._open:
             path = Path(self.side.files[loc.file])
             if self.side.kind == "safetensors":
-                self._open[loc.file] = (input_tree.open_input(path), read_header(path))
+                self._open[loc.file] = (tree.open_input(path), read_header(path))
             else:
                 self._open[loc.file] = load_torch(path)
         return self._open[loc.file]
@@ -194,7 +194,7 @@ class TensorFiles:
 
 
 def _pread(f: Any, offset: int, data: torch.Tensor, name: str, path: str) -> torch.Tensor:
-    """Fills `data` (uint8) with the file's bytes from offset (`f`: input_tree.open_input's); returns it."""
+    """Fills `data` (uint8) with the file's bytes from offset (`f`: tree.open_input's); returns it."""
     view, done = memoryview(data.numpy()), 0
     while done < len(view):
         got = f.readinto(view[done:], offset + done)

@@ -7,15 +7,15 @@ Every rank makes the same calls in this order (run.py decides, on rank 0, that b
     discover  rank 0: each side's format, files and config, as merge        broadcast, twice (comm.root_only)
               (--merged with the input options, --reference with their
               --reference- twins: kinds.py)
-    plan      every rank, each side as merge would (engine.plan_checkpoint) all_gathers, as merge's, per side
-              with the same --dtype, --lora, --budget: both plans' targets
-              carry Hugging Face names
+    plan      every rank, each side as merge would                          all_gathers, as merge's, per side
+              (engine.run.plan_checkpoint) with the same --dtype, --lora,
+              --budget: both plans' targets carry Hugging Face names
     pair      rank 0: both plans' targets paired as verify pairs two         broadcast (comm.root_only)
               folders (listing.pair_sides: hub names, tied heads; missing,
               extra and shape settled from the plans)
     group     every rank: units joined by the pairs into components, one    all_gather of status (comm.agree)
               owner and round each (components.py), imposed on both plans
-    rounds    both plans' rounds in lockstep (engine.run_in_lockstep):       per round: two all_to_all_single,
+    rounds    both plans' rounds in lockstep (engine.run.run_in_lockstep):   per round: two all_to_all_single,
               round k of --merged, held by its owner (HoldSink), then        one all_gather
               round k of --reference, each target compared with the held
               ones of the same names (PairedSink); both dropped at the

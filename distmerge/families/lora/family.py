@@ -12,7 +12,7 @@ the owning rank in float32, scale = alpha / r (alpha / sqrt(r) with rsLoRA).
 
 LoRA-only saves (verl's checkpoint.save_lora_only keeps the keys holding `lora_`; the HF Trainer's DeepSpeed
 save of a PEFT model keeps the trainable parameters) hold A and B but no W. Their base comes from
---base-model DIR (FamilyContext.base_weights, lora_base.py); without it only the adapter is written.
+--base-model DIR (FamilyContext.base_weights, lora/base.py); without it only the adapter is written.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Megatron-core tensors (global, as the Megatron formats present them) -> Hugging Face units.
 
-The family's table (megatron_tables.py) says which Hugging Face tensors each Megatron tensor becomes and
+The family's table (tables.py) says which Hugging Face tensors each Megatron tensor becomes and
 through which transform; this module finds the row of every source, fills in the layer/expert numbers,
 computes the transform's parameters from config.json (and the format's details), and checks the shapes
 so that a wrong config is an error before anything is read.
@@ -15,8 +15,7 @@ from typing import Any
 from distmerge.errors import InputError, LayoutError
 from distmerge.families import base, value_head
 from distmerge.families.base import FamilyContext, FamilyResult, SourceMeta, Target, Unit, output_dtype
-from distmerge.families.megatron import mla as megatron_mla
-from distmerge.families.megatron import mtp
+from distmerge.families.megatron import mla, mtp
 from distmerge.families.megatron.tables import FAMILIES, FLOAT32_TARGETS, LAYERS, MODEL_TYPES, MTP, Row
 from distmerge.formats.base import Hints
 
@@ -63,30 +62,20 @@ def _units(sources: dict[str, SourceMeta], ctx: FamilyContext, lm_head: bool) ->
     tied = base.CAUSAL_LM.ties(ctx.config)
     sizes = base.CAUSAL_LM.sizes(ctx.config)
     # multi-token prediction layers are found by the rows of the decoder layer they are built like
-    aliases = megatron_mla.mtp_aliases(sources, sizes, arch in MTP)
-    out, notes, unmapped = [], [], []
-    for meta in sources.values():
-        name = aliases.get(meta.name, meta.name)
-        found = next(((row, m) for row, pattern in rows if (m := pattern.fullmatch(name))), None)
-        if found is None:
-            unmapped.append(meta.name)
-            continue
-        row, match = found
-        names = tuple(t.format(*match.groups()) for t in row.targets)
+    aliases = mla.mtp_aliases(sources, sizes, arch in MTP)
+    out, notes = [], []
+    for meta, row, numbers in base.matched_rows(sources, rows, "Megatron", arch, aliases):
+        names = tuple(t.format(*numbers) for t in row.targets)
         if tied and names == (HEAD,):
             notes.append("output_layer.weight not written: config.json ties it to the embedding")
             continue
-        transform, params = (megatron_mla.resolve(meta, sizes) if row.transform == megatron_mla.MLA
+        transform, params = (mla.resolve(meta, sizes) if row.transform == mla.MLA
                              else (row.transform, _params(row.transform, meta, sizes, ctx.hints)))
         shapes = target_shapes(transform, meta, params)
         float32 = ctx.cast and names[0].endswith(FLOAT32_TARGETS.get(arch, ()))
         dtype = output_dtype(meta.dtype, "F32" if float32 else ctx.cast)
         targets = tuple(Target(name=n, shape=s, dtype=dtype) for n, s in zip(names, shapes, strict=True))
         out.append(Unit(sources=(meta.name,), targets=targets, transform=transform, params=params))
-    if unmapped:
-        shown = ", ".join(sorted(unmapped)[:6])
-        raise InputError(f"{len(unmapped)} Megatron tensors have no mapping for {arch} ({shown}): "
-                         "distmerge would drop them; is config.json for this model?")
     _check_complete([u for u in out if u.sources[0] not in aliases], sizes, tied or not lm_head, arch)
     layers = {int(m[1]) for u in out if u.sources[0] in aliases for t in u.targets if (m := mtp.LAYER.match(t.name))}
     out, updates, mtp_notes = mtp.finish(out, layers, sizes)
@@ -102,8 +91,7 @@ def architecture(config: dict[str, Any]) -> str:
 
 @cache
 def _compiled(arch: str) -> list[tuple[Row, re.Pattern[str]]]:
-    return [(row, re.compile(re.escape(row.source).replace(r"\{\}", r"(\d+)")))
-            for row in FAMILIES[arch] + MTP.get(arch, ())]
+    return base.compile_rows(FAMILIES[arch] + MTP.get(arch, ()))
 
 
 def _params(transform: str, meta: SourceMeta, config: dict[str, Any], hints: Hints) -> tuple[tuple[str, object], ...]:
@@ -146,7 +134,7 @@ def target_shapes(transform: str, meta: SourceMeta, params: tuple) -> list[tuple
 
 def _check_complete(out: list[Unit], config: dict[str, Any], tied: bool, arch: str) -> None:
     names = {t.name for u in out for t in u.targets}
-    layer = re.compile(re.escape(LAYERS).replace(r"\{\}", r"(\d+)"))
+    layer = base.row_pattern(LAYERS)
     layers = {int(m[1]) for n in names if (m := layer.match(n))}
     expected = config.get("num_hidden_layers")
     if isinstance(expected, int) and layers != set(range(expected)):

@@ -11,7 +11,7 @@ attention does: per head [qk_nope | qk_rope] for linear_q_proj / linear_q_up_pro
 silently give others.
 
 Multi-token prediction blocks (`mtp.layers.{j}.*`) are found by the decoder's rows (mtp_aliases) and written as
-layer num_hidden_layers + j, as DeepSeek-V3's checkpoint has them (families/mtp.py).
+layer num_hidden_layers + j, as DeepSeek-V3's checkpoint has them (mtp.py).
 """
 
 from __future__ import annotations
@@ -82,10 +82,10 @@ def resolve(meta: SourceMeta, config: dict[str, Any]) -> tuple[str, tuple[tuple[
 
 def mtp_aliases(names: Collection[str], config: dict[str, Any], has_rows: bool) -> dict[str, str]:
     """Each multi-token prediction source (megatron-core `mtp.layers.{j}.*`) -> the name its table row is found
-    by: the block's transformer layer (either spelling of megatron_tables.MTP_LAYERS) as decoder layer
+    by: the block's transformer layer (either spelling of tables.MTP_LAYERS) as decoder layer
     num_hidden_layers + j (it is built from the decoder's layer spec, so the decoder's rows map it), its own
     parts (enorm, hnorm, eh_proj, final_layernorm) as `mtp.layers.{num_hidden_layers + j}.*`. `has_rows`: the
-    architecture has MTP rows (megatron_tables.MTP)."""
+    architecture has MTP rows (tables.MTP)."""
     found = {n: m for n in names if (m := MTP_SOURCE.match(n))}
     if not found:
         return {}

@@ -76,7 +76,7 @@ DENSE = EMBEDDINGS + ATTENTION + PRE_MLP_NORM + DENSE_MLP
 
 # DeepSeek-V3 (and V2) multi-latent attention, megatron-core transformer/multi_latent_attention.py: the names
 # and shapes of megatron-core 0.16.1's own modules and of real saves (tests/fixtures/make_megatron_mla.py),
-# mapped to transformers' DeepseekV3 names. Transform "mla": megatron_mla.py checks the shape against
+# mapped to transformers' DeepseekV3 names. Transform "mla": mla.py checks the shape against
 # config.json and permutes the rope rows when config.json says rope_interleave: false. TE fuses the q/kv norms
 # into the up projections (layer_norm_weight); the local spec keeps q_layernorm / kv_layernorm. The input norm
 # is a module of its own in both specs.
@@ -109,9 +109,9 @@ DEEPSEEK_V3 = EMBEDDINGS + MLA_ATTENTION + PRE_MLP_NORM + DENSE_MLP + DEEPSEEK_M
 # is `mtp.layers.{j}.` with enorm, hnorm (norms of the next token's embedding and of the hidden state), eh_proj
 # (column-parallel Linear(2 hidden -> hidden) over [enorm(embedding); hnorm(hidden)], as Hugging Face's eh_proj),
 # a transformer layer (built from the decoder's last layer spec: its rows are the decoder's, found under
-# decoder.layers.{num_hidden_layers + j}, megatron_mla.mtp_aliases) and final_layernorm (the norm before the
+# decoder.layers.{num_hidden_layers + j}, mla.mtp_aliases) and final_layernorm (the norm before the
 # shared output head). The layer is `transformer_layer.*` in megatron-core 0.16, `mtp_model_layer.*` in 0.19.
-# Hugging Face numbers the block num_hidden_layers + j (families/mtp.py); the aliases put that number in these
+# Hugging Face numbers the block num_hidden_layers + j (mtp.py); the aliases put that number in these
 # rows' `{}`. Kept apart from FAMILIES: transformers' models have no module for them, so the
 # save_pretrained contract tests cannot reach them (the real megatron-core MTP saves in tests do).
 MTP_BLOCK, MTP_LAYERS = "mtp.layers.{}.", ("transformer_layer.", "mtp_model_layer.")

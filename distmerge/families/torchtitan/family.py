@@ -1,6 +1,6 @@
 """torchtitan tensors (as formats/torchtitan.py presents them: stacked experts one per expert) -> Hugging Face units.
 
-The table (torchtitan_tables.py) is picked from config.json's architecture; every source must find a row
+The table (tables.py) is picked from config.json's architecture; every source must find a row
 (or the merge stops naming it), every target's shape is checked against config.json's sizes, the layers
 and each MoE layer's experts are counted, all before any byte moves. Rows with no target are left out with
 their reason; a head the config ties is not written but declared a copy of the embedding: the engine
@@ -30,13 +30,9 @@ def units(sources: dict[str, SourceMeta], ctx: FamilyContext) -> FamilyResult:
     arch = architecture(ctx.config)
     size = sizes(ctx.config, arch)
     tied = base.CAUSAL_LM.ties(ctx.config)
-    out, left_out, unmapped, written = [], {}, [], {}
-    for meta in sources.values():
-        found = _row(arch, meta.name)
-        if found is None:
-            unmapped.append(meta.name)
-            continue
-        row, numbers = found
+    out, left_out, written = [], {}, {}
+    for meta, row, groups in base.matched_rows(sources, _compiled(arch), "torchtitan", arch):
+        numbers = tuple(int(g) for g in groups)
         if row.target is None:
             left_out[meta.name] = row.why
             continue
@@ -51,13 +47,9 @@ def units(sources: dict[str, SourceMeta], ctx: FamilyContext) -> FamilyResult:
         out.append(Unit(sources=(meta.name,), targets=(Target(name=target, shape=meta.shape,
                                                                dtype=output_dtype(meta.dtype, ctx.cast)),),
                         transform=row.transform, params=params))
-    if unmapped:
-        shown = ", ".join(sorted(unmapped)[:6])
-        raise InputError(f"{len(unmapped)} torchtitan tensors have no mapping for {arch} ({shown}): distmerge "
-                         "would drop them; is config.json for this model?")
     out, must_equal = _tie(out, written, tied)
     _check_counts(written, size, arch)
-    # MTP layers also carry the embedding and the head, as DeepSeek-V3's checkpoint does (families/mtp.py)
+    # MTP layers also carry the embedding and the head, as DeepSeek-V3's checkpoint does (families/megatron/mtp.py)
     layers = {int(m[1]) for t, s in written.items() if s.startswith("mtp_") and (m := LAYER.match(t))}
     out, updates, notes = mtp.finish(out, layers, base.CAUSAL_LM.sizes(ctx.config))
     return FamilyResult(units=out, left_out=left_out, must_equal=must_equal, config_updates=updates, notes=notes)
@@ -96,14 +88,7 @@ def _mul(a: int | None, b: int | None) -> int | None:
 
 @cache
 def _compiled(arch: str) -> list[tuple[Row, re.Pattern[str]]]:
-    return [(row, re.compile(re.escape(row.source).replace(r"\{\}", r"(\d+)"))) for row in FAMILIES[arch]]
-
-
-def _row(arch: str, name: str) -> tuple[Row, tuple[int, ...]] | None:
-    for row, pattern in _compiled(arch):
-        if m := pattern.fullmatch(name):
-            return row, tuple(int(g) for g in m.groups())
-    return None
+    return base.compile_rows(FAMILIES[arch])
 
 
 def shape_key(target: str) -> str:

@@ -121,7 +121,7 @@ FAMILIES: dict[str, tuple[Row, ...]] = {
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                "deepseek_v3": "DeepseekV3ForCausalLM"}
 
-# Every Hugging Face target's shape in sizes read from config.json (families/torchtitan.py: sizes), keyed by
+# Every Hugging Face target's shape in sizes read from config.json (family.py: sizes), keyed by
 # its name with the layer prefix and the expert number taken out. Checked before any byte moves.
 SHAPES: dict[str, tuple[str, ...]] = {
     "model.embed_tokens.weight": ("vocab", "hidden"),

@@ -24,10 +24,11 @@ import torch
 
 from distmerge import dtypes
 from distmerge.errors import CorruptInputError, InputError
+from distmerge.formats import base
 from distmerge.formats.base import FormatDefaults, Fragment, InputFile, OpenedFile, Scan, input_file, inside, register
 from distmerge.formats.dcp.keys import model_names
 from distmerge.formats.torch_private import dcp as private
-from distmerge.input import tree as input_tree
+from distmerge.input import tree
 
 METADATA = ".metadata"
 RANK_OF = re.compile(r"^__(\d+)_\d+\.distcp$")
@@ -98,10 +99,7 @@ def _by_file(chunks: ModelChunks) -> tuple[torch.Tensor, dict[int, tuple[int, in
 
 
 def hf_dir_near(root: Path) -> str | None:
-    for candidate in (root / "huggingface", root.parent / "huggingface"):
-        if (candidate / "config.json").is_file():
-            return str(candidate)
-    return None
+    return base.config_dir((root, root.parent))
 
 
 @register
@@ -146,7 +144,7 @@ class DcpFormat(FormatDefaults):
         opened = OpenedFile(fragments=[], layout={"DCP chunk": len(rows)})
         ndims = [len(chunks.shapes[r[0]]) for r in rows]
         boxes = [(tuple(r[4 : 4 + n]), tuple(r[4 + width : 4 + width + n])) for r, n in zip(rows, ndims, strict=True)]
-        with input_tree.open_input(Path(scan.root) / file.path) as f:  # the walk's file, no link or FIFO instead
+        with tree.open_input(Path(scan.root) / file.path) as f:  # the walk's file, no link or FIFO instead
             at = private.locate(f, file.size, [(r[2], r[3], math.prod(box[1])) for r, box in zip(rows, boxes,
                                                                                                  strict=True)],
                                 lambda k: _chunk(chunks, rows[k], boxes[k], file.path),

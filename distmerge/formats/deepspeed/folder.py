@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO checkpoints (engine.save_checkpoint: HF Trainer, TRL, LLaMA-Factory, OpenRLHF), stages 0-3.
 
 The weights are the fp32 masters by default (what zero_to_fp32.py gives): each optimizer file holds its
-rank's partition of the flat fp32 buffers (deepspeed_zero.py: where each parameter's elements sit), so its
+rank's partition of the flat fp32 buffers (zero.py: where each parameter's elements sit), so its
 fragments are flat element ranges that may start mid-row. Only those master partitions are read, at their
 byte offsets: the Adam moments beside them never are. Frozen parameters and buffers come from the model
 states in their training dtype. `--weights module` takes the 16-bit module weights instead (stages 0-2:
@@ -26,7 +26,7 @@ from distmerge.formats.deepspeed import layout as ds
 from distmerge.formats.deepspeed.zero import Piece, flat_pieces, stage3_pieces
 from distmerge.formats.torch_private import archive_name, torch_save
 from distmerge.formats.torch_private.restricted import TensorRef
-from distmerge.input import tree as input_tree
+from distmerge.input import tree
 
 INERT = (*torch_save.TRAINING_MODULES, "deepspeed")
 OPTIM_KEY = "optimizer_state_dict"
@@ -196,7 +196,7 @@ def _lora_meta(root: Path, save: Path) -> dict | None:
     for folder in (root, save.parent):
         path = folder / "adapter_config.json"
         if path.is_file():
-            meta = input_tree.read_json(path, input_tree.MARKER_CAP, "adapter_config.json")  # bounded, no link out
+            meta = tree.read_json(path, tree.MARKER_CAP, "adapter_config.json")  # bounded, no link out
             return meta if isinstance(meta, dict) else None
     return None
 

@@ -22,8 +22,8 @@ from typing import Any
 
 from distmerge.errors import InputError, LayoutError
 from distmerge.formats import copies
-from distmerge.formats.base import FormatOption
-from distmerge.input import tree as input_tree
+from distmerge.formats.base import FormatOption, config_dir
+from distmerge.input import tree
 
 LATEST = "latest"
 MODEL_STATES = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d{2})_model_states\.pt$")
@@ -71,11 +71,11 @@ def tag_dir(root: Path, options: Mapping[str, Any]) -> Path:
         if not (root / LATEST).is_file():
             found = ", ".join(tags(root)) or "none"
             raise InputError(f"{root} has no `latest` file: pass --tag (tags found: {found})")
-        tag = input_tree.read_text(root / LATEST, input_tree.TRACKER_CAP, "DeepSpeed `latest` tag file").strip()
+        tag = tree.read_text(root / LATEST, tree.TRACKER_CAP, "DeepSpeed `latest` tag file").strip()
     if "/" in tag or tag in ("", ".", "..") or not holds_save(root / tag):
         found = ", ".join(tags(root)) or "none"
         raise InputError(f"{root} has no save {tag!r} (tags found: {found}); pass --tag with one of them")
-    input_tree.tree_at(root).folder(root / tag)  # a tag folder that links out is refused before it is read
+    tree.tree_at(root).folder(root / tag)  # a tag folder that links out is refused before it is read
     return root / tag
 
 
@@ -101,11 +101,7 @@ def partition_owner(recorded: dict, layout_of: Callable[[int], dict], world: int
 
 def hf_dir_near(save: Path, root: Path) -> str | None:
     """config.json: in the folder passed (HF Trainer's checkpoint-N), a huggingface/ folder there, or beside."""
-    for folder in dict.fromkeys((root, save.parent, root.parent)):
-        for candidate in (folder, *(folder / name for name in HF_DIRS)):
-            if (candidate / "config.json").is_file():
-                return str(candidate)
-    return None
+    return config_dir(dict.fromkeys((root, save.parent, root.parent)), ("", *HF_DIRS))
 
 
 def explain(root: Path) -> str | None:

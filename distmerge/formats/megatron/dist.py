@@ -29,7 +29,7 @@ from distmerge.errors import InputError
 from distmerge.formats.base import FormatDefaults, Fragment, Hints, InputFile, OpenedFile, Scan, register
 from distmerge.formats.dcp.folder import DcpFormat
 from distmerge.formats.megatron import layout as mg
-from distmerge.input import tree as input_tree
+from distmerge.input import tree
 
 # Stacked name prefix -> the per-layer (and per-expert) name; longest first. `{}` takes the axis index.
 STACKED = (
@@ -75,7 +75,7 @@ class MegatronDistFormat(FormatDefaults):
 
 def _is_torch_dist(save: Path) -> bool:
     try:
-        meta = input_tree.read_json(save / mg.DIST_MARKER, input_tree.MARKER_CAP, "torch_dist marker")
+        meta = tree.read_json(save / mg.DIST_MARKER, tree.MARKER_CAP, "torch_dist marker")
     except (OSError, InputError):  # bounded, regular files only: a huge or special marker is not this layout
         return False
     return isinstance(meta, dict) and meta.get("sharded_backend") == "torch_dist"

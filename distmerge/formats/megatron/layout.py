@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from distmerge.errors import InputError
-from distmerge.formats.base import FormatOption
-from distmerge.input import tree as input_tree
+from distmerge.formats.base import FormatOption, config_dir
+from distmerge.input import tree
 
 TRACKER = "latest_checkpointed_iteration.txt"
 ITERATION_DIR = re.compile(r"^iter_(\d{7})$")
@@ -82,7 +82,7 @@ def save_dir(root: Path, options: Mapping[str, Any]) -> Path:
     """The folder of the save to merge: --iteration's, else the latest."""
     iteration = options.get(ITERATION.dest)
     save = iteration_dir(root, iteration) if iteration is not None else latest_dir(root)
-    input_tree.tree_at(root).folder(save)  # a linked iter_N/ that leads out is refused before anything is read
+    tree.tree_at(root).folder(save)  # a linked iter_N/ that leads out is refused before anything is read
     return save
 
 
@@ -164,7 +164,7 @@ def latest_dir(root: Path) -> Path:
         found = saved_iterations(base)
         hint = f"pass --iteration N (found {', '.join(found)})" if found else "pass the folder of one save"
         raise InputError(f"{base} has no {TRACKER}: {hint}")
-    text = input_tree.read_text(tracker, input_tree.TRACKER_CAP, "Megatron iteration tracker").strip()
+    text = tree.read_text(tracker, tree.TRACKER_CAP, "Megatron iteration tracker").strip()
     if text != "release" and not text.isdigit():
         raise InputError(f"{tracker} holds {text[:40]!r}, not an iteration number or 'release'")
     return iteration_dir(base, text)
@@ -189,8 +189,4 @@ def hf_dir_near(save: Path, root: Path) -> str | None:
     """config.json's folder: next to the save, or up to the folder the user passed (and its parent)."""
     folders = [save, *save.parents]
     stop = folders.index(root.parent) + 1 if root.parent in folders else 3
-    for folder in folders[:stop]:
-        for name in HF_DIRS:
-            if (folder / name / "config.json").is_file():
-                return str(folder / name)
-    return None
+    return config_dir(folders[:stop], HF_DIRS)

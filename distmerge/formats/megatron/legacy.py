@@ -4,7 +4,7 @@
         {"args": Namespace, "iteration", "checkpoint_version", "rng_state", "optimizer", ...,
          "model": {name: local tensor}          or "model0", "model1", ... (virtual pipeline chunks)}
 
-Each file holds its TP rank's slice of every parameter (split dimension in megatron_layout), the layers of
+Each file holds its TP rank's slice of every parameter (split dimension in layout.py), the layers of
 its pipeline stage numbered from 0 per stage (and per virtual chunk), and its EP rank's experts numbered
 from 0. Rank 0's scan reads the pickles (not the tensors) of one file per stage to learn the layer
 offsets; each reader then names its fragments with global layer and expert numbers and global offsets,

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from distmerge.errors import LayoutError
-from distmerge.input import tree as input_tree
+from distmerge.input import tree
 
 LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # zip local file header: signature ... name length, extra length
 LOCAL_SIGNATURE = 0x04034B50
@@ -22,7 +22,7 @@ NAME_READ = 256  # record names torch.save writes are far shorter (`<stem>/data.
 
 def saved_stem(path: Path) -> str | None:
     """The folder torch.save put the records under, or None (not a zip, or saved to a file object)."""
-    with input_tree.open_input(path) as f:
+    with tree.open_input(path) as f:
         head = f.pread(LOCAL_HEADER.size + NAME_READ, 0)  # the name with the header: one read (a GET on a store)
         if len(head) < LOCAL_HEADER.size:
             return None

@@ -27,7 +27,7 @@ from distmerge.formats.torch_private import dcp_decode, dcp_table, pickle_scan
 from distmerge.formats.torch_private.dcp_blobs import Chunk, chunk_data_offset, locate  # noqa: F401 (readers' names)
 from distmerge.formats.torch_private.dcp_table import DcpMetadata
 from distmerge.formats.torch_private.restricted import Record, as_text, loads
-from distmerge.input import tree as input_tree
+from distmerge.input import tree
 
 _METADATA_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch", "Size"): torch.Size,
@@ -86,7 +86,7 @@ def read_metadata(path: Path) -> DcpMetadata:
 
 
 def _read(path: Path, budget: pickle_scan.Budget) -> bytes:
-    with input_tree.open_input(path) as f:
+    with tree.open_input(path) as f:
         size = f.size
         if size > budget.max_bytes:
             raise CorruptInputError(f"{path} is {size} bytes, over the limit of {budget.max_bytes} (max_bytes: "

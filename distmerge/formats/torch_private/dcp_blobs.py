@@ -35,7 +35,7 @@ import torch
 from distmerge.errors import CorruptInputError
 from distmerge.formats.torch_private import pickle_scan, zip_records
 from distmerge.formats.torch_private.restricted import TENSOR_GLOBALS, TensorRef, loads
-from distmerge.input import tree as input_tree
+from distmerge.input import tree
 
 BLOB_PICKLE = pickle_scan.Budget(max_bytes=pickle_scan.MiB)  # a chunk blob's data.pkl describes one tensor
 LOCAL_HEADER = b"PK\x03\x04"
@@ -62,11 +62,11 @@ def chunk_data_offset(fd: Any, chunk: Chunk, itemsize: int) -> int:
     """Absolute file offset of the chunk's first element. Raw chunks start at the blob. torch.save blobs
     write data.pkl first, then a few tiny records, then the storage: walking the zip's local headers in
     one read of the blob's start finds it; anything unusual goes through zipfile's central directory. `fd`: the
-    file as input_tree.open_input opened it (a file, or an object of an object-store input)."""
+    file as tree.open_input opened it (a file, or an object of an object-store input)."""
     numel = math.prod(chunk.lengths)
     if chunk.length == numel * itemsize:
         return chunk.offset
-    fd = input_tree.readable(fd)
+    fd = tree.readable(fd)
     head = fd.pread(min(chunk.length, PREFIX), chunk.offset)
     ref, at = None, 0
     while head[at : at + 4] == LOCAL_HEADER and at + 30 <= len(head):
@@ -115,7 +115,7 @@ def locate(fd: Any, file_size: int, rows: Sequence[tuple[int, int, int]], chunk:
     """The first element's file offset of every chunk of one file. `rows[k]`: (blob offset, blob length, numel)
     of chunk k; `chunk(k)` builds its full record, only for blobs checked in full and for messages. `fd`: as for
     chunk_data_offset."""
-    fd = input_tree.readable(fd)
+    fd = tree.readable(fd)
     out = [0] * len(rows)
     window = _Window(fd, file_size)
     for k in sorted(range(len(rows)), key=lambda k: rows[k][0]):

@@ -52,6 +52,11 @@ MUTABLE = {"list", "dict", "set", "object"}
 REBUILD_TENSOR = ("torch._utils", "_rebuild_tensor_v2")
 
 
+def python3_name(module: str, name: str) -> tuple[str, str]:
+    """A global of a protocol 0-2 pickle as pickle's fix_imports names it (`__builtin__ getattr`: `builtins`)."""
+    return _compat_pickle.NAME_MAPPING.get((module, name)) or (_compat_pickle.IMPORT_MAPPING.get(module, module), name)
+
+
 class _Item:
     """A stand-in for one value on the simulated stack."""
 
@@ -79,8 +84,7 @@ def check(data: bytes, where: str, allowed: Callable[[str, str], bool], *, budge
     if len(data) > budget.max_bytes:
         raise CorruptInputError(f"{where}: its pickle is {len(data)} bytes, over the limit of {budget.max_bytes} "
                                 "(max_bytes)")
-    sim = _Machine(allowed, budget, storages, itemsize, max_nodes=budget.nodes_per_byte * max(len(data), 4096))
-    sim.unknown = unknown
+    sim = _Machine(allowed, budget, storages, itemsize, budget.nodes_per_byte * max(len(data), 4096), unknown)
     try:
         for op, arg, _pos in pickletools.genops(data):
             sim.step(op.name, arg)
@@ -91,9 +95,9 @@ def check(data: bytes, where: str, allowed: Callable[[str, str], bool], *, budge
 
 
 class _Machine:
-    def __init__(self, allowed, budget: Budget, storages, itemsize, max_nodes: int) -> None:
+    def __init__(self, allowed, budget: Budget, storages, itemsize, max_nodes: int, unknown=None) -> None:
         self.allowed, self.budget, self.storages, self.itemsize = allowed, budget, storages, itemsize
-        self.max_nodes, self.unknown = max_nodes, None  # unknown: why a refused global may be legitimate (check)
+        self.max_nodes, self.unknown = max_nodes, unknown  # unknown: why a refused global may be legitimate (check)
         self.stack: list[_Item] = []
         self.marks: list[int] = []
         self.memo: dict[int, _Item] = {}
@@ -299,11 +303,7 @@ class _Machine:
 
     # -- globals and calls -------------------------------------------------------------------------------
     def global_item(self, module: str, name: str) -> _Item:
-        if self.proto < 3:  # what pickle's fix_imports does for Python 2 names
-            if (module, name) in _compat_pickle.NAME_MAPPING:
-                module, name = _compat_pickle.NAME_MAPPING[(module, name)]
-            elif module in _compat_pickle.IMPORT_MAPPING:
-                module = _compat_pickle.IMPORT_MAPPING[module]
+        module, name = python3_name(module, name) if self.proto < 3 else (module, name)
         if not self.allowed(module, name):
             why = self.unknown(module, name) if self.unknown else ""
             raise _Refused(f"global {module}.{name} is not allowed (distmerge never runs code from checkpoints)"

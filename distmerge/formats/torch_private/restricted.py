@@ -8,7 +8,6 @@ opcode stream against a budget (pickle_scan.py), so the unpickler only ever sees
 
 from __future__ import annotations
 
-import _compat_pickle
 import io
 import pickle
 from collections.abc import Callable
@@ -201,10 +200,7 @@ class Restricted(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         # Python 2 names as pickle's fix_imports maps them (protocol 2: `__builtin__ getattr`); an override of
         # find_class gets them raw. pickle_scan already refused such names in protocol 3+ streams.
-        if (module, name) in _compat_pickle.NAME_MAPPING:
-            module, name = _compat_pickle.NAME_MAPPING[(module, name)]
-        elif module in _compat_pickle.IMPORT_MAPPING:
-            module = _compat_pickle.IMPORT_MAPPING[module]
+        module, name = pickle_scan.python3_name(module, name)
         if (module, name) in self.allowed:
             return self.allowed[(module, name)]
         if module == "torch" and name in DTYPES:

@@ -44,7 +44,7 @@ from distmerge.formats.torch_private.restricted import (
     rebuild_wrapper_subclass,
     record_class,
 )
-from distmerge.input import tree as input_tree
+from distmerge.input import tree
 
 _DTENSOR_MODULES = ("torch.distributed.tensor", "torch.distributed.tensor._api", "torch.distributed._tensor.api",
                     "torch.distributed._tensor")
@@ -114,7 +114,7 @@ class RankFile:
         if not ref.contiguous or ref.storage.dtype.is_floating_point or math.prod(ref.size) != count:
             raise LayoutError(f"{self.path}: a device mesh's rank list is not a contiguous int tensor of {count}")
         size = ref.storage.dtype.itemsize
-        with input_tree.open_input(self.path) as f:
+        with tree.open_input(self.path) as f:
             data = f.pread(count * size, self.file_offset(ref))
         if len(data) != count * size:
             raise CorruptInputError(f"{self.path} ends inside a device mesh's rank list: the file is truncated")
@@ -123,7 +123,7 @@ class RankFile:
 
 def read_rank_file(path: Path) -> RankFile:
     """The state dict of one rank file, with the zip and the pickle checked first (torch_save.read)."""
-    with input_tree.open_input(path) as f:
+    with tree.open_input(path) as f:
         empty = f.size == 0
     if empty:
         raise CorruptInputError(f"{path} is empty (0 bytes): the save was interrupted; use another checkpoint")

@@ -31,7 +31,7 @@ from distmerge.formats.torch_private.restricted import (
     TensorRef,
     loads,
 )
-from distmerge.input import tree as input_tree
+from distmerge.input import tree
 
 # Training metadata a trainer pickles beside its tensors; read as inert records, never as live objects.
 TRAINING_MODULES = ("argparse", "numpy", "megatron", "transformer_engine", "enum", "_io", "io", "types", "apex")
@@ -62,7 +62,7 @@ def read(path: Path, inert_modules: tuple[str, ...] = TRAINING_MODULES,
     refusal of any other global adds (pickle_scan.check). The zip is
     checked first (zip_records), the pickle is checked against its budget (pickle_scan), and every tensor
     must lie inside its storage record."""
-    fd = input_tree.open_input(path)  # a regular file inside the input, never a FIFO or a link out
+    fd = tree.open_input(path)  # a regular file inside the input, never a FIFO or a link out
     try:
         found = zip_records.records(fd, str(path))
         pkl, prefix = zip_records.pickle_record(found, str(path))
@@ -121,7 +121,7 @@ def mapped_views(path: Path, storage_offsets: Mapping[str, int],
     used, nothing is copied whole. Each ref was checked to lie inside its record (read)."""
     if not refs:
         return {}
-    f = input_tree.open_input(path)
+    f = tree.open_input(path)
     try:  # private and writable: torch.frombuffer wants a writable buffer; the file is never written
         mapped = mmap.mmap(f.fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE) if f.fd >= 0 \
             else None  # an object of an object-store input: each view's bytes are read, and only those

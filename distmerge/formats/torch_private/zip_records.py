@@ -22,8 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from distmerge.errors import CorruptInputError
-from distmerge.input import objects as input_objects
-from distmerge.input import tree as input_tree
+from distmerge.input import objects, tree
 
 # A 671B model's FSDP rank file holds ~92k tensors, so ~92k storage records (+5 small ones): 5x headroom.
 MAX_RECORDS = 2**19
@@ -32,7 +31,7 @@ LOCAL_HEADER = b"PK\x03\x04"
 END = b"PK\x05\x06"
 ZIP64_LOCATOR = b"PK\x06\x07"
 ZIP64_END = b"PK\x06\x06"
-OBJECT_TAIL = 1 << 16  # an object's tail read first (input_objects remembers reads of this size at its ends)
+OBJECT_TAIL = 1 << 16  # an object's tail read first (input/objects.py remembers reads of this size at its ends)
 HEAD = 1 << 16  # an object's first GET: its first records' headers, up to the first record that ends past this
 
 
@@ -44,7 +43,7 @@ class ZipRecord:
 
 
 class Window(io.RawIOBase):
-    """A read-only view of bytes [start, start+length) of an open input file (input_tree.open_input), for zipfile."""
+    """A read-only view of bytes [start, start+length) of an open input file (tree.open_input), for zipfile."""
 
     def __init__(self, f: Any, start: int, length: int) -> None:
         self.f, self.start, self.length, self.pos = f, start, length, 0
@@ -72,8 +71,8 @@ class Window(io.RawIOBase):
 
 def records(fd: Any, where: str, start: int = 0, length: int | None = None) -> dict[str, ZipRecord]:
     """Every record of the archive by name, checked as the module docstring says. `fd`: the file, opened by
-    input_tree.open_input (a file or an object of an object-store input: positional reads either way)."""
-    fd = input_tree.readable(fd)
+    tree.open_input (a file or an object of an object-store input: positional reads either way)."""
+    fd = tree.readable(fd)
     length = fd.size - start if length is None else length
     directory_at = _check_end_record(fd, where, start, length)
     try:
@@ -110,7 +109,7 @@ def records(fd: Any, where: str, start: int = 0, length: int | None = None) -> d
 
 def directory_offset(fd: Any, where: str, start: int, length: int) -> int:
     """Where the archive's zip directory starts, from the archive's start (its end records checked)."""
-    return _check_end_record(input_tree.readable(fd), where, start, length)
+    return _check_end_record(tree.readable(fd), where, start, length)
 
 
 def _check_end_record(fd: Any, where: str, start: int, length: int) -> int:
@@ -176,7 +175,7 @@ def _predicted(fd: Any, where: str, start: int, infos: list[zipfile.ZipInfo], di
             raise CorruptInputError(f"{where}: record {info.filename} does not fit between its local header and "
                                     "the next record: the file is damaged")
         starts[k] = data
-        checks.append(input_objects.Expected(
+        checks.append(objects.Expected(
             at=start + info.header_offset, length=30 + len(info.orig_filename.encode()),
             until=start + data + info.compress_size, check=functools.partial(_agrees, where, info, data)))
     if not order:
@@ -235,7 +234,7 @@ def _header_length(where: str, info: zipfile.ZipInfo, header: bytes) -> int:
 
 
 def read(fd: Any, record: ZipRecord, start: int = 0) -> bytes:
-    data = input_tree.readable(fd).pread(record.size, start + record.start)
+    data = tree.readable(fd).pread(record.size, start + record.start)
     if len(data) != record.size:
         raise CorruptInputError(f"record {record.name} is cut short: the file is truncated")
     return data
