@@ -1,5 +1,5 @@
 """The README's reliability promises, each checked from outside distmerge's own bookkeeping (see the
-Guarantees table in README.md). Every test here was seen to fail against a deliberately broken copy of the
+Guarantees table in docs/guarantees.md). Every test here was seen to fail against a deliberately broken copy of the
 tree (how: in each docstring), then pass against the real one."""
 
 from __future__ import annotations
