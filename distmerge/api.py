@@ -1,6 +1,6 @@
 """The library API, `distmerge.merge()` and `distmerge.verify()`, and what the command line shares with it.
 
-    keywords --options.from_keywords--> values --merge_request--> engine.MergeOptions --run_merge--> MergeResult
+    keywords --options.from_keywords--> values --merge_request--> engine.run.MergeOptions --run_merge--> MergeResult
     argv     --argparse (cli.py)------> values --verify_request-> verify.VerifyOptions --verify_and_write--> ...
 
 `values` are the options by name, parsed the same way on both paths (options.py: the one table of options, from
@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
-from distmerge import options
+from distmerge import options, output_options
 from distmerge.cli_options import base_model_dir, format_options, output_settings, reference_format_options
 
 if TYPE_CHECKING:
@@ -47,8 +47,8 @@ log = logging.getLogger("distmerge")
 # run_merge, verify_and_write, the command line), and what the request's computed fields are made of.
 RUNNING = frozenset({"device", "timeout", "progress", "group", "quiet", "debug", "json_summary", "verify_against",
                      "plot"})
-COMPUTED = frozenset({"dtype", "quantize", "max_shard_size", "budget", "lora", "lora_alpha", "base_model", "atol",
-                      "rtol", "min_cosine"})
+# (and each option that shapes the output, output_options.py: they are made into the request's `settings`)
+COMPUTED = frozenset({"budget", "atol", "rtol", "min_cosine"})
 
 
 def merge(input: str | os.PathLike, output: str | os.PathLike, **kwargs: Any) -> MergeResult:
@@ -90,7 +90,7 @@ is a result, not an error. `json`, `plot`: written by rank 0; the report is prin
 
 
 def merge_request(values: Mapping[str, Any]) -> MergeOptions:
-    """engine.MergeOptions from the parsed options (each option of its own name goes to its field)."""
+    """engine.run.MergeOptions from the parsed options (each option of its own name goes to its field)."""
     from distmerge.engine.run import MergeOptions
 
     return _fill(MergeOptions, values, format_options=format_options(values), settings=output_settings(values),
@@ -98,15 +98,17 @@ def merge_request(values: Mapping[str, Any]) -> MergeOptions:
 
 
 def verify_request(values: Mapping[str, Any]) -> VerifyOptions:
-    """verify.VerifyOptions from the parsed options. A --dtype asks for the cast: values must equal the reference
-    cast the same way (as merge --verify-against)."""
+    """verify.VerifyOptions from the parsed options. The options that shape the output given may change the
+    comparison (output_options.criteria): a --dtype asks for the cast, values must equal the reference cast the same
+    way (as merge --verify-against)."""
     from distmerge.verify.listing import VerifyOptions
     from distmerge.verify.report import Criteria
 
+    settings = output_settings(values)
     crit = Criteria(atol=values["atol"], rtol=values["rtol"], min_cosine=values["min_cosine"],
-                    accept_cast=values["dtype"] != "keep")
+                    **output_options.criteria(settings))
     return _fill(VerifyOptions, values, criteria=crit, format_options=format_options(values),
-                 reference_format_options=reference_format_options(values), settings=output_settings(values),
+                 reference_format_options=reference_format_options(values), settings=settings,
                  base_model=base_model_dir(values))
 
 
@@ -114,7 +116,7 @@ def _fill(cls: type, values: Mapping[str, Any], **computed: Any) -> Any:
     """`cls` with each value under its own name and the computed fields; a value with no home is a bug (an option
     added to options.OPTIONS and to no request: tests/test_options_agree.py)."""
     names = {f.name for f in fields(cls)}
-    homeless = (set(values) - names - RUNNING - COMPUTED - set(options.format_option_names())
+    homeless = (set(values) - names - RUNNING - COMPUTED - output_options.names() - set(options.format_option_names())
                 - set(options.reference_format_option_names()))
     assert not homeless, f"options {sorted(homeless)} reach no field of {cls.__name__}"
     return cls(**{k: v for k, v in values.items() if k in names and k not in computed}, **computed)

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from distmerge import options
+from distmerge import options, output_options
 from distmerge.options import CAST_NAMES, parse_size  # noqa: F401  (re-exported: the parsers' names, as before)
 
 # command -> the section each group of options is shown under (None: the command's own "options:" section)
@@ -74,13 +74,9 @@ def base_model_dir(values: Mapping[str, Any]) -> Path | None:
 
 
 def output_settings(values: Mapping[str, Any]):
-    """The options that shape the output, typed (inspect has no --budget: it plans in one round)."""
+    """The options that shape the output, typed: each declared one sets its field (output_options.settings); the
+    run's own, --budget and --output, theirs (inspect has no --budget: it plans in one round)."""
     from distmerge.engine.prepare import OutputSettings
-    from distmerge.families.base import LoraOptions
 
-    base_model = values["base_model"]
-    return OutputSettings(dtype=values["dtype"], max_shard_bytes=values["max_shard_size"],
-                          budget_bytes=values.get("budget", 2**62), output=values.get("output") or Path(),
-                          quantize=values["quantize"],
-                          lora=LoraOptions(mode=values["lora"], alpha=values["lora_alpha"],
-                                           base_model=None if base_model is None else str(base_model)))
+    run = OutputSettings(budget_bytes=values.get("budget", 2**62), output=values.get("output") or Path())
+    return output_options.settings(run, values)

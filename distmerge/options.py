@@ -6,11 +6,12 @@ checked against them (tests/test_options_agree.py):
                    docstring are made here: signature(), docstring()), the value checked and parsed as the
                    command line parses it (from_keywords)
     the request    api.merge_request / api.verify_request: the typed values, by name (the same for the CLI and
-                   the API), into engine.MergeOptions and verify.VerifyOptions
+                   the API), into engine.run.MergeOptions and verify.VerifyOptions
     README.md      its options table lists each row's flags for its commands, and the default
 
 Adding an option is one row (a format's own options are rows of the format registry, put at FORMAT_OPTIONS;
-verify's --reference- twins of the input rows are made at REFERENCE_OPTIONS, a new format option's with it).
+verify's --reference- twins of the input rows are made at REFERENCE_OPTIONS, a new format option's with it; an
+option that shapes the output is one declaration of output_options.py, its row put at OUTPUT_OPTIONS).
 Light on purpose: the registry is imported only when the rows are first asked for.
 """
 
@@ -24,14 +25,11 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from distmerge import output_options
 from distmerge.errors import InputError
+from distmerge.output_options import CAST_NAMES, QUANTIZE_CHOICES  # noqa: F401  (re-exported, as before)
 
 SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
-CAST_NAMES = ("keep", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32")
-# --quantize: each choice and what it writes (fp8.SCHEMES)
-QUANTIZE_CHOICES = {"fp8-block": "DeepSeek-V3/Qwen3-FP8 layout, float32 scale per 128x128 block (quant_method fp8)",
-                    "fp8-channel": "compressed-tensors layout, float32 scale per output channel (needs "
-                                   "compressed-tensors)"}
 COMMANDS = ("merge", "inspect", "verify")
 API = ("merge", "verify")  # the commands distmerge.api offers
 # How each kind of value is parsed on the command line, and how the API's signature spells it.
@@ -86,6 +84,7 @@ CLI_ONLY = {
     "json": "inspect is the command line's only",
 }
 FORMAT, FORMAT_OPTIONS = "<format>", "<format options>"  # rows made from the format registry (rows())
+OUTPUT_OPTIONS = "<output options>"  # the rows of the options that shape the output (output_options.py)
 REFERENCE_OPTIONS = "<reference options>"  # verify's --reference- twins of the input rows (rows())
 # The input rows verify reads --reference with, by name, and the end of each twin's help ("as --format, for
 # --reference" + it); every format option (FORMAT_OPTIONS) has its twin too, so a new one gets it with no row here.
@@ -131,22 +130,7 @@ OPTIONS: tuple[Opt | str, ...] = (
     # what the merged model looks like
     Opt(name="output", flags=("--output", "-o"), commands=MERGE, group="output", kind="location", required=True,
         help="folder for the merged model, or s3://bucket/prefix"),
-    Opt(name="dtype", flags=("--dtype",), commands=ALL, group="output", default="keep", choices=CAST_NAMES,
-        help="cast floating tensors (default: keep the checkpoint's dtype)"),
-    Opt(name="quantize", flags=("--quantize",), commands=ALL, group="output", choices=tuple(QUANTIZE_CHOICES),
-        metavar="SCHEME", help="write the linear weights of attention and MLP blocks in FP8, quantized from the "
-        "merged tensors: " + "; ".join(f"{k}: {v}" for k, v in QUANTIZE_CHOICES.items()) + " (docs/quantize.md)"),
-    Opt(name="max_shard_size", flags=("--max-shard-size",), commands=ALL, group="output", kind="size",
-        default="5GB", metavar="SIZE", help="largest output file (default 5GB; one file is named model.safetensors)"),
-    Opt(name="lora", flags=("--lora",), commands=ALL, group="output", default="auto",
-        choices=("auto", "adapter", "merge"),
-        help="LoRA checkpoints: base model + PEFT adapter (auto, adapter) or fused weights (merge)"),
-    Opt(name="lora_alpha", flags=("--lora-alpha",), commands=ALL, group="output", kind="float", metavar="ALPHA",
-        help="LoRA alpha when lora_train_meta.json is missing or wrong"),
-    Opt(name="base_model", flags=("--base-model",), commands=ALL, group="output", metavar="NAME_OR_DIR",
-        help="LoRA: the base model. A Hugging Face folder (config.json + safetensors): its weights complete a "
-             "LoRA-only save (base model + adapter, or fused with --lora merge). Any value: "
-             "base_model_name_or_path in adapter_config.json (default: the config's)"),
+    OUTPUT_OPTIONS,  # --dtype, --quantize, --max-shard-size, --lora ...: output_options.OUTPUT_OPTIONS
     Opt(name="overwrite", flags=("--overwrite",), commands=MERGE, group="output", kind="switch", default=False,
         help="replace model files in a non-empty output"),
     Opt(name="resume", flags=("--resume",), commands=MERGE, group="output", kind="switch", default=False,
@@ -194,6 +178,8 @@ def rows(command: str) -> tuple[Opt, ...]:
             out.extend(_format_option_rows())
         elif row == REFERENCE_OPTIONS:
             out.extend(_reference_rows())
+        elif row == OUTPUT_OPTIONS:
+            out.extend(output_row(o) for o in output_options.OUTPUT_OPTIONS)
         else:
             out.append(row)
     return tuple(r for r in out if command in r.commands)
@@ -211,6 +197,12 @@ def _format_option_rows() -> list[Opt]:
 
     return [Opt(name=opt.dest, flags=(opt.flag,), commands=ALL, group="input", kind="value", parse=opt.parse,
                 metavar=opt.metavar, help=f"{opt.help} [{', '.join(names)}]") for opt, names in registry.options()]
+
+
+def output_row(opt: output_options.OutputOption) -> Opt:
+    """An option that shapes the output, as a row of the table (output_options.py declares the rest of it)."""
+    return Opt(name=opt.name, flags=(opt.flag,), commands=opt.commands, group="output", kind=opt.kind,
+               default=opt.default, choices=opt.choices, metavar=opt.metavar, help=opt.help)
 
 
 def _reference_rows() -> list[Opt]:

@@ -11,7 +11,8 @@ MAX_LINES = 400
 # Lower layers never import higher ones. An entry names a module or a package (below distmerge.); a module takes
 # the layer of the longest entry that is it or a package above it (engine.run is 5, the rest of engine/ 4).
 LAYERS = {
-    0: ("errors", "dtypes", "results", "threads", "input.tree", "input.objects", "s3_client", "watchdog"),
+    0: ("errors", "dtypes", "results", "threads", "input.tree", "input.objects", "s3_client", "watchdog",
+        "output_options"),
     1: ("formats", "comm", "transforms", "fp8", "fp8_compressed"),
     2: ("families",),
     3: ("engine.plan", "engine.spread", "engine.inventory", "input", "output"),

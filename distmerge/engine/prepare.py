@@ -27,7 +27,8 @@ from distmerge.output.store import Sharing
 
 @dataclass(frozen=True, kw_only=True)
 class OutputSettings:
-    """The options that shape the output."""
+    """The options that shape the output: each field but `budget_bytes` and `output` (the run's) is set by the
+    options declared in output_options.py, and holds their default when made with no arguments."""
 
     dtype: str = "keep"  # a --dtype choice
     max_shard_bytes: int = 5 * 10**9

@@ -25,8 +25,8 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from distmerge import output_options as declared
 from distmerge.comm import Comm
-from distmerge.dtypes import CAST_CHOICES, hf_dtype_name
 from distmerge.engine.plan import OutputFile, Plan
 from distmerge.engine.prepare import OutputSettings
 from distmerge.errors import OutputError
@@ -70,19 +70,17 @@ class Resumption:
 
 
 def output_options(settings: OutputSettings, fmt: str, format_options: dict[str, Any], config: dict) -> dict:
-    """What shapes the output besides the input files, named as the user would change it. Aliases that
-    give the same output are recorded alike (--dtype bf16 and bfloat16; --format auto and what it found)."""
+    """What shapes the output besides the input files, named as the user would change it: the options declared in
+    output_options.py, each as it records itself (aliases that give the same output alike: --dtype bf16 and
+    bfloat16), the format (--format auto as what it found), config.json and the format's options. The options
+    recorded only when given come last (--quantize: absent before it existed)."""
     flags = {opt.flag: format_options[opt.dest] for opt, _ in registry.options() if opt.dest in format_options}
     options = {
         "--format": fmt,
-        "--dtype": hf_dtype_name(code) if (code := CAST_CHOICES[settings.dtype]) else "keep",
-        "--max-shard-size": settings.max_shard_bytes,
-        "--lora": settings.lora.mode,
-        "--lora-alpha": settings.lora.alpha,
-        "--base-model": settings.lora.base_model,
+        **declared.recorded(settings, "always"),
         "config.json": hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest(),
         **flags,
-        **({"--quantize": settings.quantize} if settings.quantize else {}),  # absent before --quantize existed
+        **declared.recorded(settings, "given"),
     }
     return json.loads(json.dumps(options, default=str))  # as run.json will read back
 

@@ -9,17 +9,19 @@ refused here, in one line each.
     checkpoint    checkpoint     two_checkpoints.py
 
 --merged is read with --format, --hf-config, the formats' own options and --base-model; --reference with their
---reference- twins (options.py: REFERENCE_OPTIONS). --dtype, --lora, --budget, --max-shard-size shape every merge in
-memory; --quantize only a --merged checkpoint's, compared with a Hugging Face --reference (fp8_compare.py).
+--reference- twins (options.py: REFERENCE_OPTIONS). The options that shape the output (output_options.py) say how
+verify takes them: --dtype, --lora, --max-shard-size (and --budget) shape every merge in memory; --quantize only a
+--merged checkpoint's, compared with a Hugging Face --reference (fp8_compare.py).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from distmerge import output_options
 from distmerge.engine.prepare import OutputSettings
 from distmerge.errors import DistmergeError, InputError
 from distmerge.formats import registry
@@ -35,9 +37,9 @@ MERGE_FLAGS = {"format": "--format", "hf_config": "--hf-config", "format_options
                "base_model": "--base-model"}
 REFERENCE_FLAGS = {"reference_format": "--reference-format", "reference_hf_config": "--reference-hf-config",
                    "reference_format_options": "the format's own options for --reference (--reference-iteration ...)"}
-# ... and the fields of the merges themselves: a mistake when neither side is a checkpoint.
-SETTING_FLAGS = {"dtype": "--dtype", "quantize": "--quantize", "max_shard_bytes": "--max-shard-size",
-                 "budget_bytes": "--budget", "lora": "--lora, --lora-alpha or --base-model"}
+# ... and the settings of the merges themselves, a mistake when neither side is a checkpoint: those of the options
+# that shape the output (output_options.py: each says how verify treats it), and the run's --budget.
+RUN_SETTINGS = {"budget_bytes": "--budget"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,20 +91,21 @@ def kinds(opts: VerifyOptions) -> tuple[bool, bool]:
     _refuse(opts, _given(opts, REFERENCE_FLAGS) if not reference else [], opts.reference, "--reference")
     if not merged and not reference:
         _refuse(opts, _settings_given(opts), opts.merged, "--merged")
-    if reference and opts.settings.quantize:
-        _refuse_quantize(opts, merged)
+    for opt in output_options.given(opts.settings):
+        if reference and opt.verify == "merged":
+            _refuse_merged_only(opts, opt, merged)
     return merged, reference
 
 
-def _refuse_quantize(opts: VerifyOptions, merged: bool) -> None:
-    """--quantize makes FP8 weights of the merge of --merged, compared with a full-precision reference: the merge of
-    a --reference checkpoint would be quantized too (the settings apply to every merge in memory)."""
+def _refuse_merged_only(opts: VerifyOptions, opt: output_options.OutputOption, merged: bool) -> None:
+    """An option that shapes only the merge of --merged, compared with a Hugging Face reference (--quantize: FP8
+    weights against full precision): the merge of a --reference checkpoint would be shaped by it too (the settings
+    apply to every merge in memory)."""
     if merged:
-        raise InputError("--quantize compares FP8 weights with a full-precision reference: pass a Hugging Face folder "
-                         "as --reference (merge the reference checkpoint first), not a second checkpoint")
-    raise InputError(f"--quantize: --merged {opts.merged} is a finished model (its FP8 weights, if any, are compared "
-                     f"as written) and --reference {opts.reference} a checkpoint, merged in full precision; leave "
-                     "--quantize out")
+        raise InputError(f"{opt.flag} {opt.verify_why}: pass a Hugging Face folder as --reference (merge the reference "
+                         "checkpoint first), not a second checkpoint")
+    raise InputError(f"{opt.flag}: --merged {opts.merged} is a finished model (compared as written) and --reference "
+                     f"{opts.reference} a checkpoint, merged without {opt.flag}; leave {opt.flag} out")
 
 
 def _is_checkpoint(path: Path, fmt: str, *, also_unmarked: bool) -> bool:
@@ -126,5 +129,5 @@ def _given(opts: VerifyOptions, flags: dict[str, str]) -> list[str]:
 
 def _settings_given(opts: VerifyOptions) -> list[str]:
     default = OutputSettings()
-    return [flag for f in fields(OutputSettings) if (flag := SETTING_FLAGS.get(f.name))
-            and getattr(opts.settings, f.name) != getattr(default, f.name)]
+    run = [flag for name, flag in RUN_SETTINGS.items() if getattr(opts.settings, name) != getattr(default, name)]
+    return [opt.flag for opt in output_options.given(opts.settings)] + run
