@@ -17,7 +17,8 @@ Where it runs (every rank of a job makes the same call):
     torchrun's environment, no group    a group of its own, destroyed at the end (as `torchrun -m distmerge`)
     neither                             one process (as `python -m distmerge`)
 
-Errors are the typed exceptions of distmerge.errors, raised on every rank. Nothing is printed unless
+Errors are the typed exceptions of distmerge.errors, raised on every rank, their messages in the API's spelling
+(`overwrite=True`, `dtype`: api_spelling) where the command line's name its flags. Nothing is printed unless
 `progress=True` (rank 0: progress and summary); notes go to the `distmerge` logger.
 """
 
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from distmerge import options, output_options
 from distmerge.cli_options import base_model_dir, format_options, output_settings, reference_format_options
+from distmerge.errors import DistmergeError
 
 if TYPE_CHECKING:
     from distmerge.comm import Comm
@@ -52,11 +54,12 @@ COMPUTED = frozenset({"budget", "atol", "rtol", "min_cosine"})
 
 
 def merge(input: str | os.PathLike, output: str | os.PathLike, **kwargs: Any) -> MergeResult:
-    values = options.from_keywords("merge", {"input": input, "output": output, **kwargs})
-    opts = merge_request(values)
-    with as_found(), job_group(values) as comm:
-        result = run_merge(opts, comm, show=values["progress"])
-        rank = comm.rank
+    with api_spelling("merge"):
+        values = options.from_keywords("merge", {"input": input, "output": output, **kwargs})
+        opts = merge_request(values)
+        with as_found(), job_group(values) as comm:
+            result = run_merge(opts, comm, show=values["progress"])
+            rank = comm.rank
     if not values["progress"]:  # what the progress would have said (--resume's line), and the notes
         _log_notes(rank, [result.resume] if result.resume else [])
     _log_notes(rank, result.notes)
@@ -66,11 +69,12 @@ def merge(input: str | os.PathLike, output: str | os.PathLike, **kwargs: Any) ->
 def verify(merged: str | os.PathLike, reference: str | os.PathLike, **kwargs: Any) -> VerifyResult:
     from distmerge.verify.run import verify_and_write
 
-    values = options.from_keywords("verify", {"merged": merged, "reference": reference, **kwargs})
-    opts = verify_request(values)
-    with as_found(), job_group(values) as comm:
-        result = verify_and_write(opts, comm, plot=values["plot"], show=values["progress"])
-        rank = comm.rank
+    with api_spelling("verify"):
+        values = options.from_keywords("verify", {"merged": merged, "reference": reference, **kwargs})
+        opts = verify_request(values)
+        with as_found(), job_group(values) as comm:
+            result = verify_and_write(opts, comm, plot=values["plot"], show=values["progress"])
+            rank = comm.rank
     _log_notes(rank, [*result.notes, *result.reference_notes])
     return result
 
@@ -84,6 +88,19 @@ verify.__doc__ = options.docstring("verify", """Compare `merged` (a merged model
 with `reference` (a Hugging Face model, or a checkpoint merged in memory, read with the reference_ options), as
 `distmerge verify` does. Returns the VerifyResult (`.passed`, `.checks`): a failed comparison
 is a result, not an error. `json`, `plot`: written by rank 0; the report is printed only with `progress=True`.""")
+
+
+@contextmanager
+def api_spelling(command: str) -> Iterator[None]:
+    """An error raised through distmerge.<command>() names the API's arguments where its message names the command
+    line's flags (options.api_spelling: `pass --overwrite` is `pass overwrite=True`); the same exception, re-raised.
+    The command line calls below this and keeps its flags."""
+    try:
+        yield
+    except DistmergeError as err:
+        if err.args and isinstance(err.args[0], str):
+            err.args = (options.api_spelling(err.args[0], command), *err.args[1:])
+        raise
 
 
 # -- what the command line shares ----------------------------------------------------------------------------------

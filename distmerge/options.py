@@ -334,3 +334,17 @@ def with_defaults(command: str, **values: Any) -> dict[str, Any]:
     request from (verl's test, merge --verify-against)."""
     out = {row.name: parsed_default(row) for row in rows(command)}
     return {**out, **values}
+
+
+# -- errors in the API's spelling ---------------------------------------------------------------------------------
+
+FLAG = re.compile(r"(?<![\w-])--[A-Za-z][\w-]*")  # a long flag, whole (--reference-format, not its --reference)
+
+
+def api_spelling(message: str, command: str) -> str:
+    """`message`, written for the command line, in the API's spelling: each flag of an option distmerge.<command>
+    takes becomes its keyword (`--overwrite` -> `overwrite=True`, a switch; `--dtype` -> `dtype`; `--merged` ->
+    `merged`); a flag the API does not take (CLI_ONLY's) stays as it is."""
+    keywords = {flag: f"{row.name}=True" if row.kind == "switch" else row.name
+                for row in api_rows(command) for flag in row.flags if flag.startswith("--")}
+    return FLAG.sub(lambda m: keywords.get(m[0], m[0]), message)

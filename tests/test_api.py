@@ -12,7 +12,9 @@ import sys
 import pytest
 
 import distmerge
-from distmerge.errors import InputError
+from distmerge import options
+from distmerge.cli import main as distmerge_main
+from distmerge.errors import InputError, OutputError
 from tests.conftest import REPO, free_port, input_untouched, merge_inproc, reference_dir, tree_bytes
 
 # The API's options against the command line's, --help and the README: tests/test_options_agree.py
@@ -46,6 +48,35 @@ def test_errors_are_raised_typed_not_exited(tmp_path, capsys):
     with pytest.raises(TypeError, match="max_shard"):
         distmerge.merge(tmp_path, tmp_path / "out", max_shard="5GB")
     assert capsys.readouterr() == ("", "")
+
+
+def test_errors_name_the_api_arguments_and_the_command_line_its_flags(fsdp_ckpts, tmp_path, capsys):
+    """A refusal found past the keywords (by the output store, by verify) names the API's arguments when raised
+    through the API, the flags through the command line (#35). Made to fail first: the API's said `pass --overwrite`
+    and `--merged ... --dtype`."""
+    ckpt, out = fsdp_ckpts["fsdp2_llama_w2"], tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(OutputError) as err:
+        distmerge.merge(ckpt, out)
+    assert f"output {out} is not empty: pass overwrite=True to replace its model files, or resume=True to finish" in (
+        str(err.value))
+    assert merge_inproc("--input", ckpt, "--output", out) == 1
+    assert "pass --overwrite to replace its model files, or --resume to finish" in capsys.readouterr().err
+    ref = reference_dir(ckpt)
+    with pytest.raises(InputError) as err:
+        distmerge.verify(ref, ref, dtype="bf16", lora_alpha=8)
+    assert str(err.value) == (f"merged {ref} is a finished model; dtype, lora_alpha: options of the merge of a "
+                              "training checkpoint, leave them out (or pass the checkpoint as merged)")
+    assert distmerge_main(["verify", "--merged", str(ref), "--reference", str(ref), "--dtype", "bf16"]) == 1
+    assert f"--merged {ref} is a finished model; --dtype: options" in capsys.readouterr().err
+
+
+def test_api_spelling_leaves_the_flags_the_api_does_not_take():
+    said = "--verify-against needs --output, and --quiet with --overwrite; --reference-format --resume-from"
+    assert options.api_spelling(said, "merge") == ("--verify-against needs output, and --quiet with overwrite=True; "
+                                                   "--reference-format --resume-from")
+    assert options.api_spelling("--reference-format and --reference", "verify") == "reference_format and reference"
 
 
 def test_a_running_job_calls_the_api_on_every_rank(fsdp_ckpts, tmp_path):
