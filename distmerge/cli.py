@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
                                          "would write; nothing is written.")
     add_options(inspect, "inspect")
     add_verify_parser(sub)
+    # verl's spelling, listed here only: verl_cli.translate turns `test ...` into `verify ...` before parsing
+    sub.add_parser("test", add_help=False, help="verify in verl's spelling: the flags of `python -m "
+                   "verl.model_merger test` (docs/verl.md)")
     return parser
 
 

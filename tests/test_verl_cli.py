@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import http.server
 import json
+import re
 import shutil
 import threading
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 
 from distmerge.cli import build_parser
 from distmerge.cli import main as distmerge_main
+from distmerge.verl_cli import translate
 from tests.conftest import (
     assert_exact,
     expected_tensors,
@@ -157,6 +159,14 @@ def test_help_shows_the_native_options_only():
     parsers = build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
     text = build_parser().format_help() + parsers["merge"].format_help()
     assert "--input" in text and "--local_dir" not in text and "--backend" not in text
+
+
+def test_help_lists_test_as_verify_in_verls_spelling():
+    """`test` is a command of `distmerge --help`, in one line saying what it is (#35); it is parsed as verify."""
+    text = build_parser().format_help()
+    assert re.search(r"\n    test +verify in verl's spelling: the flags of `python -m\s+verl\.model_merger test`", text)
+    native, verl = translate(["test", "--local_dir", "a", "--test_hf_dir", "b"], build_parser())
+    assert native[0] == "verify" and verl is not None and verl.command == "test"
 
 
 # -- verl's `test`: the checkpoint against a Hugging Face model, no model written ------------------------------------
