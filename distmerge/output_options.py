@@ -30,7 +30,7 @@ EVERY = ("merge", "inspect", "verify")
 # refused in one line.
 VERIFY = {"every": "shapes the merge in memory of each side that is a checkpoint (refused when neither is)",
           "merged": "shapes only the merge of a --merged checkpoint, compared with a Hugging Face --reference "
-                    "(refused otherwise, with `verify_why`)"}
+                    "(refused with a checkpoint --reference: `refusals`)"}
 
 
 def _same(value: Any) -> Any:
@@ -60,10 +60,11 @@ class OutputOption:
     # its default, so an output merged before the option existed keeps its fingerprint (a new option's way)
     record: Callable[[Any], Any] = _same
     recorded: str = "given"
-    # verify: a VERIFY key; `verify_why`: what the option compares, for the refusal of a "merged" one; `criteria`:
-    # the fields of verify.report.Criteria it sets when given
+    # verify: a VERIFY key; `refusals`: a "merged" one's, with a checkpoint --reference ("checkpoint": --merged is one
+    # too, "model": it is a finished model; {merged}, {reference}: the paths); `criteria`: the fields of
+    # verify.report.Criteria it sets when given
     verify: str = "every"
-    verify_why: str = ""
+    refusals: Mapping[str, str] = field(default_factory=dict)
     criteria: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -79,8 +80,14 @@ OUTPUT_OPTIONS: tuple[OutputOption, ...] = (
                  help="cast floating tensors (default: keep the checkpoint's dtype)",
                  record=_dtype_record, recorded="always", criteria={"accept_cast": True}),
     OutputOption(name="quantize", flag="--quantize", choices=tuple(QUANTIZE_CHOICES), metavar="SCHEME",
-                 setting="quantize", verify="merged", verify_why="compares FP8 weights with a full-precision "
-                 "reference", help="write the linear weights of attention and MLP blocks in FP8, quantized from the "
+                 setting="quantize", verify="merged", refusals={
+                     "checkpoint": "--quantize compares FP8 weights with a full-precision reference: pass a Hugging "
+                                   "Face folder as --reference (merge the reference checkpoint first), not a second "
+                                   "checkpoint",
+                     "model": "--quantize: --merged {merged} is a finished model (its FP8 weights, if any, are "
+                              "compared as written) and --reference {reference} a checkpoint, merged in full "
+                              "precision; leave --quantize out"},
+                 help="write the linear weights of attention and MLP blocks in FP8, quantized from the "
                  "merged tensors: " + "; ".join(f"{k}: {v}" for k, v in QUANTIZE_CHOICES.items()) +
                  " (docs/quantize.md)"),
     OutputOption(name="max_shard_size", flag="--max-shard-size", kind="size", default="5GB", metavar="SIZE",

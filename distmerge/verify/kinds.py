@@ -100,12 +100,9 @@ def kinds(opts: VerifyOptions) -> tuple[bool, bool]:
 def _refuse_merged_only(opts: VerifyOptions, opt: output_options.OutputOption, merged: bool) -> None:
     """An option that shapes only the merge of --merged, compared with a Hugging Face reference (--quantize: FP8
     weights against full precision): the merge of a --reference checkpoint would be shaped by it too (the settings
-    apply to every merge in memory)."""
-    if merged:
-        raise InputError(f"{opt.flag} {opt.verify_why}: pass a Hugging Face folder as --reference (merge the reference "
-                         "checkpoint first), not a second checkpoint")
-    raise InputError(f"{opt.flag}: --merged {opts.merged} is a finished model (compared as written) and --reference "
-                     f"{opts.reference} a checkpoint, merged without {opt.flag}; leave {opt.flag} out")
+    apply to every merge in memory). Its declaration's words."""
+    said = opt.refusals["checkpoint" if merged else "model"]
+    raise InputError(said.format(merged=opts.merged, reference=opts.reference))
 
 
 def _is_checkpoint(path: Path, fmt: str, *, also_unmarked: bool) -> bool:
