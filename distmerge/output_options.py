@@ -47,6 +47,7 @@ class OutputOption:
     flag: str  # the command line's spelling
     help: str
     kind: str = "text"  # an options.KINDS key
+    parse: Callable[[str], Any] | None = None  # kind "value": its parser (a bad value: ValueError or ArgumentTypeError)
     default: Any = None  # as the command line spells it; None: not given
     choices: tuple[str, ...] | None = None
     metavar: str | None = None

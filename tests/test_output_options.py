@@ -138,3 +138,49 @@ def test_a_new_option_is_one_declaration(toy):
 
     request = api.verify_request({**options.with_defaults("verify", merged=".", reference="."), "toy_scale": 2.0})
     assert request.settings.toy_scale == 2.0 and kinds._settings_given(request) == ["--toy-scale"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Averaging:
+    on: bool = False
+    weights: tuple[float, ...] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class AveragingSettings(OutputSettings):
+    average: Averaging = Averaging()
+
+
+def weights(text: str) -> tuple[float, ...]:
+    return tuple(float(w) for w in text.split(","))
+
+
+AVERAGING = (  # as issue 36's options may be declared: a switch, and a value of its own parser, into one setting
+    OutputOption(name="average", flag="--average", kind="switch", default=False, setting="average.on",
+                 commands=("merge", "inspect", "verify"), help="average the inputs"),
+    OutputOption(name="average_weights", flag="--average-weights", kind="value", parse=weights, metavar="W1,W2,...",
+                 setting="average.weights", record=list, help="each input's weight (default: 1/K each)"),
+)
+
+
+def test_averaging_as_declarations(monkeypatch):
+    """A switch and a parsed value setting two fields of one setting: both command lines and the API agree, a bad
+    weight is an InputError naming the keyword, and run.json records them only when given."""
+    monkeypatch.setattr(output_options, "OUTPUT_OPTIONS", (*output_options.OUTPUT_OPTIONS, *AVERAGING))
+    monkeypatch.setattr(prepare, "OutputSettings", AveragingSettings)
+    options.rows.cache_clear()
+    try:
+        args = subparser("merge").parse_args([*REQUIRED["merge"], "--average", "--average-weights", "0.25,0.75"])
+        cli = api.merge_request(options.from_namespace(args, "merge")).settings
+        keywords = options.from_keywords("merge", {"input": "x", "output": "y", "average": True,
+                                                   "average_weights": "0.25,0.75"})
+        assert api.merge_request(keywords).settings == cli
+        assert cli.average == Averaging(on=True, weights=(0.25, 0.75))
+        with pytest.raises(InputError, match="average_weights='a,b'"):
+            options.from_keywords("merge", {"input": "x", "output": "y", "average_weights": "a,b"})
+        recorded = resume.output_options(cli, "fsdp", {}, {})
+        assert [recorded[f] for f in ("--average", "--average-weights")] == [True, [0.25, 0.75]]
+        plain = api.merge_request(options.from_keywords("merge", {"input": "x", "output": "y"})).settings
+        assert not {"--average", "--average-weights"} & set(resume.output_options(plain, "fsdp", {}, {}))
+    finally:
+        options.rows.cache_clear()
