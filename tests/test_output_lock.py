@@ -366,3 +366,14 @@ def test_a_gone_holders_lock_is_removed_only_if_it_is_still_the_one_judged(tmp_p
         assert second.read().data == b"the first taker's record" and first.holds()
         first.release()
         assert second.read() is None
+
+
+def test_another_merges_attempt_at_the_lock_is_not_work_in_the_output(fsdp_ckpts, tmp_path):
+    """A merge that tries the lock writes its record under a name of its own for a moment (local_lock.py): a merge
+    holding the lock checks the folder in that moment and must not take it for work. Seen in 1 of 3 racing trials
+    under load, both merges refused ('is being written' and 'is not empty'), before the check knew the name."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".distmerge.lock.5f0c9e2d").write_bytes(forged_holder("node-7/boot", 4242))
+    assert merge_inproc("--input", fsdp_ckpts[A], "--output", out) == 0
+    assert_exact(load_merged(out), expected_tensors(fsdp_ckpts[A]))

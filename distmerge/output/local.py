@@ -54,7 +54,8 @@ class LocalStore:
         """Refuse outputs that would touch the input or clobber work (the lock aside); never modify anything."""
         self.check_place(input_root)
         out = self.root.resolve()
-        if out.exists() and any(p.name != LOCK for p in out.iterdir()) and not overwrite:
+        # the lock, and the names other merges make it under while they try to take it (local_lock.py)
+        if out.exists() and any(not p.name.startswith(LOCK) for p in out.iterdir()) and not overwrite:
             raise OutputError(f"output {self.url} is not empty: pass --overwrite to replace its model files, or "
                               "--resume to finish an interrupted merge")
 
