@@ -87,8 +87,8 @@ def check_checkpoint(claims: tuple[Claim, ...], root: Path, fmt: str, hf_config:
     headers, in this process."""
     from distmerge.engine.prepare import OutputSettings, prepare_merge
     from distmerge.formats import registry
-    from distmerge.input import discover as disc
-    from distmerge.input.reader import Reader
+    from distmerge.engine import discover as disc
+    from distmerge.engine.reader import Reader
 
     found = disc.discover(disc.check_input(root), fmt, hf_config, options)
     reader = Reader(found.scan, registry.get(found.scan.format))

@@ -14,8 +14,8 @@ from distmerge.cli_options import base_model_dir, format_options, output_setting
 from distmerge.engine.prepare import plan_merge
 from distmerge.families.base import claim
 from distmerge.formats import registry
-from distmerge.input import discover as disc
-from distmerge.input.reader import Reader
+from distmerge.engine import discover as disc
+from distmerge.engine.reader import Reader
 from distmerge.report import human_bytes
 
 

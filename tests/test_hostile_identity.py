@@ -33,9 +33,9 @@ from distmerge.cli import main as distmerge_main
 from distmerge.errors import InputError
 from distmerge.formats import copies, registry
 from distmerge.formats.torch_private import state_dicts, zip_records
-from distmerge.input import discover as disc
+from distmerge.engine import discover as disc
 from distmerge.input import tree as input_tree
-from distmerge.input.reader import Reader
+from distmerge.engine.reader import Reader
 from tests.conftest import REPO, assert_exact, free_port, load_merged, load_reference
 from tests.test_hostile_files import SAVE, bounded, megatron_copy, optim, rank, refused, run, swap
 
@@ -215,7 +215,7 @@ AFTER_WALK = """
 import shutil, sys
 from pathlib import Path
 from distmerge.engine import plan
-from distmerge.input import discover
+from distmerge.engine import discover
 from distmerge.cli import main
 
 walk = discover.discover

@@ -18,8 +18,8 @@ from safetensors import safe_open
 from distmerge.errors import CorruptInputError, OutputError
 from distmerge.families.base import Target
 from distmerge.formats.base import Fragment, InputFile, Scan
-from distmerge.input import reader as reader_module
-from distmerge.input.reader import BOUNCE, Reader
+from distmerge.engine import reader as reader_module
+from distmerge.engine.reader import BOUNCE, Reader
 from distmerge.output import writeback
 from distmerge.output.writer import ShardWriter
 

@@ -25,7 +25,7 @@ from distmerge.engine.plan import Plan
 from distmerge.errors import LayoutError
 from distmerge.families.base import Unit
 from distmerge.formats.base import Fragment
-from distmerge.input.reader import Reader
+from distmerge.engine.reader import Reader
 from distmerge.input.reads import Batch
 
 # Transforms that keep a prefix of the source's bytes, in order: a direct unit may apply them by clipping.

@@ -27,7 +27,7 @@ import torch
 from distmerge.comm import Comm
 from distmerge.engine.plan import Plan
 from distmerge.formats.base import Fragment
-from distmerge.input.reader import Reader
+from distmerge.engine.reader import Reader
 
 
 def slot(nbytes: int) -> int:

@@ -17,7 +17,7 @@ import torch
 from distmerge.comm import Comm
 from distmerge.engine.plan import Plan
 from distmerge.formats.base import Fragment
-from distmerge.input.reader import Reader
+from distmerge.engine.reader import Reader
 
 SMALL = 1 << 20  # bytes per block: norms and biases, never a weight matrix
 SHOWN = 4  # tensors named in the note

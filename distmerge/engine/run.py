@@ -51,8 +51,8 @@ from distmerge.engine.sink import FileSink, Sink
 from distmerge.errors import CorruptInputError, Interrupted
 from distmerge.expect import Claim
 from distmerge.formats import registry
-from distmerge.input import discover as disc
-from distmerge.input.reader import Reader
+from distmerge.engine import discover as disc
+from distmerge.engine.reader import Reader
 from distmerge.output import lock, open_store
 from distmerge.output.lock import Lease
 from distmerge.output.names import RECORDS, record_name

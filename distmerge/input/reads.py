@@ -28,9 +28,10 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+Fragment = Any  # formats/base.Fragment: what the input side reads is named by the formats above it
+
 import torch
 
-from distmerge.formats.base import Fragment
 
 GAP = 1 << 16  # the most bytes between two ranges read in one GET that are no fragment's (zip headers)
 HOLE = 8 << 20  # the most bytes between two ranges read in one GET, fragments of a later round included

@@ -42,7 +42,7 @@ from distmerge.engine.plan import Plan
 from distmerge.engine.run import plan_checkpoint, run_rounds
 from distmerge.errors import InputError
 from distmerge.formats import registry
-from distmerge.input.reader import Reader
+from distmerge.engine.reader import Reader
 from distmerge.report import Progress
 from distmerge.verify.kinds import checkpoint_side
 from distmerge.verify.listing import Listing, VerifyOptions, merged_config, pair_sides

@@ -23,7 +23,7 @@ from typing import Any
 from distmerge.engine.prepare import OutputSettings
 from distmerge.errors import DistmergeError, InputError
 from distmerge.formats import registry
-from distmerge.input import discover as disc
+from distmerge.engine import discover as disc
 from distmerge.verify.listing import VerifyOptions
 from distmerge.verify.sides import LAYOUTS
 

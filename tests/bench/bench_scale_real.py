@@ -29,7 +29,7 @@ from distmerge.formats import registry
 from distmerge.formats.base import Fragment, Scan
 from distmerge.formats.dcp import folder as dcp
 from distmerge.formats.torch_private import dcp as dcp_private
-from distmerge.input.discover import Discovery, discover
+from distmerge.engine.discover import Discovery, discover
 
 SIMULATED = {"fsdp": fsdp_inventories, "dcp": dcp_inventories}
 
