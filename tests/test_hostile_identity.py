@@ -30,12 +30,12 @@ import pytest
 import torch
 
 from distmerge.cli import main as distmerge_main
+from distmerge.engine import discover as disc
+from distmerge.engine.reader import Reader
 from distmerge.errors import InputError
 from distmerge.formats import copies, registry
 from distmerge.formats.torch_private import state_dicts, zip_records
-from distmerge.engine import discover as disc
 from distmerge.input import tree as input_tree
-from distmerge.engine.reader import Reader
 from tests.conftest import REPO, assert_exact, free_port, load_merged, load_reference
 from tests.test_hostile_files import SAVE, bounded, megatron_copy, optim, rank, refused, run, swap
 

@@ -15,11 +15,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from distmerge.engine import reader as reader_module
+from distmerge.engine.reader import BOUNCE, Reader
 from distmerge.errors import CorruptInputError, OutputError
 from distmerge.families.base import Target
 from distmerge.formats.base import Fragment, InputFile, Scan
-from distmerge.engine import reader as reader_module
-from distmerge.engine.reader import BOUNCE, Reader
 from distmerge.output import writeback
 from distmerge.output.writer import ShardWriter
 

@@ -26,8 +26,8 @@ import torch
 
 from distmerge.comm import Comm
 from distmerge.engine.plan import Plan
-from distmerge.formats.base import Fragment
 from distmerge.engine.reader import Reader
+from distmerge.formats.base import Fragment
 
 
 def slot(nbytes: int) -> int:

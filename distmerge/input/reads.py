@@ -28,11 +28,9 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-Fragment = Any  # formats/base.Fragment: what the input side reads is named by the formats above it
-
 import torch
 
-
+Fragment = Any  # formats/base.Fragment (the input side is below the formats that name what it reads)
 GAP = 1 << 16  # the most bytes between two ranges read in one GET that are no fragment's (zip headers)
 HOLE = 8 << 20  # the most bytes between two ranges read in one GET, fragments of a later round included
 KEEP = 64 << 20  # the most bytes of later rounds' fragments a reader holds (Reader.keep)

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from distmerge.engine import discover as disc
 from distmerge.engine.prepare import OutputSettings
 from distmerge.errors import DistmergeError, InputError
 from distmerge.formats import registry
-from distmerge.engine import discover as disc
 from distmerge.verify.listing import VerifyOptions
 from distmerge.verify.sides import LAYOUTS
 
