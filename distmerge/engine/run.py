@@ -225,9 +225,8 @@ def run_in_lockstep(works: tuple[Work, ...], comm: Comm, progress: Progress) -> 
     side, then round k of the other, so that an owner holds both sides' targets of a round together). Each
     work's exchange of round k+1 travels while round k is assembled; a work with fewer rounds idles."""
     exchangers = [Exchanger(w.todo, comm, w.reader, w.send_sets) for w in works]
-    for w in works:
-        if w.reader.objects:  # an object-store input: a GET may read a later round's fragments in passing
-            w.reader.plan_reads(w.todo, comm.rank)
+    for w in works:  # the source's read policy may read a later round's fragments in passing (reads.py)
+        w.reader.plan_reads(w.todo, comm.rank)
     depth = max((len(w.todo.rounds) for w in works), default=0)
 
     def start(k: int) -> list[Pending]:
@@ -329,27 +328,18 @@ def _build(plan: Plan, units, pending: Pending, comm: Comm, reader: Reader, sink
 
 
 def _place_local(builds: list[UnitBuild], plan: Plan, me: int, reader: Reader, held: dict) -> None:
-    """The fragments this rank reads for its own units. Files: small fragments that lie close in a file come in
-    one read (Reader.fill), straight into their place where they have one (UnitBuild.take_local). An object
-    store: every read of the round handed to one batch (reads.Batch: neighbours in one GET), less those read
-    with the packing (`held`)."""
-    if reader.objects:
-        reads = reader.batch()
-        for build in builds:
-            for source, frag in build.fragments():
-                if plan.readers[frag.file_index] == me and frag not in held:
-                    build.place_local(source, frag, reads)
-        reads.run()
-        return
-    filled, rest = [], []
+    """The fragments this rank reads for its own units, less those read with the packing (`held`), handed to one
+    batch of the source's read policy (input/reads.py: a folder's small fragments that lie close in one read, an
+    object's neighbours in one GET), straight into their place where they have one (UnitBuild.take_local)."""
+    reads, rest = reader.batch(), []
     for build in builds:
         for source, frag in build.fragments():
-            if plan.readers[frag.file_index] == me:
-                dest = build.take_local(source, frag) if reader.can_copy(frag) else None
-                (rest.append((build, source, frag)) if dest is None else filled.append((frag, dest)))
-    reader.fill(filled)
+            if plan.readers[frag.file_index] == me and frag not in held:
+                dest = build.take_local(source, frag) if reads.can_copy(frag) else None
+                (rest.append((build, source, frag)) if dest is None else reads.fill(frag, dest))
     for build, source, frag in rest:
-        build.place_local(source, frag, reader)
+        build.place_local(source, frag, reads)
+    reads.run()
 
 
 def _stats(rank: int, reader: Reader, writers: dict[int, ShardWriter], laps: Laps) -> RankStats:
