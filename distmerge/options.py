@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from distmerge.errors import InputError
+from distmerge.input.source import is_source
 
 SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
 CAST_NAMES = ("keep", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32")
@@ -302,7 +303,7 @@ def _parsed(row: Opt, value: Any) -> Any:
     if row.kind == "path":
         return Path(os.fspath(value))
     if row.kind == "location":
-        return location(os.fspath(value))
+        return value if is_source(value) else location(os.fspath(value))  # a Source object: input/source.py
     if isinstance(value, bool):
         raise TypeError(f"not a {row.kind}")
     if row.kind == "size" and isinstance(value, int):

@@ -5,7 +5,6 @@ a file replaced by a link or a FIFO after discovery is refused, never followed."
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -87,16 +86,9 @@ class Reader:
             self.bytes_read += dest.numel() * count
             return
         buf = memoryview(dest.numpy()).cast("B")
-        f, done = self._file(frag.file_index), 0
-        if f.fd < 0:  # an object of an object-store input: one ranged GET of exactly these bytes
-            self.bytes_read += f.readinto(buf, frag.byte_offset) * count
-            return
-        fd = f.fd
-        while done < len(buf):
-            got = os.preadv(fd, [buf[done:]], frag.byte_offset + done)
-            if got == 0:
-                self._truncated(frag)
-            done += got
+        done = self._file(frag.file_index).read_full(buf, frag.byte_offset)  # a pread loop; one ranged GET
+        if done < len(buf):
+            self._truncated(frag)
         self.bytes_read += done * count
 
     def fill(self, pairs: list[tuple[Fragment, memoryview | torch.Tensor]]) -> None:
@@ -125,12 +117,9 @@ class Reader:
         dest = pairs[0][1] if lone else None
         buf = (dest if isinstance(dest, memoryview) else memoryview(dest.numpy()).cast("B")) if lone else \
             memoryview(bytearray(end - start))
-        fd, done = self._file(pairs[0][0].file_index).fd, 0
-        while done < len(buf):
-            got = os.preadv(fd, [buf[done:]], start + done)
-            if got == 0:
-                self._truncated(next(f for f, _ in pairs if f.byte_offset + f.nbytes > start + done))
-            done += got
+        done = self._file(pairs[0][0].file_index).read_full(buf, start)
+        if done < len(buf):
+            self._truncated(next(f for f, _ in pairs if f.byte_offset + f.nbytes > start + done))
         if lone:
             self.bytes_read += done
             return
@@ -142,22 +131,11 @@ class Reader:
     def copy_to(self, frag: Fragment, put: Callable[[memoryview, int], None], out_offset: int, nbytes: int) -> None:
         """Copy the first nbytes of the fragment to `put(buffer, offset)` (the output file's pwrite), 1 MiB at a
         time. A read failure is this input file's error; put's own failures (a full disk) pass through."""
-        f, done, buf = self._file(frag.file_index), 0, self._bounce
-        if f.fd < 0:  # an object: one ranged GET, streamed in pieces
-            f.read_spans(frag.byte_offset, frag.byte_offset + nbytes,
-                         [(frag.byte_offset, nbytes, lambda piece, at: put(piece, out_offset + at))])
-            self.bytes_read += nbytes
-            return
-        src = f.fd
-        while done < nbytes:
-            try:
-                got = os.preadv(src, [buf[: min(BOUNCE, nbytes - done)]], frag.byte_offset + done)
-            except OSError as err:
-                raise CorruptInputError(f"cannot read {self.files[frag.file_index].path}: {err.strerror}") from None
-            if got == 0:
-                self._truncated(frag)
-            put(buf[:got], out_offset + done)
-            done += got
+        done = self._file(frag.file_index).copy_range(frag.byte_offset, nbytes,
+                                                      lambda piece, at: put(piece, out_offset + at), self._bounce,
+                                                      self.files[frag.file_index].path)
+        if done < nbytes:
+            self._truncated(frag)
         self.bytes_read += done
 
     def batch(self) -> Any:

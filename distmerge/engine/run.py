@@ -53,6 +53,7 @@ from distmerge.engine.sink import FileSink, Sink
 from distmerge.errors import CorruptInputError, Interrupted
 from distmerge.expect import Claim
 from distmerge.formats import registry
+from distmerge.input.source import name_of
 from distmerge.output import lock, open_store
 from distmerge.output.lock import Lease
 from distmerge.output.names import RECORDS, record_name
@@ -272,10 +273,11 @@ def _discover(opts: MergeOptions, store: Store, held: list[Lease], say: Callable
     the output checked again under the lock (a merge that ended meanwhile may have filled it), discovery, and
     the output prepared."""
     root = disc.check_input(opts.input)
-    store.check_place(str(opts.input))
-    held.append(lock.take(store.lock(), lock.this_process(str(opts.input)), store.url,
+    named = name_of(opts.input)
+    store.check_place(named)
+    held.append(lock.take(store.lock(), lock.this_process(named), store.url,
                           take_over=opts.overwrite or opts.resume, say=say))
-    store.check(str(opts.input), opts.overwrite or opts.resume)
+    store.check(named, opts.overwrite or opts.resume)
     found = disc.discover(root, opts.format, opts.hf_config, opts.format_options, opts.base_model)
     store.prepare(keep_finished=opts.resume)
     return found

@@ -187,7 +187,7 @@ class S3Source(LocalSource):
         self.root = Path(self.listing.root)
         self.tree = InputTree(self.root)
 
-    def _listing(self) -> Listing | None:
+    def _listing(self) -> Listing | None:  # what the other ranks make this source again from
         return self.listing
 
     def _file(self, shown: Path | str, rel: str, size: int | None, ident: tuple[int, int] | None) -> ObjectFile:
@@ -206,7 +206,6 @@ class S3Source(LocalSource):
 
     def _beside(self, full: str) -> Listing | None:
         return next((m for m in self.beside if full.startswith(m.root + "/")), None)
-
     def is_file(self, path: Path | str) -> bool:
         """A placeholder's; a folder beside the prefix, in the same bucket, is listed the first time it is asked
         about (one LIST of that folder: what a format looks for there is small)."""
@@ -230,11 +229,8 @@ class S3Source(LocalSource):
         return Batch(reader)
 
     def each(self, fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
-        if len(items) < 2:
-            return [fn(item) for item in items]
-        session = source.session()
         with ThreadPoolExecutor(max_workers=CONCURRENT, thread_name_prefix="distmerge-ends",
-                                initializer=session.bind) as pool:
+                                initializer=source.session().bind) as pool:
             return list(pool.map(fn, items))
 
     def shown(self, message: str) -> str:
@@ -303,6 +299,16 @@ class ObjectFile:
         if want <= ENDS and (offset == 0 or offset + want == self.size):
             self.src.remember(self._id, offset, bytes(buf[:want]))
         return want
+
+    def read_full(self, buf: memoryview, offset: int) -> int:
+        """buf filled from `offset` by one ranged GET; fewer bytes only where the object ends."""
+        return self.readinto(buf, offset)
+
+    def copy_range(self, offset: int, nbytes: int, put: Callable[[memoryview, int], None], bounce: memoryview,
+                   shown: str) -> int:
+        """Bytes [offset, offset + nbytes) to `put(piece, position in the range)`: one ranged GET, in pieces."""
+        self.read_spans(offset, offset + nbytes, [(offset, nbytes, put)])
+        return nbytes
 
     def pread(self, nbytes: int, offset: int) -> bytes:
         buf = bytearray(max(0, min(nbytes, self.size - offset)))

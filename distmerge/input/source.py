@@ -116,6 +116,16 @@ def register(scheme: str, make: Callable[[str], Source]) -> None:
     _REGISTERED[scheme] = make
 
 
+def is_source(value: object) -> bool:
+    """A Source object given as an input (the API's `input=`), not a name of one."""
+    return not isinstance(value, (str, os.PathLike)) and all(hasattr(value, m) for m in ("walk", "open", "root"))
+
+
+def name_of(location: Any) -> str:
+    """An input as messages and records name it: a Source by its url."""
+    return str(location.url) if is_source(location) else str(location)
+
+
 def is_url(location: object) -> bool:
     return isinstance(location, str) and "://" in location
 

@@ -21,12 +21,12 @@ import json
 import os
 import socket
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from distmerge.errors import InputError
+from distmerge.errors import CorruptInputError, InputError
 from distmerge.input import source
 
 MAX_ENTRIES = 1_000_000  # entries walked under one input folder; a checkpoint folder has far fewer
@@ -202,6 +202,33 @@ class Opened:
 
     def readinto(self, buf: memoryview, offset: int) -> int:
         return os.preadv(self.fd, [buf], offset)  # bytes into buf from `offset`; may be short (the caller reads on)
+
+    def read_full(self, buf: memoryview, offset: int) -> int:
+        """buf filled from `offset`; fewer bytes only where the file ends (returns how many)."""
+        done = 0
+        while done < len(buf):
+            got = os.preadv(self.fd, [buf[done:]], offset + done)
+            if got == 0:
+                break
+            done += got
+        return done
+
+    def copy_range(self, offset: int, nbytes: int, put: Callable[[memoryview, int], None], bounce: memoryview,
+                   shown: str) -> int:
+        """Bytes [offset, offset + nbytes) to `put(piece, position in the range)` through the reused `bounce`
+        buffer; returns how many (fewer where the file ends). A read failure is one line naming `shown`; put's own
+        failures (a full disk) pass through."""
+        done = 0
+        while done < nbytes:
+            try:
+                got = os.preadv(self.fd, [bounce[: min(len(bounce), nbytes - done)]], offset + done)
+            except OSError as err:
+                raise CorruptInputError(f"cannot read {shown}: {err.strerror}") from None
+            if got == 0:
+                break
+            put(bounce[:got], done)
+            done += got
+        return done
 
     def close(self, *_exc: object) -> None:
         if self.fd >= 0:
