@@ -200,18 +200,26 @@ def test_the_api_takes_urls_as_the_command_line_does(s3, cases):
 
 # --- one line for what cannot be read or written -------------------------------------------------------------
 
-def test_the_config_beside_a_dist_ckpt_is_found_in_a_bucket_as_on_disk(s3, megatron_ckpts, tmp_path):
-    """verl's actor/dist_ckpt/ + actor/huggingface/, the input naming dist_ckpt: the config folder beside the save
-    (outside the prefix listed) is found in a bucket as it is on disk, and the merges agree (#35; the bucket once
-    said `no config.json: ... has no huggingface/ folder`)."""
+@pytest.mark.parametrize("layout", ["beside", "above"])
+def test_the_config_near_a_save_is_found_in_a_bucket_as_on_disk(s3, megatron_ckpts, ds_ckpts, layout, tmp_path):
+    """A config folder outside the prefix passed is found in a bucket as on disk, and the merges agree (#35):
+    `beside`: verl's actor/dist_ckpt/ + actor/huggingface/, the input naming dist_ckpt (the bucket once said `no
+    config.json: ... has no huggingface/ folder`); `above`: the HF Trainer's run/config.json over run/ckpt/."""
     _, s3c = s3
-    ckpt = megatron_ckpts["megatron_dist_tp2pp2"]
-    actor = tmp_path / "actor"
-    shutil.copytree(ckpt / "iter_0000001", actor / "dist_ckpt")
-    shutil.copytree(ckpt.parent / f"{ckpt.name}_reference" / "huggingface", actor / "huggingface")
-    upload_tree(s3c, actor, "ckpt", "mcore")
-    assert merge_inproc("--input", actor / "dist_ckpt", "--output", tmp_path / "disk") == 0
-    assert merge_inproc("--input", "s3://ckpt/mcore/dist_ckpt", "--output", tmp_path / "bucket") == 0
+    run = tmp_path / layout
+    if layout == "beside":
+        ckpt = megatron_ckpts["megatron_dist_tp2pp2"]
+        shutil.copytree(ckpt / "iter_0000001", run / "dist_ckpt")
+        shutil.copytree(ckpt.parent / f"{ckpt.name}_reference" / "huggingface", run / "huggingface")
+        inside = "dist_ckpt"
+    else:
+        ckpt = ds_ckpts["ds_z0_bf16_w2"]
+        shutil.copytree(ckpt, run / "ckpt", ignore=shutil.ignore_patterns("huggingface"))
+        shutil.copytree(ckpt / "huggingface", run, dirs_exist_ok=True)
+        inside = "ckpt"
+    upload_tree(s3c, run, "ckpt", f"near-{layout}")
+    assert merge_inproc("--input", run / inside, "--output", tmp_path / "disk") == 0
+    assert merge_inproc("--input", f"s3://ckpt/near-{layout}/{inside}", "--output", tmp_path / "bucket") == 0
     got, want = without_records(files_of(tmp_path / "bucket")), without_records(files_of(tmp_path / "disk"))
     assert got.keys() == want.keys() and "config.json" in got
     assert [n for n in got if got[n] != want[n]] == []

@@ -7,27 +7,23 @@ sizes the checkpoint there exactly as it does a folder (tree.py walks it; no for
 and no byte of it is ever read: `S3Source.open` hands out an `ObjectFile` for each placeholder, whose reads
 are ranged GETs, pinned to the ETag the listing saw (an object replaced since is an error, not a mix of two
 checkpoints). The listing travels to every rank with the scan (local.Walked), and a rank on another host
-lays out the same placeholders at the same path before it opens anything. A folder beside the prefix (the
-config folder next to a save: `config_dir`) is listed when a format asks for its config.json.
+lays out the same placeholders at the same path before it opens anything. A folder outside the prefix (a config
+folder beside or above the save) has its files listed when a format asks for its config.json (`is_file`).
 
 A request costs a round trip on S3 (and, on some servers, a read of the whole object), so reads are few and
 large: one GET can feed many destinations (`read_spans`: reads.Batch merges a round's fragments of an object);
 bytes read at discovery are served again from memory while the file is open (`keep`: a zip's directory and
 head) and, for the first and last 64 KiB of an object, for the whole merge (`ENDS`, kept by the source); and a
 check that would have cost a GET of its own (a zip record's local header) waits for the read that reaches its
-bytes (`expect`).
-
-Errors name the object (`s3://bucket/prefix/model_world_size_2_rank_0.pt`), not its placeholder: `shown`
-rewrites any message that names a placeholder (comm.py applies source.shown to every error that crosses ranks).
-
-Everything this module keeps (listings, checks, remembered ends) is the S3Source's: two merges keep their own.
+bytes (`expect`). Errors name the object (`s3://bucket/prefix/model_world_size_2_rank_0.pt`), not its
+placeholder (`shown`, which comm.py applies to every error that crosses ranks). What is kept (listings, checks,
+remembered ends) is the S3Source's: two merges keep their own.
 """
 
 from __future__ import annotations
 
 import atexit
 import bisect
-import contextlib
 import os
 import shutil
 import tempfile
@@ -73,12 +69,12 @@ class Listing:
         return S3Source(self.url, self)
 
 
-def listing(url: str, cap: int, top: str | None = None) -> Listing:
+def listing(url: str, cap: int, top: str | None = None, one_level: bool = False) -> Listing:
     """Rank 0, at discovery: list the prefix once and lay out its placeholders. One line for a missing bucket,
     an empty prefix, denied access or more than `cap` objects."""
     loc = s3_client.parse(url, "input", InputError)
     try:
-        found = s3_client.list_objects(loc, cap)
+        found = s3_client.list_objects(loc, cap, one_level)
     except ImportError as err:
         raise InputError(f"input {url}: {err}") from None
     except ValueError:
@@ -99,7 +95,8 @@ def listing(url: str, cap: int, top: str | None = None) -> Listing:
                                        str(obj.get("ETag", "")))
     made = Listing(url=url.rstrip("/"), bucket=loc.bucket, prefix=loc.prefix, root=root, top=top,
                    objects=objects)
-    lay_out(made)
+    if not one_level:
+        lay_out(made)
     return made
 
 
@@ -163,6 +160,7 @@ class _Checks:
 ENDS = 1 << 16
 ENDS_KEPT = 256  # objects whose ends are remembered (the oldest forgotten first): at most 32 MiB
 CONCURRENT = 8  # small reads of several objects made at once (each a round trip): S3Source.each
+CONFIG_OBJECTS = 10_000  # files a folder outside the prefix may hold to be listed as a config folder
 
 
 class S3Source(LocalSource):
@@ -171,12 +169,9 @@ class S3Source(LocalSource):
     plans_ahead = True
 
     def __init__(self, url: str, made: Listing | None = None) -> None:
-        self.url = url.rstrip("/")
-        self.listing = made
+        self.url, self.listing, self.tree, self.records = url.rstrip("/"), made, None, []
         self.root = Path(made.root) if made is not None else Path(self.url)
-        self.tree: InputTree | None = None
-        self.records = []
-        self.beside: list[Listing] = []  # folders beside the prefix listed since (a config folder)
+        self.beside: list[Listing] = []  # folders outside the prefix listed since (a config folder's files)
         self._looked: set[str] = set()
         self.lock = threading.Lock()
         self.checks: dict[tuple[str, str, str], _Checks] = {}  # (bucket, key, etag) -> its checks
@@ -184,11 +179,10 @@ class S3Source(LocalSource):
 
     def walk(self) -> None:
         self.listing = listing(self.url, MAX_ENTRIES)
-        self.root = Path(self.listing.root)
-        self.tree = InputTree(self.root)
+        self.root, self.tree = Path(self.listing.root), InputTree(Path(self.listing.root))
 
-    def _listing(self) -> Listing | None:  # what the other ranks make this source again from
-        return self.listing
+    def _listing(self) -> Listing | None:
+        return self.listing  # what the other ranks make this source again from
 
     def _file(self, shown: Path | str, rel: str, size: int | None, ident: tuple[int, int] | None) -> ObjectFile:
         return ObjectFile(self, self.listing, os.path.normpath(rel))
@@ -205,25 +199,35 @@ class S3Source(LocalSource):
         return ObjectFile(self, made, os.path.relpath(full, made.root)) if made is not None else None
 
     def _beside(self, full: str) -> Listing | None:
-        return next((m for m in self.beside if full.startswith(m.root + "/")), None)
+        return next((m for m in self.beside if os.path.dirname(full) == m.root and os.path.basename(full) in
+                     m.objects), None)
+
     def is_file(self, path: Path | str) -> bool:
-        """A placeholder's; a folder beside the prefix, in the same bucket, is listed the first time it is asked
-        about (one LIST of that folder: what a format looks for there is small)."""
+        """A placeholder's; the files of a folder outside the prefix, in the same bucket (a config folder beside
+        the save, or above it), are listed the first time one is asked about: one LIST of that folder's own files."""
         full = os.path.abspath(path)
         bucket_dir = os.path.join(self.listing.top, self.listing.bucket)
         folder = os.path.dirname(full)
-        inside = full.startswith(str(self.root) + "/") or self._beside(full) is not None
+        inside = full.startswith(str(self.root) + "/")
         if not inside and folder.startswith(bucket_dir + "/") and folder not in self._looked:
             self._looked.add(folder)
-            if not any(m.root == folder or m.root.startswith(folder + "/") for m in self.beside) and \
-                    not str(self.root).startswith(folder + "/"):
-                self._list_beside(folder, bucket_dir)
+            self._list_beside(folder, bucket_dir)
         return os.path.isfile(full)
 
     def _list_beside(self, folder: str, bucket_dir: str) -> None:
+        """Its files laid out as placeholders in place (rank 0 alone looks there: no other rank races it)."""
         url = f"{s3_client.SCHEME}{self.listing.bucket}/{os.path.relpath(folder, bucket_dir)}"
-        with contextlib.suppress(InputError):  # nothing there (or more than a config folder holds): not it
-            self.beside.append(listing(url, CONFIG_OBJECTS, top=self.listing.top))
+        try:
+            made = listing(url, CONFIG_OBJECTS, top=self.listing.top, one_level=True)
+        except InputError:  # nothing there (or more than a config folder holds): not the folder looked for
+            return
+        os.makedirs(folder, exist_ok=True)
+        for name, (size, mtime_ns, _) in made.objects.items():
+            if not os.path.lexists(path := os.path.join(folder, name)):
+                with open(path, "wb") as f:
+                    f.truncate(size)
+                os.utime(path, ns=(mtime_ns, mtime_ns))
+        self.beside.append(made)
 
     def batch(self, reader: Any) -> Batch:
         return Batch(reader)
@@ -245,8 +249,6 @@ class S3Source(LocalSource):
             while len(self.ends) > ENDS_KEPT:
                 del self.ends[next(iter(self.ends))]
 
-
-CONFIG_OBJECTS = 10_000  # objects a folder beside the input may hold to be listed as its config folder
 
 
 class ObjectFile:
