@@ -170,15 +170,15 @@ def job_group(values: Mapping[str, Any], on_silence: Callable[[str, bool], None]
 def as_found() -> Iterator[None]:
     """The process as the call found it, in what a library could change unasked: Python's global `random` state
     (a library imported or called during the merge may draw from it), and no walk of the input kept
-    (input_tree.forget)."""
-    from distmerge.input import tree as input_tree
+    (input_source.forget)."""
+    from distmerge.input import source as input_source
 
     state = random.getstate()
     try:
         yield
     finally:
         random.setstate(state)
-        input_tree.forget()
+        input_source.forget()
 
 
 def _initialized() -> bool:

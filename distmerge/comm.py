@@ -35,7 +35,7 @@ import torch
 
 from distmerge import errors
 from distmerge.errors import DistmergeError, InputError
-from distmerge.input import objects as input_objects
+from distmerge.input import source as input_source
 from distmerge.watchdog.dog import Watchdog
 from distmerge.watchdog.pulse import BACKSTOP_S, Pulse, WatchedWork
 
@@ -270,7 +270,7 @@ class Comm:
         try:
             return work()
         except DistmergeError as err:  # an object-store input's objects by their names, not their placeholders'
-            return Failure(rank=self.rank, kind=type(err).__name__, message=input_objects.shown(str(err)),
+            return Failure(rank=self.rank, kind=type(err).__name__, message=input_source.shown(str(err)),
                            trace=traceback.format_exc())
         except Exception as err:  # a bug or an environment fault: still one line, on every rank
             message = f"internal error on rank {self.rank}: {type(err).__name__}: {err} (rerun with --debug)"

@@ -85,10 +85,10 @@ def check_checkpoint(claims: tuple[Claim, ...], root: Path, fmt: str, hf_config:
                      options: Mapping[str, Any]) -> None:
     """The claims about a checkpoint that is not merged (verl's `test`): planned as a merge plans it, from the
     headers, in this process."""
+    from distmerge.engine import discover as disc
     from distmerge.engine.prepare import OutputSettings, prepare_merge
+    from distmerge.engine.reader import Reader
     from distmerge.formats import registry
-    from distmerge.input import discover as disc
-    from distmerge.input.reader import Reader
 
     found = disc.discover(disc.check_input(root), fmt, hf_config, options)
     reader = Reader(found.scan, registry.get(found.scan.format))

@@ -27,6 +27,7 @@ from typing import Any
 
 from distmerge import output_options
 from distmerge.errors import InputError
+from distmerge.input.source import is_source
 from distmerge.output_options import CAST_NAMES, QUANTIZE_CHOICES  # noqa: F401  (re-exported, as before)
 
 SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
@@ -294,7 +295,7 @@ def _parsed(row: Opt, value: Any) -> Any:
     if row.kind == "path":
         return Path(os.fspath(value))
     if row.kind == "location":
-        return location(os.fspath(value))
+        return value if is_source(value) else location(os.fspath(value))  # a Source object: input/source.py
     if isinstance(value, bool):
         raise TypeError(f"not a {row.kind}")
     if row.kind == "size" and isinstance(value, int):

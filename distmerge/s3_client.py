@@ -186,11 +186,13 @@ def _broken() -> tuple[type[BaseException], ...]:
             TimeoutError, _CutShort)
 
 
-def list_objects(loc: Location, cap: int) -> list[dict[str, Any]]:
-    """Every object under the prefix (a folder's worth: `prefix/...`), at most `cap` of them (then ValueError)."""
+def list_objects(loc: Location, cap: int, one_level: bool = False) -> list[dict[str, Any]]:
+    """Every object under the prefix (a folder's worth: `prefix/...`), at most `cap` of them (then ValueError).
+    `one_level`: only those directly in it (a folder's files, not its subfolders')."""
     prefix = f"{loc.prefix}/" if loc.prefix else ""
     found: list[dict[str, Any]] = []
-    for page in client().get_paginator("list_objects_v2").paginate(Bucket=loc.bucket, Prefix=prefix):
+    level = {"Delimiter": "/"} if one_level else {}
+    for page in client().get_paginator("list_objects_v2").paginate(Bucket=loc.bucket, Prefix=prefix, **level):
         found.extend(page.get("Contents", []))
         if len(found) > cap:
             raise ValueError(f"more than {cap:,} objects")

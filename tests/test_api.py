@@ -34,6 +34,28 @@ def test_merge_in_process_is_the_cli_bytes_and_silent(fsdp_ckpts, tmp_path, caps
     assert capsys.readouterr() == ("", "")
 
 
+def test_the_api_takes_a_source_object_as_its_input(fsdp_ckpts, tmp_path):
+    """Other storage plugs in from outside: `input=` takes a Source (input/source.py, docs/extending.md), here a
+    folder's that counts the files it opens; the merge is the folder's own, byte for byte."""
+    from distmerge.input.local import LocalSource
+
+    class Counting(LocalSource):
+        opened: list[str] = []
+
+        def open(self, path):
+            found = super().open(path)
+            if found is not None:
+                Counting.opened.append(os.path.basename(path))
+            return found
+
+    ckpt = fsdp_ckpts["fsdp2_llama_w2"]
+    assert merge_inproc("--input", ckpt, "--output", tmp_path / "cli") == 0
+    result = distmerge.merge(Counting(ckpt), tmp_path / "api")
+    assert result.tensors > 0 and {n for n in Counting.opened if n.endswith(".pt")} == \
+        {p.name for p in ckpt.glob("model_world_size_2_rank_*.pt")}
+    assert tree_bytes(tmp_path / "api") == tree_bytes(tmp_path / "cli")
+
+
 def test_errors_are_raised_typed_not_exited(tmp_path, capsys):
     with pytest.raises(InputError, match="missing"):
         distmerge.merge(tmp_path / "missing", tmp_path / "out")

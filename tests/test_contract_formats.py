@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from distmerge.engine import discover as disc
 from distmerge.engine import plan as planning
+from distmerge.engine.reader import Reader
 from distmerge.formats import registry
 from distmerge.formats.base import REGISTERED
-from distmerge.input import discover as disc
-from distmerge.input.reader import Reader
 from tests.conftest import merge_inproc, reference_dir
 
 # format -> (session fixture holding real checkpoints, case); cases with replicated blocks where they exist.

@@ -50,7 +50,13 @@ class Group:
 class Reader:
     """Fills fragment k (file k) with the byte k + 1: each round's bytes tell which round they are."""
 
-    objects = False  # files, not an object store: the exchange packs with fill
+    def with_packing(self, frags) -> list:  # a folder's read policy (input/local.py): none read with the packing
+        return []
+
+    def batch(self):  # ... and its batch (input/reads.FileBatch): the exchange packs with fill
+        from distmerge.input.reads import FileBatch
+
+        return FileBatch(self)
 
     def read_into(self, frag: Fragment, out: torch.Tensor) -> None:
         out.fill_(frag.file_index + 1)

@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 
 from distmerge import s3_client
-from distmerge.input import objects as input_objects
 from distmerge.output import s3 as object_store
 from tests.conftest import merge_inproc, torchrun
 from tests.fault_proxy import FaultPlan, fault_proxy
@@ -53,13 +52,6 @@ def proxied(s3, plan: FaultPlan):  # noqa: F811
             yield proxy
         finally:
             os.environ["AWS_ENDPOINT_URL_S3"] = saved
-
-
-@pytest.fixture(autouse=True)
-def fresh_reads(monkeypatch):
-    """No object's ends remembered from an earlier test (input/objects.py keeps them for the process): each test
-    makes the GETs a fresh process makes, so its faults strike where they strike alone."""
-    monkeypatch.setattr(input_objects, "_ENDS", {})
 
 
 @pytest.fixture

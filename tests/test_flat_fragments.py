@@ -19,10 +19,10 @@ from safetensors import safe_open
 
 from distmerge.engine.assemble import UnitBuild
 from distmerge.engine.plan import make_plan, merge_inventories
+from distmerge.engine.reader import Reader
 from distmerge.errors import LayoutError
 from distmerge.families.base import Target, Unit
 from distmerge.formats.base import Fragment, InputFile, Scan
-from distmerge.input.reader import Reader
 from distmerge.output.writer import ShardWriter
 
 SHAPE = (5, 7)  # 35 elements: cut at 13 and 20, mid-row both times

@@ -374,6 +374,7 @@ def test_overlap_check_of_85k_chunks_takes_seconds():
 def test_files_swapped_after_the_walk_are_refused(tmp_path):
     """The walk records each file's inode; opening re-checks it with O_NOFOLLOW and fstat. Shown to fail by
     opening without O_NOFOLLOW and without the inode comparison (both swaps were then read)."""
+    from distmerge.input import local as input_local
     from distmerge.input import tree as input_tree
 
     root = tmp_path / "in"
@@ -382,7 +383,7 @@ def test_files_swapped_after_the_walk_are_refused(tmp_path):
         (root / name).write_text('{"n": 1}')
     (root / "alias.json").symlink_to("a.json")  # a link that stays inside reads as its target
     (tmp_path / "outside.json").write_text('{"n": 2}')
-    input_tree.load(root)
+    input_local.load(root)
     assert input_tree.read_json(root / "alias.json", 100, "test file") == {"n": 1}
     assert input_tree.read_json(root / "..c.json", 100, "test file") == {"n": 1}
     (root / "a.json").unlink()

@@ -30,12 +30,14 @@ import pytest
 import torch
 
 from distmerge.cli import main as distmerge_main
+from distmerge.engine import discover as disc
+from distmerge.engine.reader import Reader
 from distmerge.errors import InputError
 from distmerge.formats import copies, registry
 from distmerge.formats.torch_private import state_dicts, zip_records
-from distmerge.input import discover as disc
+from distmerge.input import local as input_local
+from distmerge.input import source as input_source
 from distmerge.input import tree as input_tree
-from distmerge.input.reader import Reader
 from tests.conftest import REPO, assert_exact, free_port, load_merged, load_reference
 from tests.test_hostile_files import SAVE, bounded, megatron_copy, optim, rank, refused, run, swap
 
@@ -188,9 +190,9 @@ def test_another_rank_opens_by_the_record_sent_with_the_scan(fsdp_ckpts, tmp_pat
     """A rank other than 0 has no walk of its own: it opens by the record in the scan (Walked). Shown to fail
     with Reader not adopting it: open_input followed the link (DID NOT RAISE)."""
     ckpt = Path(shutil.copytree(fsdp_ckpts["fsdp2_llama_w4"], tmp_path / "ckpt", symlinks=True))
-    monkeypatch.setattr(input_tree, "_TREES", {})
+    input_source.forget()
     found = disc.discover(disc.check_input(ckpt), "auto", None, {})
-    input_tree._TREES.clear()  # now as in another process: only the scan came over
+    input_source.forget()  # now as in another process: only the scan came over
     reader = Reader(found.scan, registry.get(found.scan.format))
     try:
         frags = reader.open([0, 2])
@@ -215,7 +217,7 @@ AFTER_WALK = """
 import shutil, sys
 from pathlib import Path
 from distmerge.engine import plan
-from distmerge.input import discover
+from distmerge.engine import discover
 from distmerge.cli import main
 
 walk = discover.discover
@@ -261,8 +263,7 @@ def test_rank_file_is_read_through_the_descriptor_that_was_checked(fsdp_ckpts, t
     through input_tree.open_input: a swap between the zip checks and the pickle read changes nothing. (With
     torch.load by name, which distmerge used before, the link was followed and rank 2's tensors came back.)"""
     ckpt = Path(shutil.copytree(fsdp_ckpts["fsdp2_llama_w4"], tmp_path / "ckpt", symlinks=True))
-    monkeypatch.setattr(input_tree, "_TREES", {})
-    input_tree.load(ckpt)
+    input_local.load(ckpt)
     checked = zip_records.records
 
     def check_then_swap(fd, where, *args):

@@ -20,13 +20,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from distmerge.engine import discover as disc
+from distmerge.engine.reader import Reader
 from distmerge.engine.unwritten import _checksum
 from distmerge.errors import InputError, LayoutError
 from distmerge.families.base import FamilyContext, SourceMeta, claim
 from distmerge.formats import registry
 from distmerge.formats.base import Fragment, Hints
-from distmerge.input import discover as disc
-from distmerge.input.reader import Reader
 from distmerge.transforms import apply
 from tests.conftest import assert_exact, load_merged, merge_inproc, reference_dir, torchrun, tree_bytes
 from tests.fixtures.torchtitan_cases import input_ids

@@ -15,11 +15,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from distmerge.engine.reader import BOUNCE, Reader
 from distmerge.errors import CorruptInputError, OutputError
 from distmerge.families.base import Target
 from distmerge.formats.base import Fragment, InputFile, Scan
-from distmerge.input import reader as reader_module
-from distmerge.input.reader import BOUNCE, Reader
 from distmerge.output import writeback
 from distmerge.output.writer import ShardWriter
 
@@ -137,7 +136,7 @@ def test_a_read_failure_names_the_input_and_a_write_failure_the_output(tmp_path:
         raise OSError(5, "Input/output error")
 
     with monkeypatch.context() as m:
-        m.setattr(reader_module.os, "preadv", no_read)
+        m.setattr("distmerge.input.tree.os.preadv", no_read)  # the input file's reads (tree.Opened)
         with pytest.raises(CorruptInputError, match="cannot read in.bin: Input/output error"):
             copy_whole_named(reader, frag, writer)
 

@@ -142,12 +142,12 @@ def rchar() -> int:
 
 def discovery_reads(ckpt: Path, hf: Path | None, world: int) -> tuple[int, object, list]:
     """What discovery reads (measured: rchar of this process around it) and the plan it leads to."""
+    from distmerge.engine import discover as disc
     from distmerge.engine.prepare import OutputSettings, prepare_merge
+    from distmerge.engine.reader import Reader
     from distmerge.formats import registry
     from distmerge.formats.dcp import folder as dcp
     from distmerge.formats.torch_private import dcp_blobs
-    from distmerge.input import discover as disc
-    from distmerge.input.reader import Reader
 
     dcp._metadata.cache_clear()  # read it as a fresh process does
     dcp_blobs._LAYOUTS.clear()  # and check each chunk blob layout in full again, as a fresh process does

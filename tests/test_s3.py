@@ -74,6 +74,15 @@ def cases(request, s3, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     return found
 
 
+def walked(url: str):
+    """The source of an object-store input, listed (an object opened by its placeholder: `open(root / name)`)."""
+    from distmerge.input.s3 import S3Source
+
+    listed = S3Source(url)
+    listed.walk()
+    return listed
+
+
 def files_of(folder: Path) -> dict[str, bytes]:
     return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
@@ -191,6 +200,31 @@ def test_the_api_takes_urls_as_the_command_line_does(s3, cases):
 
 # --- one line for what cannot be read or written -------------------------------------------------------------
 
+@pytest.mark.parametrize("layout", ["beside", "above"])
+def test_the_config_near_a_save_is_found_in_a_bucket_as_on_disk(s3, megatron_ckpts, ds_ckpts, layout, tmp_path):
+    """A config folder outside the prefix passed is found in a bucket as on disk, and the merges agree (#35):
+    `beside`: verl's actor/dist_ckpt/ + actor/huggingface/, the input naming dist_ckpt (the bucket once said `no
+    config.json: ... has no huggingface/ folder`); `above`: the HF Trainer's run/config.json over run/ckpt/."""
+    _, s3c = s3
+    run = tmp_path / layout
+    if layout == "beside":
+        ckpt = megatron_ckpts["megatron_dist_tp2pp2"]
+        shutil.copytree(ckpt / "iter_0000001", run / "dist_ckpt")
+        shutil.copytree(ckpt.parent / f"{ckpt.name}_reference" / "huggingface", run / "huggingface")
+        inside = "dist_ckpt"
+    else:
+        ckpt = ds_ckpts["ds_z0_bf16_w2"]
+        shutil.copytree(ckpt, run / "ckpt", ignore=shutil.ignore_patterns("huggingface"))
+        shutil.copytree(ckpt / "huggingface", run, dirs_exist_ok=True)
+        inside = "ckpt"
+    upload_tree(s3c, run, "ckpt", f"near-{layout}")
+    assert merge_inproc("--input", run / inside, "--output", tmp_path / "disk") == 0
+    assert merge_inproc("--input", f"s3://ckpt/near-{layout}/{inside}", "--output", tmp_path / "bucket") == 0
+    got, want = without_records(files_of(tmp_path / "bucket")), without_records(files_of(tmp_path / "disk"))
+    assert got.keys() == want.keys() and "config.json" in got
+    assert [n for n in got if got[n] != want[n]] == []
+
+
 def test_a_missing_prefix_is_one_line(s3, tmp_path, capsys):
     assert merge_inproc("--input", "s3://ckpt/no-such-run", "--output", tmp_path / "o") == 1
     assert "input s3://ckpt/no-such-run does not exist (no object under it)" in capsys.readouterr().err
@@ -206,18 +240,17 @@ def test_another_scheme_is_refused_not_taken_for_a_folder(s3, cases, tmp_path, c
 @pytest.mark.parametrize("change", ["removed", "replaced"])
 def test_an_object_changed_after_the_listing_is_named(s3, cases, change):
     from distmerge.errors import CorruptInputError
-    from distmerge.input import objects as input_objects
 
     _, s3c = s3
     upload_tree(s3c, cases["fsdp"][0], "ckpt", f"changing-{change}")
-    listed = input_objects.listing(f"s3://ckpt/changing-{change}", 1000)
-    name = next(n for n in listed.objects if n.endswith(".pt"))
+    listed = walked(f"s3://ckpt/changing-{change}")
+    name = next(n for n in listed.listing.objects if n.endswith(".pt"))
     if change == "removed":
         s3c.delete_object(Bucket="ckpt", Key=f"changing-{change}/{name}")
     else:
-        s3c.put_object(Bucket="ckpt", Key=f"changing-{change}/{name}", Body=b"x" * listed.objects[name][0])
+        s3c.put_object(Bucket="ckpt", Key=f"changing-{change}/{name}", Body=b"x" * listed.listing.objects[name][0])
     with pytest.raises(CorruptInputError) as err:
-        input_objects.ObjectFile(listed, name).pread(16, 0)
+        listed.open(listed.root / name).pread(16, 0)
     words = "it does not exist" if change == "removed" else "it changed after distmerge listed it"
     assert str(err.value) == f"cannot read s3://ckpt/changing-{change}/{name}: {words}" + (
         ": merge a checkpoint nothing else is writing" if change == "replaced" else "")
@@ -321,7 +354,6 @@ def test_records_of_an_object_are_those_of_the_file(s3, cases, tmp_path):
     finds on the file, for torch.save's layout and for another writer's (records apart, no data descriptors:
     the head disagrees with the prediction, and every local header is read instead)."""
     from distmerge.formats.torch_private import zip_records
-    from distmerge.input import objects as input_objects
 
     _, s3c = s3
     saved = cases["fsdp"][0] / "model_world_size_2_rank_0.pt"
@@ -332,11 +364,11 @@ def test_records_of_an_object_are_those_of_the_file(s3, cases, tmp_path):
             raw.write(b"\0" * 100)  # bytes between records, which torch.save never leaves
     for path in (saved, spaced):
         s3c.upload_file(str(path), "ckpt", f"records/{path.name}")
-    listed = input_objects.listing("s3://ckpt/records", 100)
+    listed = walked("s3://ckpt/records")
     for path in (saved, spaced):
         with input_tree.open_input(path) as f:
             want = zip_records.records(f, str(path))
-        with input_objects.ObjectFile(listed, path.name) as obj:
+        with listed.open(listed.root / path.name) as obj:
             got = zip_records.records(obj, str(path))
             assert got == want
             for record in want.values():  # each record's bytes, its local header checked on the way
@@ -350,19 +382,18 @@ def test_a_read_inside_a_large_record_checks_its_header_apart(s3, monkeypatch, t
     import torch
 
     from distmerge.formats.torch_private import zip_records
-    from distmerge.input import objects as input_objects
 
     _, s3c = s3
     path = tmp_path / "three.pt"
     torch.save({"a": torch.zeros(100_000), "b": torch.arange(200_000, dtype=torch.float32),
                 "c": torch.zeros(100_000)}, path)
     s3c.upload_file(str(path), "ckpt", "inside/three.pt")
-    listed = input_objects.listing("s3://ckpt/inside", 10)
-    with input_objects.ObjectFile(listed, "three.pt") as obj:
+    listed = walked("s3://ckpt/inside")
+    with listed.open(listed.root / "three.pt") as obj:
         middle = max(zip_records.records(obj, str(path)).values(), key=lambda r: r.size)  # data/1, 800 KB
     at = middle.start + 300_000
     made = spy_gets(monkeypatch)
-    with input_objects.ObjectFile(listed, "three.pt") as obj:
+    with listed.open(listed.root / "three.pt") as obj:
         assert obj.pread(1024, at) == path.read_bytes()[at : at + 1024]
     assert len(made) == 2 and sum(n for *_, n in made) < 1024 + 100, made  # the header, then the bytes asked
     monkeypatch.undo()

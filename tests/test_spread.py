@@ -10,12 +10,12 @@ import random
 import pytest
 
 from distmerge.engine import exchange, spread
+from distmerge.engine.discover import discover
 from distmerge.engine.plan import make_plan, merge_inventories
 from distmerge.engine.prepare import OutputSettings, prepare_merge
 from distmerge.families.base import FamilyContext
 from distmerge.families.hf import HF
 from distmerge.formats import registry
-from distmerge.input.discover import discover
 from tests.conftest import merge_inproc, torchrun
 from tests.test_plan import files, frag
 

@@ -22,10 +22,10 @@ import torch
 
 from distmerge import dtypes, transforms
 from distmerge.engine.plan import Plan
+from distmerge.engine.reader import Reader
 from distmerge.errors import LayoutError
 from distmerge.families.base import Unit
 from distmerge.formats.base import Fragment
-from distmerge.input.reader import Reader
 from distmerge.input.reads import Batch
 
 # Transforms that keep a prefix of the source's bytes, in order: a direct unit may apply them by clipping.

@@ -26,8 +26,8 @@ import torch
 
 from distmerge.comm import Comm
 from distmerge.engine.plan import Plan
+from distmerge.engine.reader import Reader
 from distmerge.formats.base import Fragment
-from distmerge.input.reader import Reader
 
 
 def slot(nbytes: int) -> int:
@@ -52,8 +52,8 @@ def held_back(plan: Plan, units: tuple[int, ...], me: int, reader: Reader) -> li
     round's packing, in the same GETs (reads.py: a round's fragments of one object lie mostly side by side, the
     owners' interleaved), and held until the round is assembled, as if received from this rank. A local file's
     are read when the round is assembled (assemble.py), straight into their place."""
-    return [frag for i in units if plan.owner_of_unit[i] == me for name in plan.units[i].sources
-            for frag in plan.sources[name].fragments if plan.readers[frag.file_index] == me and reader.remote(frag)]
+    return reader.with_packing(frag for i in units if plan.owner_of_unit[i] == me for name in plan.units[i].sources
+                               for frag in plan.sources[name].fragments if plan.readers[frag.file_index] == me)
 
 
 @dataclass
@@ -121,7 +121,7 @@ class Exchanger:
     def _start(self, units: tuple[int, ...], slot_set: int) -> Pending:
         crossing = lanes(self.plan, units)
         me, world = self.comm.rank, self.comm.world
-        own = held_back(self.plan, units, me, self.reader) if self.reader.objects else []
+        own = held_back(self.plan, units, me, self.reader)
         if not crossing and not own:
             return Pending(None, None, [])
         outgoing = [crossing.get((me, d), []) for d in range(world)]
@@ -147,26 +147,21 @@ class Exchanger:
     def _pack(self, outgoing: list[list[Fragment]], total: int, own: list[Fragment], slot_set: int,
               held_set: int) -> tuple[torch.Tensor, dict[Fragment, torch.Tensor]]:
         buf = self._buffer(self._send, total, slot_set)
-        if not self.reader.objects:  # files: small fragments that touch in one read each (Reader.fill)
-            at, pairs = 0, []
-            view = memoryview(buf.numpy()).cast("B") if total else memoryview(b"")
-            for frags in outgoing:
-                for f in frags:
-                    pairs.append((f, view[at : at + f.nbytes]))
-                    at += slot(f.nbytes)
-            self.reader.fill(pairs)
-            return buf, {}
-        hold = self._buffer(self._held, sum(slot(f.nbytes) for f in own), held_set)
-        reads, at = self.reader.batch(), 0  # an object-store input: neighbouring fragments in one GET (reads.py)
+        # one batch of the source's read policy (input/reads.py): a folder's small fragments that touch in one
+        # read each (Reader.fill), an object's neighbouring fragments in one GET, the owner's own among them
+        reads, at = self.reader.batch(), 0
+        view = memoryview(buf.numpy()).cast("B") if total else memoryview(b"")
         for frags in outgoing:
             for f in frags:
-                reads.read_into(f, buf[at : at + f.nbytes])
+                reads.fill(f, view[at : at + f.nbytes])
                 at += slot(f.nbytes)
-        held, at = {}, 0
-        for f in own:
-            held[f] = hold[at : at + f.nbytes]
-            reads.read_into(f, held[f])
-            at += slot(f.nbytes)
+        held: dict[Fragment, torch.Tensor] = {}
+        if own:
+            hold, at = self._buffer(self._held, sum(slot(f.nbytes) for f in own), held_set), 0
+            for f in own:
+                held[f] = hold[at : at + f.nbytes]
+                reads.fill(f, held[f])
+                at += slot(f.nbytes)
         reads.run()
         return buf, held
 

@@ -16,11 +16,11 @@ from pathlib import Path
 from distmerge.dtypes import CAST_CHOICES
 from distmerge.engine import plan as planning
 from distmerge.engine import unwritten
+from distmerge.engine.discover import Discovery
 from distmerge.engine.plan import Plan
 from distmerge.errors import InputError
 from distmerge.families.base import FamilyContext, LoraOptions, claim, quantize
 from distmerge.formats.base import BASE_MODEL_PREFIX, Fragment
-from distmerge.input.discover import Discovery
 from distmerge.output import is_url
 from distmerge.output.store import Sharing
 

@@ -16,8 +16,8 @@ import torch
 
 from distmerge.comm import Comm
 from distmerge.engine.plan import Plan
+from distmerge.engine.reader import Reader
 from distmerge.formats.base import Fragment
-from distmerge.input.reader import Reader
 
 SMALL = 1 << 20  # bytes per block: norms and biases, never a weight matrix
 SHOWN = 4  # tensors named in the note

@@ -40,6 +40,7 @@ from typing import Any
 
 from distmerge import expect
 from distmerge.comm import Comm
+from distmerge.engine import discover as disc
 from distmerge.engine import inventory, replicas, resume, unwritten
 from distmerge.engine import plan as planning
 from distmerge.engine.assemble import UnitBuild
@@ -47,12 +48,12 @@ from distmerge.engine.exchange import Exchanger, Pending
 from distmerge.engine.finalize import finalize
 from distmerge.engine.plan import Plan
 from distmerge.engine.prepare import OutputSettings, prepare_merge
+from distmerge.engine.reader import Reader
 from distmerge.engine.sink import FileSink, Sink
 from distmerge.errors import CorruptInputError, Interrupted
 from distmerge.expect import Claim
 from distmerge.formats import registry
-from distmerge.input import discover as disc
-from distmerge.input.reader import Reader
+from distmerge.input.source import name_of
 from distmerge.output import lock, open_store
 from distmerge.output.lock import Lease
 from distmerge.output.names import RECORDS, record_name
@@ -225,9 +226,8 @@ def run_in_lockstep(works: tuple[Work, ...], comm: Comm, progress: Progress) -> 
     side, then round k of the other, so that an owner holds both sides' targets of a round together). Each
     work's exchange of round k+1 travels while round k is assembled; a work with fewer rounds idles."""
     exchangers = [Exchanger(w.todo, comm, w.reader, w.send_sets) for w in works]
-    for w in works:
-        if w.reader.objects:  # an object-store input: a GET may read a later round's fragments in passing
-            w.reader.plan_reads(w.todo, comm.rank)
+    for w in works:  # the source's read policy may read a later round's fragments in passing (reads.py)
+        w.reader.plan_reads(w.todo, comm.rank)
     depth = max((len(w.todo.rounds) for w in works), default=0)
 
     def start(k: int) -> list[Pending]:
@@ -273,10 +273,11 @@ def _discover(opts: MergeOptions, store: Store, held: list[Lease], say: Callable
     the output checked again under the lock (a merge that ended meanwhile may have filled it), discovery, and
     the output prepared."""
     root = disc.check_input(opts.input)
-    store.check_place(str(opts.input))
-    held.append(lock.take(store.lock(), lock.this_process(str(opts.input)), store.url,
+    named = name_of(opts.input)
+    store.check_place(named)
+    held.append(lock.take(store.lock(), lock.this_process(named), store.url,
                           take_over=opts.overwrite or opts.resume, say=say))
-    store.check(str(opts.input), opts.overwrite or opts.resume)
+    store.check(named, opts.overwrite or opts.resume)
     found = disc.discover(root, opts.format, opts.hf_config, opts.format_options, opts.base_model)
     store.prepare(keep_finished=opts.resume)
     return found
@@ -329,27 +330,18 @@ def _build(plan: Plan, units, pending: Pending, comm: Comm, reader: Reader, sink
 
 
 def _place_local(builds: list[UnitBuild], plan: Plan, me: int, reader: Reader, held: dict) -> None:
-    """The fragments this rank reads for its own units. Files: small fragments that lie close in a file come in
-    one read (Reader.fill), straight into their place where they have one (UnitBuild.take_local). An object
-    store: every read of the round handed to one batch (reads.Batch: neighbours in one GET), less those read
-    with the packing (`held`)."""
-    if reader.objects:
-        reads = reader.batch()
-        for build in builds:
-            for source, frag in build.fragments():
-                if plan.readers[frag.file_index] == me and frag not in held:
-                    build.place_local(source, frag, reads)
-        reads.run()
-        return
-    filled, rest = [], []
+    """The fragments this rank reads for its own units, less those read with the packing (`held`), handed to one
+    batch of the source's read policy (input/reads.py: a folder's small fragments that lie close in one read, an
+    object's neighbours in one GET), straight into their place where they have one (UnitBuild.take_local)."""
+    reads, rest = reader.batch(), []
     for build in builds:
         for source, frag in build.fragments():
-            if plan.readers[frag.file_index] == me:
-                dest = build.take_local(source, frag) if reader.can_copy(frag) else None
-                (rest.append((build, source, frag)) if dest is None else filled.append((frag, dest)))
-    reader.fill(filled)
+            if plan.readers[frag.file_index] == me and frag not in held:
+                dest = build.take_local(source, frag) if reads.can_copy(frag) else None
+                (rest.append((build, source, frag)) if dest is None else reads.fill(frag, dest))
     for build, source, frag in rest:
-        build.place_local(source, frag, reader)
+        build.place_local(source, frag, reads)
+    reads.run()
 
 
 def _stats(rank: int, reader: Reader, writers: dict[int, ShardWriter], laps: Laps) -> RankStats:

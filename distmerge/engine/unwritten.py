@@ -31,9 +31,9 @@ import torch
 from distmerge import dtypes
 from distmerge.comm import Comm
 from distmerge.engine.plan import Plan
+from distmerge.engine.reader import Reader
 from distmerge.errors import LayoutError
 from distmerge.formats.base import Fragment
-from distmerge.input.reader import Reader
 
 PIECE = 8 << 20  # bytes read and reduced at a time: bounds the memory of a check whatever the tensor's size
 MIX = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: spreads consecutive indices over all bits

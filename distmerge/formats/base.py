@@ -24,7 +24,7 @@ import torch
 
 from distmerge import dtypes
 from distmerge.errors import InputError
-from distmerge.input import tree
+from distmerge.input import source, tree
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,12 +69,9 @@ def inside(root: Path, path: str) -> Path:
 
 def config_dir(folders: Iterable[Path], names: tuple[str, ...] = ("huggingface",)) -> str | None:
     """The config folder a format finds near its save (Scan.hf_dir): the first folder/name, folder by folder and
-    name by name in the order given, that holds a config.json ("" names the folder itself)."""
-    for folder in folders:
-        for name in names:
-            if (folder / name / "config.json").is_file():
-                return str(folder / name)
-    return None
+    name by name in the order given, that holds a config.json ("" names the folder itself). Asked of the input's
+    source (input/source.py): beside the input folder on disk as beside the prefix in a bucket."""
+    return source.config_dir(folders, names)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,7 +97,7 @@ class Scan:
     notes: tuple[str, ...] = ()
     hints: Hints = field(default_factory=Hints)
     state: Any = None  # the format's own scan -> open() state (picklable); nothing else reads it
-    walked: Any = None  # tree.Walked: the walk's record of `files`, each rank opens them by (discover sets it)
+    walked: Any = None  # local.Walked: the walk's record of `files`, each rank opens them by (discover sets it)
 
 
 _set = object.__setattr__  # a frozen dataclass's fields, set once (Fragment.make, the cached sizes)

@@ -18,17 +18,15 @@ Two checks, cheap first:
 from __future__ import annotations
 
 import hashlib
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from distmerge.formats.torch_private import zip_records
-from distmerge.input import objects, tree
+from distmerge.input import source, tree
 
 HASHED = 64 * 1024  # bytes hashed at each end of a file to tell copies apart
 SAMPLES, BLOCK = 16, 4096  # payload blocks fingerprinted per file
 COMPARED = 1 << 20  # bytes compared at a time when two fingerprints agree
-CONCURRENT = 8  # objects of an object-store input whose ends are read at once
 
 
 def first_copy(paths: list[Path]) -> tuple[Path, Path] | None:
@@ -52,11 +50,9 @@ def first_copy(paths: list[Path]) -> tuple[Path, Path] | None:
 
 
 def _ends_digests(paths: list[Path]) -> list[str]:
-    """Each file's ends digest; an object store's objects several at once (two GETs each: a round trip apiece)."""
-    if not objects.remote(paths[0]):
-        return [_ends_digest(p) for p in paths]
-    with ThreadPoolExecutor(max_workers=CONCURRENT, thread_name_prefix="distmerge-ends") as pool:
-        return list(pool.map(_ends_digest, paths))
+    """Each file's ends digest, as the input's source makes several small reads (an object store's several at once:
+    two GETs each, a round trip apiece)."""
+    return source.each(_ends_digest, paths)
 
 
 def _ends_digest(path: Path) -> str:

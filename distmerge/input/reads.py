@@ -30,8 +30,7 @@ from typing import Any, Protocol
 
 import torch
 
-from distmerge.formats.base import Fragment
-
+Fragment = Any  # formats/base.Fragment (the input side is below the formats that name what it reads)
 GAP = 1 << 16  # the most bytes between two ranges read in one GET that are no fragment's (zip headers)
 HOLE = 8 << 20  # the most bytes between two ranges read in one GET, fragments of a later round included
 KEEP = 64 << 20  # the most bytes of later rounds' fragments a reader holds (Reader.keep)
@@ -69,6 +68,8 @@ class Reader(Protocol):
     def copy_to(self, frag: Fragment, put: Callable[[memoryview, int], None], out_offset: int,
                 nbytes: int) -> None: ...
 
+    def fill(self, pairs: list[tuple[Fragment, memoryview | torch.Tensor]]) -> None: ...
+
 
 @dataclass(kw_only=True)
 class _Job:
@@ -100,8 +101,41 @@ class _Job:
             self.dest = self.view = None
 
 
+def _tensor(dest: memoryview | torch.Tensor) -> torch.Tensor:
+    return dest if isinstance(dest, torch.Tensor) else torch.frombuffer(dest, dtype=torch.uint8)
+
+
+class FileBatch:
+    """A local folder's read policy: each read made at once, in call order (Reader.read_into, copy_to), but `fill`'s,
+    which `run` reads together (Reader.fill: small fragments that touch in one read). Nothing changes on disk."""
+
+    def __init__(self, reader: Reader) -> None:
+        self.reader = reader
+        self.pairs: list[tuple[Fragment, memoryview | torch.Tensor]] = []
+
+    def can_copy(self, frag: Fragment) -> bool:
+        return self.reader.can_copy(frag)
+
+    def read_into(self, frag: Fragment, dest: torch.Tensor | None = None, count: bool = True,
+                  then: Callable[[torch.Tensor], None] | None = None) -> None:
+        self.reader.read_into(frag, dest, count, then)
+
+    def copy_to(self, frag: Fragment, put: Callable[[memoryview, int], None], out_offset: int, nbytes: int) -> None:
+        self.reader.copy_to(frag, put, out_offset, nbytes)
+
+    def fill(self, frag: Fragment, dest: memoryview | torch.Tensor) -> None:
+        """The fragment's bytes into `dest` (its size), when the batch runs."""
+        self.pairs.append((frag, dest))
+
+    def run(self) -> None:
+        pairs, self.pairs = self.pairs, []
+        if pairs:
+            self.reader.fill(pairs)
+
+
 class Batch:
-    """The reads of one phase of a round; `run` makes those still waiting (the module docstring says how)."""
+    """An object store's read policy: the reads of one phase of a round; `run` makes those still waiting (the
+    module docstring says how)."""
 
     def __init__(self, reader: Reader) -> None:
         self.reader = reader
@@ -138,6 +172,10 @@ class Batch:
             return
         self.jobs[frag.file_index].append(_Job(frag=frag, offset=frag.byte_offset, nbytes=nbytes, put=put,
                                                out_offset=out_offset))
+
+    def fill(self, frag: Fragment, dest: memoryview | torch.Tensor) -> None:
+        """The fragment's bytes into `dest` (its size), when the batch runs."""
+        self.read_into(frag, _tensor(dest))
 
     def run(self) -> None:
         """Read every fragment still waiting: each object's merged ranges, a few GETs at once."""

@@ -21,13 +21,13 @@ import json
 import os
 import socket
 import stat
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from distmerge.errors import InputError
-from distmerge.input import objects
+from distmerge.errors import CorruptInputError, InputError
+from distmerge.input import source
 
 MAX_ENTRIES = 1_000_000  # entries walked under one input folder; a checkpoint folder has far fewer
 # Size caps for the small files distmerge reads whole (a real one is far below each).
@@ -131,6 +131,10 @@ class InputTree:
     def folder(self, path: Path | str) -> Path:
         return self._checked(path, "dir")[0]
 
+    def contains(self, full: str) -> bool:
+        """Whether an absolute path lies in this tree (lexically, by either name of its root)."""
+        return any(full == str(r) or full.startswith(str(r) + "/") for r in (self.root, self.given))
+
     def files_in(self, folder: Path | str) -> list[str]:
         """Names of the regular files (not links) directly in a folder of the input."""
         base = os.path.relpath(self.folder(folder), self.root)
@@ -160,54 +164,6 @@ def _special(mode: int) -> str:
     return "not a regular file"
 
 
-# -- the trees of this process: resolved once, at discovery ------------------------------------------------
-_TREES: dict[Path, InputTree] = {}
-
-
-def load(root: Path) -> InputTree:
-    """Walk the input folder (at discovery: each run sees the folder as it is now). It replaces any earlier
-    walk, so a later command in the same process never judges a path by a stale record."""
-    tree = InputTree(root)
-    _TREES.clear()
-    _TREES[tree.root] = _TREES[tree.given] = tree
-    return tree
-
-
-def forget() -> None:
-    """Drop this process's walks and records (an API call's end: a job outlives its merges, a walk is per file)."""
-    _TREES.clear()
-    _ADOPTED.clear()
-
-
-def tree_for(path: Path | str) -> InputTree | None:
-    """The walked input folder that holds `path` (lexically: links are judged by the tree), if any."""
-    full = Path(os.path.abspath(path))
-    found = [t for r, t in _TREES.items() if full == r or r in full.parents]
-    return max(found, key=lambda t: len(t.root.parts)) if found else None
-
-
-def tree_at(root: Path) -> InputTree:
-    """The tree `root` belongs to; walked now (and not kept) when no discovery walked it (a format used on
-    its own, as the contract tests do)."""
-    return tree_for(root) or InputTree(root)
-
-
-# -- the record every rank opens by ----------------------------------------------------------------------
-@dataclass(frozen=True, kw_only=True)
-class Walked:
-    """What the walk saw of the files a scan lists, sent to every rank with the scan: for each file (by the
-    absolute path formats open it by) its path inside the walked root, with no link on the way, its size,
-    device and inode. Device and inode are compared only on the host that walked: across the nodes of a
-    shared file system inode numbers usually agree but device numbers do not, and some file systems (FUSE,
-    some NFS exports) number inodes per mount, so another node compares the size only."""
-
-    root: str  # the walked input folder, resolved
-    host: str  # host_id() of the walking process
-    files: dict[str, tuple[str, int, int, int]] = field(default_factory=dict)  # path -> (inside, size, dev, ino)
-    folders: dict[str, str] = field(default_factory=dict)  # folders whose unlisted files are opened (scan root)
-    listing: Any = None  # objects.Listing: the walked folder holds the placeholders of an object-store input
-
-
 def host_id() -> str:
     """This machine (and boot): where device and inode numbers mean the same file."""
     try:
@@ -218,37 +174,24 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def record(folder: Path | str, paths: Iterable[Path | str]) -> Walked | None:
-    """The walk's record of the files `paths` (at discovery, on rank 0), or None outside a walked input."""
-    tree = tree_for(folder)
-    if tree is None:
-        return None
-    remote = objects.source_of(str(tree.root))
-    walked = Walked(root=str(tree.root), host=host_id(), listing=remote[0] if remote else None)
-    walked.folders[os.path.abspath(folder)] = str(tree.folder(folder).relative_to(tree.root))
-    for path in paths:
-        real, entry = tree._checked(path, "file")
-        walked.files[os.path.abspath(path)] = (str(real.relative_to(tree.root)), entry.size, entry.dev, entry.ino)
-    return walked
+def tree_for(path: Path | str) -> InputTree | None:
+    """The walked input folder of this merge that holds `path` (lexically: links are judged by the tree), if any."""
+    src = source.find(path)
+    walk = src.tree if src is not None else None
+    return walk if walk is not None and walk.contains(os.path.abspath(path)) else None
 
 
-_ADOPTED: list[Walked] = []  # the record this process's reader opens by (ranks other than 0 have no tree)
-
-
-def adopt(walked: Walked | None, *, also: bool = False) -> None:
-    """Open the scan's files by the walk's record from now on (None: forget every record). `also`: keep the
-    records adopted before (two inputs read in one run: verify of one checkpoint against another)."""
-    if not also:
-        _ADOPTED.clear()
-    if walked is not None:
-        _ADOPTED.append(walked)
-        if walked.listing is not None:  # the placeholders formats look at, on this host too
-            objects.lay_out(walked.listing)
+def tree_at(root: Path) -> InputTree:
+    """The tree `root` belongs to; walked now (and not kept) when no discovery walked it (a format used on
+    its own, as the contract tests do)."""
+    return tree_for(root) or InputTree(root)
 
 
 # -- opening: through the record, never by a path the file system resolves --------------------------------
 class Opened:
-    """An input file opened for reading: positional reads on its descriptor (objects.ObjectFile: same API)."""
+    """An input file opened for reading: positional reads on its descriptor (s3.ObjectFile: same API)."""
+
+    few_reads = False  # a read is a system call: formats read what they need when they need it
 
     def __init__(self, fd: int, real: Path) -> None:
         st = os.fstat(fd)
@@ -259,6 +202,33 @@ class Opened:
 
     def readinto(self, buf: memoryview, offset: int) -> int:
         return os.preadv(self.fd, [buf], offset)  # bytes into buf from `offset`; may be short (the caller reads on)
+
+    def read_full(self, buf: memoryview, offset: int) -> int:
+        """buf filled from `offset`; fewer bytes only where the file ends (returns how many)."""
+        done = 0
+        while done < len(buf):
+            got = os.preadv(self.fd, [buf[done:]], offset + done)
+            if got == 0:
+                break
+            done += got
+        return done
+
+    def copy_range(self, offset: int, nbytes: int, put: Callable[[memoryview, int], None], bounce: memoryview,
+                   shown: str) -> int:
+        """Bytes [offset, offset + nbytes) to `put(piece, position in the range)` through the reused `bounce`
+        buffer; returns how many (fewer where the file ends). A read failure is one line naming `shown`; put's own
+        failures (a full disk) pass through."""
+        done = 0
+        while done < nbytes:
+            try:
+                got = os.preadv(self.fd, [bounce[: min(len(bounce), nbytes - done)]], offset + done)
+            except OSError as err:
+                raise CorruptInputError(f"cannot read {shown}: {err.strerror}") from None
+            if got == 0:
+                break
+            put(bounce[:got], done)
+            done += got
+        return done
 
     def close(self, *_exc: object) -> None:
         if self.fd >= 0:
@@ -276,42 +246,25 @@ def readable(f: Any) -> Any:
     return Opened(f, Path(f"/dev/fd/{f}")) if isinstance(f, int) else f
 
 
-def open_input(path: Path | str) -> Opened | objects.ObjectFile:
-    """A file of the input opened for reading, checked against the walk's record (the module docstring says how);
-    outside any walked input (--hf-config, --base-model: the user's own folders) any regular file its path
-    leads to; a placeholder of an object-store input: its object. One line when the file is not the one listed."""
-    tree = tree_for(path)
-    if tree is not None:
-        real, entry = tree._checked(path, "file")
-        rel = str(real.relative_to(tree.root))
-        if (remote := objects.source_of(str(tree.root))) is not None:
-            return objects.ObjectFile(remote[0], os.path.normpath(os.path.join(remote[1], rel)))
-        return Opened(_open_beneath(path, tree.root, rel, entry.size, (entry.dev, entry.ino)), real)
-    full = os.path.abspath(path)
-    for walked in _ADOPTED:
-        if full in walked.files:
-            rel, size, dev, ino = walked.files[full]
-            if walked.listing is not None:
-                return objects.ObjectFile(walked.listing, rel)
-            same_host = walked.host == host_id()
-            return Opened(_open_beneath(path, Path(walked.root), rel, size, (dev, ino) if same_host else None),
-                          Path(walked.root) / rel)
-        folder = next((f for f in walked.folders if Path(full).is_relative_to(f)), None)
-        if folder is not None:  # an unlisted file of the save (DCP's .metadata): no link on the way, regular
-            rel = os.path.normpath(os.path.join(walked.folders[folder], os.path.relpath(full, folder)))
-            return objects.ObjectFile(walked.listing, rel) if walked.listing is not None else \
-                Opened(_open_beneath(path, Path(walked.root), rel, None, None), Path(walked.root) / rel)
+def open_input(path: Path | str) -> Any:
+    """A file of the input opened for reading, through the source of this merge that holds it (source.py: checked
+    against the walk or its record, as the module docstring says; an object of an object-store input); outside
+    any input (--hf-config, --base-model: the user's own folders) any regular file its path leads to. One line
+    when the file is not the one listed."""
+    src = source.find(path)
+    if src is not None and (found := src.open(path)) is not None:
+        return found
     real = Path(os.path.realpath(path))
     if not real.is_file():
         raise InputError(f"{path} is not a regular file")
-    return Opened(_open_beneath(path, real.parent, real.name, None, None), real)
+    return Opened(open_beneath(path, real.parent, real.name, None, None), real)
 
 
 _FOLDER = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # O_NONBLOCK: opening a FIFO returns at once
 
 
-def _open_beneath(shown: Path | str, root: Path, rel: str, size: int | None, ident: tuple[int, int] | None) -> int:
+def open_beneath(shown: Path | str, root: Path, rel: str, size: int | None, ident: tuple[int, int] | None) -> int:
     """root/rel opened one component at a time, none followed if it is a link; then fstat: a regular file,
     of `size` and device and inode `ident` when given."""
     parts = [p for p in rel.split(os.sep) if p not in ("", ".")]

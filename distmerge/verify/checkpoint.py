@@ -39,10 +39,10 @@ from distmerge.comm import Comm
 from distmerge.engine import plan as planning
 from distmerge.engine.finalize import main_dtype
 from distmerge.engine.plan import Plan
+from distmerge.engine.reader import Reader
 from distmerge.engine.run import plan_checkpoint, run_rounds
 from distmerge.errors import InputError
 from distmerge.formats import registry
-from distmerge.input.reader import Reader
 from distmerge.report import Progress
 from distmerge.verify.kinds import checkpoint_side
 from distmerge.verify.listing import Listing, VerifyOptions, merged_config, pair_sides

@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from distmerge import output_options
+from distmerge.engine import discover as disc
 from distmerge.engine.prepare import OutputSettings
 from distmerge.errors import DistmergeError, InputError
 from distmerge.formats import registry
-from distmerge.input import discover as disc
 from distmerge.verify.listing import VerifyOptions
 from distmerge.verify.sides import LAYOUTS
 

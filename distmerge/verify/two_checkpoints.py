@@ -36,10 +36,10 @@ import torch
 
 from distmerge.comm import Comm
 from distmerge.engine.plan import Plan
+from distmerge.engine.reader import Reader
 from distmerge.engine.run import Work, plan_checkpoint, run_in_lockstep
 from distmerge.errors import InputError
 from distmerge.formats import registry
-from distmerge.input.reader import Reader
 from distmerge.report import Progress
 from distmerge.verify.checkpoint import Compared, planned_side
 from distmerge.verify.components import comparison_plans

@@ -49,10 +49,10 @@ import scale_metadata  # noqa: E402
 from distmerge import dtypes  # noqa: F401
 from distmerge.engine import inventory  # noqa: F401
 from distmerge.engine import plan as planning  # noqa: F401
+from distmerge.engine.discover import Discovery  # noqa: E402
 from distmerge.engine.prepare import OutputSettings, prepare_merge  # noqa: E402
 from distmerge.formats.base import Fragment, Hints, InputFile, Scan  # noqa: E402
 from distmerge.formats.dcp.keys import model_names  # noqa: E402
-from distmerge.input.discover import Discovery  # noqa: E402
 
 BF16, FP32 = "BF16", "F32"
 HEADER = 4096  # bytes before the first tensor of a rank file (pickle and zip records): only shifts offsets

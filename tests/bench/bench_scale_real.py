@@ -24,12 +24,12 @@ from pathlib import Path
 from bench_scale import Case, dcp_inventories, fsdp_inventories, gathered, plan_once
 
 from distmerge.engine import plan as planning
+from distmerge.engine.discover import Discovery, discover
 from distmerge.engine.prepare import OutputSettings
 from distmerge.formats import registry
 from distmerge.formats.base import Fragment, Scan
 from distmerge.formats.dcp import folder as dcp
 from distmerge.formats.torch_private import dcp as dcp_private
-from distmerge.input.discover import Discovery, discover
 
 SIMULATED = {"fsdp": fsdp_inventories, "dcp": dcp_inventories}
 

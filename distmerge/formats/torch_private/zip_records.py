@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from distmerge.errors import CorruptInputError
-from distmerge.input import objects, tree
+from distmerge.input import tree
+from distmerge.input.source import Expected
 
 # A 671B model's FSDP rank file holds ~92k tensors, so ~92k storage records (+5 small ones): 5x headroom.
 MAX_RECORDS = 2**19
@@ -31,7 +32,7 @@ LOCAL_HEADER = b"PK\x03\x04"
 END = b"PK\x05\x06"
 ZIP64_LOCATOR = b"PK\x06\x07"
 ZIP64_END = b"PK\x06\x06"
-OBJECT_TAIL = 1 << 16  # an object's tail read first (input/objects.py remembers reads of this size at its ends)
+OBJECT_TAIL = 1 << 16  # an object's tail read first (input/s3.py remembers reads of this size at its ends)
 HEAD = 1 << 16  # an object's first GET: its first records' headers, up to the first record that ends past this
 
 
@@ -87,7 +88,7 @@ def records(fd: Any, where: str, start: int = 0, length: int | None = None) -> d
         if info.header_offset < 0:  # zipfile shifts every offset by where it found the directory
             raise CorruptInputError(f"{where}: record {info.filename} is said to start before the archive: the "
                                     "file is damaged")
-    starts = _predicted(fd, where, start, infos, directory_at) if getattr(fd, "remote", False) else None
+    starts = _predicted(fd, where, start, infos, directory_at) if getattr(fd, "few_reads", False) else None
     if starts is None:
         starts = [_data_start(fd, where, start, info) for info in infos]
     found: dict[str, ZipRecord] = {}
@@ -114,7 +115,7 @@ def directory_offset(fd: Any, where: str, start: int, length: int) -> int:
 
 def _check_end_record(fd: Any, where: str, start: int, length: int) -> int:
     """The record count and directory size the end record declares, bounded; returns the directory's offset."""
-    remote = getattr(fd, "remote", False)  # an object: zipfile's reads of the directory served from kept bytes
+    remote = getattr(fd, "few_reads", False)  # an object: zipfile's reads of the directory served from kept bytes
     tail = fd.pread(OBJECT_TAIL, start + length - OBJECT_TAIL) if remote and length > OBJECT_TAIL else b""
     if END in tail:  # the end record lies in the last 22 bytes but for a comment: this tail holds it
         tail_len = OBJECT_TAIL
@@ -175,7 +176,7 @@ def _predicted(fd: Any, where: str, start: int, infos: list[zipfile.ZipInfo], di
             raise CorruptInputError(f"{where}: record {info.filename} does not fit between its local header and "
                                     "the next record: the file is damaged")
         starts[k] = data
-        checks.append(objects.Expected(
+        checks.append(Expected(
             at=start + info.header_offset, length=30 + len(info.orig_filename.encode()),
             until=start + data + info.compress_size, check=functools.partial(_agrees, where, info, data)))
     if not order:

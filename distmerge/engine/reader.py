@@ -5,7 +5,6 @@ a file replaced by a link or a FIFO after discovery is refused, never followed."
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,8 +17,7 @@ from distmerge.engine.plan import Plan
 from distmerge.errors import CorruptInputError
 from distmerge.formats import registry
 from distmerge.formats.base import Fragment, InputFormat, OpenedFile, Scan
-from distmerge.input import objects, tree
-from distmerge.input.reads import Batch
+from distmerge.input import source, tree
 
 # The copy of a fragment into an output file goes through one reused buffer of this size: preadv from the input,
 # pwrite into the output, 1 MiB each (writer.WRITE_CHUNK). copy_file_range, used before, splices 64 KiB at a time
@@ -53,10 +51,11 @@ class Reader:
         self._done: set[Fragment] = set()  # read by a batch
         self._kept: dict[Fragment, torch.Tensor] = {}  # read in passing, for a later round
         self.kept_bytes = 0
-        tree.adopt(scan.walked, also=second)  # files are opened by the walk's record, on every rank
-        # an object-store input (objects.py): its reads are made in batches of merged GETs (reads.Batch), the
-        # owners' own with the packing (exchange.held_back); a file's take the paths below, as they are
-        self.objects = objects.remote(self.root)
+        self._session = source.session()
+        self._session.adopt(scan.walked, also=second)  # files are opened by the walk's record, on every rank
+        # the input's source (input/source.py) sets the read policy: what `batch` makes, and whether a round's
+        # reads plan ahead (an object store's merged GETs) or read each round's own (a file's spans: `fill`)
+        self.source = source.of(self.root)
 
     def open(self, indices: list[int]) -> list[Fragment]:
         """Discover: open the assigned files, return their fragments (the rank's inventory)."""
@@ -87,16 +86,9 @@ class Reader:
             self.bytes_read += dest.numel() * count
             return
         buf = memoryview(dest.numpy()).cast("B")
-        f, done = self._file(frag.file_index), 0
-        if f.fd < 0:  # an object of an object-store input: one ranged GET of exactly these bytes
-            self.bytes_read += f.readinto(buf, frag.byte_offset) * count
-            return
-        fd = f.fd
-        while done < len(buf):
-            got = os.preadv(fd, [buf[done:]], frag.byte_offset + done)
-            if got == 0:
-                self._truncated(frag)
-            done += got
+        done = self._file(frag.file_index).read_full(buf, frag.byte_offset)  # a pread loop; one ranged GET
+        if done < len(buf):
+            self._truncated(frag)
         self.bytes_read += done * count
 
     def fill(self, pairs: list[tuple[Fragment, memoryview | torch.Tensor]]) -> None:
@@ -125,12 +117,9 @@ class Reader:
         dest = pairs[0][1] if lone else None
         buf = (dest if isinstance(dest, memoryview) else memoryview(dest.numpy()).cast("B")) if lone else \
             memoryview(bytearray(end - start))
-        fd, done = self._file(pairs[0][0].file_index).fd, 0
-        while done < len(buf):
-            got = os.preadv(fd, [buf[done:]], start + done)
-            if got == 0:
-                self._truncated(next(f for f, _ in pairs if f.byte_offset + f.nbytes > start + done))
-            done += got
+        done = self._file(pairs[0][0].file_index).read_full(buf, start)
+        if done < len(buf):
+            self._truncated(next(f for f, _ in pairs if f.byte_offset + f.nbytes > start + done))
         if lone:
             self.bytes_read += done
             return
@@ -142,31 +131,27 @@ class Reader:
     def copy_to(self, frag: Fragment, put: Callable[[memoryview, int], None], out_offset: int, nbytes: int) -> None:
         """Copy the first nbytes of the fragment to `put(buffer, offset)` (the output file's pwrite), 1 MiB at a
         time. A read failure is this input file's error; put's own failures (a full disk) pass through."""
-        f, done, buf = self._file(frag.file_index), 0, self._bounce
-        if f.fd < 0:  # an object: one ranged GET, streamed in pieces
-            f.read_spans(frag.byte_offset, frag.byte_offset + nbytes,
-                         [(frag.byte_offset, nbytes, lambda piece, at: put(piece, out_offset + at))])
-            self.bytes_read += nbytes
-            return
-        src = f.fd
-        while done < nbytes:
-            try:
-                got = os.preadv(src, [buf[: min(BOUNCE, nbytes - done)]], frag.byte_offset + done)
-            except OSError as err:
-                raise CorruptInputError(f"cannot read {self.files[frag.file_index].path}: {err.strerror}") from None
-            if got == 0:
-                self._truncated(frag)
-            put(buf[:got], out_offset + done)
-            done += got
+        done = self._file(frag.file_index).copy_range(frag.byte_offset, nbytes,
+                                                      lambda piece, at: put(piece, out_offset + at), self._bounce,
+                                                      self.files[frag.file_index].path)
+        if done < nbytes:
+            self._truncated(frag)
         self.bytes_read += done
 
-    def batch(self) -> Batch:
-        """Reads to make together (reads.Batch): a round's packing, an owner's local fragments."""
-        return Batch(self)
+    def batch(self) -> Any:
+        """Reads to make together, as the source's read policy makes them (input/reads.py): a round's packing, an
+        owner's local fragments."""
+        return self.source.batch(self)
 
     def remote(self, frag: Fragment) -> bool:
-        """The fragment's bytes come from an object store (a request each) rather than a file or a mapped view."""
+        """The fragment's bytes come through the file's methods (a request each) rather than its descriptor or a
+        mapped view."""
         return frag.byte_offset >= 0 and self._file(frag.file_index).fd < 0
+
+    def with_packing(self, frags: Iterable[Fragment]) -> list[Fragment]:
+        """Of an owner's own fragments of a round, those the source's policy reads with the round's packing
+        (exchange.held_back): an object store's, in the same merged GETs; none of a folder's."""
+        return [f for f in frags if self.remote(f)] if self.source.plans_ahead else []
 
     def taken(self, index: int) -> list[tuple[int, int]] | None:
         """(start, end) of every fragment of an input file this rank opened, sorted: bytes a batch may not read
@@ -181,11 +166,13 @@ class Reader:
 
     def plan_reads(self, plan: Plan, rank: int) -> None:
         """The fragments this rank reads in the rounds to come (before the first): a batch may read one early, in
-        passing, and keep it for its round (reads.py)."""
+        passing, and keep it for its round (reads.py); nothing when the source's policy reads each round's own."""
         self._planned.clear()
         self._done.clear()
         self._kept.clear()
         self.kept_bytes = 0
+        if not self.source.plans_ahead:
+            return
         for units in plan.rounds:
             for i in units:
                 for frag in (f for name in plan.units[i].sources for f in plan.sources[name].fragments):
@@ -222,7 +209,8 @@ class Reader:
     def pool(self, threads: int) -> ThreadPoolExecutor:
         """Threads for a batch's GETs, made on first use."""
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="distmerge-read")
+            self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="distmerge-read",
+                                            initializer=self._session.bind)
         return self._pool
 
     def _truncated(self, frag: Fragment) -> None:
@@ -244,7 +232,7 @@ class Reader:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
-        tree.adopt(None)
+        self._session.adopt(None)
 
 
 def _tensor(dest: memoryview | torch.Tensor) -> torch.Tensor:

@@ -1,21 +1,23 @@
-"""An input in an object store (`--input s3://bucket/prefix`): listed once, read by ranged GETs.
+"""An input in an object store (`--input s3://bucket/prefix`) as a Source (source.py): listed once, read by ranged
+GETs. This file and its line in source.SCHEMES are all a new input store takes.
 
 The listing (one paginated LIST, at discovery, on rank 0) is laid out as a tree of empty placeholders: folders,
 and sparse files of each object's size and time, in a private temporary folder. Every format detects, lists and
 sizes the checkpoint there exactly as it does a folder (tree.py walks it; no format knows the difference),
-and no byte of it is ever read: tree.open_input hands out an `ObjectFile` for each placeholder, whose reads
+and no byte of it is ever read: `S3Source.open` hands out an `ObjectFile` for each placeholder, whose reads
 are ranged GETs, pinned to the ETag the listing saw (an object replaced since is an error, not a mix of two
-checkpoints). The listing travels to every rank with the scan (tree.Walked), and a rank on another host
-lays out the same placeholders at the same path before it opens anything.
+checkpoints). The listing travels to every rank with the scan (local.Walked), and a rank on another host
+lays out the same placeholders at the same path before it opens anything. A folder outside the prefix (a config
+folder beside or above the save) has its files listed when a format asks for its config.json (`is_file`).
 
 A request costs a round trip on S3 (and, on some servers, a read of the whole object), so reads are few and
 large: one GET can feed many destinations (`read_spans`: reads.Batch merges a round's fragments of an object);
 bytes read at discovery are served again from memory while the file is open (`keep`: a zip's directory and
-head) and, for the first and last 64 KiB of an object, for the whole process (`ENDS`); and a check that would
-have cost a GET of its own (a zip record's local header) waits for the read that reaches its bytes (`expect`).
-
-Errors name the object (`s3://bucket/prefix/model_world_size_2_rank_0.pt`), not its placeholder: `shown`
-rewrites any message that names a placeholder (comm.py applies it to every error that crosses ranks).
+head) and, for the first and last 64 KiB of an object, for the whole merge (`ENDS`, kept by the source); and a
+check that would have cost a GET of its own (a zip record's local header) waits for the read that reaches its
+bytes (`expect`). Errors name the object (`s3://bucket/prefix/model_world_size_2_rank_0.pt`), not its
+placeholder (`shown`, which comm.py applies to every error that crosses ranks). What is kept (listings, checks,
+remembered ends) is the S3Source's: two merges keep their own.
 """
 
 from __future__ import annotations
@@ -27,11 +29,18 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from distmerge import s3_client
 from distmerge.errors import CorruptInputError, InputError
+from distmerge.input import source
+from distmerge.input.local import LocalSource
+from distmerge.input.reads import Batch
+from distmerge.input.source import Expected
+from distmerge.input.tree import MAX_ENTRIES, InputTree
 
 WIDEN = 1 << 16  # a GET starts at most this much earlier to take in a header to check (Expected)
 PIECE = 1 << 20  # a GET's body is handed to its destinations in pieces of this size (nothing holds it whole)
@@ -54,20 +63,18 @@ class Listing:
     def url_of(self, rel: str) -> str:
         return f"{s3_client.SCHEME}{self.bucket}/{self.key(rel)}"
 
-
-_LISTINGS: dict[str, Listing] = {}  # placeholder root -> its listing, in this process
-
-
-def is_url(location: object) -> bool:
-    return isinstance(location, str) and "://" in location
+    def source(self) -> S3Source:
+        """The source a rank that did not list opens the objects by: the same placeholders, laid out here."""
+        lay_out(self)
+        return S3Source(self.url, self)
 
 
-def listing(url: str, cap: int) -> Listing:
+def listing(url: str, cap: int, top: str | None = None, one_level: bool = False) -> Listing:
     """Rank 0, at discovery: list the prefix once and lay out its placeholders. One line for a missing bucket,
     an empty prefix, denied access or more than `cap` objects."""
     loc = s3_client.parse(url, "input", InputError)
     try:
-        found = s3_client.list_objects(loc, cap)
+        found = s3_client.list_objects(loc, cap, one_level)
     except ImportError as err:
         raise InputError(f"input {url}: {err}") from None
     except ValueError:
@@ -76,7 +83,7 @@ def listing(url: str, cap: int) -> Listing:
         raise InputError(f"cannot list input {url}: {s3_client.describe(err)}") from None
     if not found:
         raise InputError(f"input {url} does not exist (no object under it)")
-    top = os.path.realpath(tempfile.mkdtemp(prefix="distmerge-input-"))
+    top = top or os.path.realpath(tempfile.mkdtemp(prefix="distmerge-input-"))
     root = os.path.join(top, loc.bucket, loc.prefix).rstrip("/")
     start = len(loc.prefix) + 1 if loc.prefix else 0
     objects = {}
@@ -88,7 +95,8 @@ def listing(url: str, cap: int) -> Listing:
                                        str(obj.get("ETag", "")))
     made = Listing(url=url.rstrip("/"), bucket=loc.bucket, prefix=loc.prefix, root=root, top=top,
                    objects=objects)
-    lay_out(made)
+    if not one_level:
+        lay_out(made)
     return made
 
 
@@ -103,7 +111,6 @@ def _checked(url: str, rel: str) -> str:
 def lay_out(made: Listing) -> None:
     """The placeholders at `made.root`, unless this host has them already: built beside it, then renamed into
     place, so that a rank never sees half of them."""
-    _LISTINGS[made.root] = made
     if os.path.isdir(made.root):
         return
     parent = os.path.dirname(made.root)
@@ -128,40 +135,6 @@ def lay_out(made: Listing) -> None:
             raise
 
 
-def source_of(path: str) -> tuple[Listing, str] | None:
-    """The listing a placeholder path belongs to, and its path inside it (None: not a placeholder)."""
-    for root, made in _LISTINGS.items():
-        if path == root or path.startswith(root + "/"):
-            return made, os.path.relpath(path, root)
-    return None
-
-
-def remote(path: Path | str) -> bool:
-    """Whether a path is a placeholder of an object-store input: each read of it is a request, worth making
-    several at once (copies.first_copy)."""
-    return source_of(os.path.abspath(path)) is not None
-
-
-def shown(message: str) -> str:
-    """A message with every placeholder path written as the object's URL."""
-    for root, made in _LISTINGS.items():
-        if root in message:
-            message = message.replace(root, made.url)
-    return message
-
-
-@dataclass(frozen=True, kw_only=True)
-class Expected:
-    """Bytes [at, at + length) of an object must pass `check` (which raises CorruptInputError) before any byte of
-    [at, until) is handed out: a zip record's local header, whose place and length the zip directory predicted
-    (zip_records), checked by whichever read first reaches the record instead of by a GET of its own."""
-
-    at: int
-    length: int
-    until: int
-    check: Callable[[bytes], None]
-
-
 class _Checks:
     """The checks of one object not yet made in this process, sorted by `at`; their guarded ranges are disjoint."""
 
@@ -181,34 +154,113 @@ class _Checks:
         return out[::-1]
 
 
-_CHECKS: dict[tuple[str, str, str], _Checks] = {}  # (bucket, key, etag) -> its checks, in this process
-_CHECKS_LOCK = threading.Lock()
-
-# Small reads at either end of an object are remembered by the process: discovery reads the ends of a rank file
+# Small reads at either end of an object are remembered by the source: discovery reads the ends of a rank file
 # several times (copies.first_copy hashes 64 KiB at each end, archive_name reads the first record's name,
 # zip_records the directory at the end and the pickle at the start), each a GET of its own otherwise.
 ENDS = 1 << 16
 ENDS_KEPT = 256  # objects whose ends are remembered (the oldest forgotten first): at most 32 MiB
-_ENDS: dict[tuple[str, str, str], list[tuple[int, bytes]]] = {}
+CONCURRENT = 8  # small reads of several objects made at once (each a round trip): S3Source.each
+CONFIG_OBJECTS = 10_000  # files a folder outside the prefix may hold to be listed as a config folder
 
 
-def _remember(ident: tuple[str, str, str], offset: int, data: bytes) -> None:
-    with _CHECKS_LOCK:
-        _ENDS.setdefault(ident, []).append((offset, data))
-        while len(_ENDS) > ENDS_KEPT:
-            del _ENDS[next(iter(_ENDS))]
+class S3Source(LocalSource):
+    """`s3://bucket/prefix`: its placeholders walked as a folder, its objects read by ranged GETs."""
+
+    plans_ahead = True
+
+    def __init__(self, url: str, made: Listing | None = None) -> None:
+        self.url, self.listing, self.tree, self.records = url.rstrip("/"), made, None, []
+        self.root = Path(made.root) if made is not None else Path(self.url)
+        self.beside: list[Listing] = []  # folders outside the prefix listed since (a config folder's files)
+        self._looked: set[str] = set()
+        self.lock = threading.Lock()
+        self.checks: dict[tuple[str, str, str], _Checks] = {}  # (bucket, key, etag) -> its checks
+        self.ends: dict[tuple[str, str, str], list[tuple[int, bytes]]] = {}  # remembered ends (ENDS)
+
+    def walk(self) -> None:
+        self.listing = listing(self.url, MAX_ENTRIES)
+        self.root, self.tree = Path(self.listing.root), InputTree(Path(self.listing.root))
+
+    def _listing(self) -> Listing | None:
+        return self.listing  # what the other ranks make this source again from
+
+    def _file(self, shown: Path | str, rel: str, size: int | None, ident: tuple[int, int] | None) -> ObjectFile:
+        return ObjectFile(self, self.listing, os.path.normpath(rel))
+
+    def holds(self, path: Path | str) -> bool:
+        return super().holds(path) or self._beside(os.path.abspath(path)) is not None
+
+    def open(self, path: Path | str) -> ObjectFile | None:
+        found = super().open(path)
+        if found is not None:
+            return found
+        full = os.path.abspath(path)
+        made = self._beside(full)
+        return ObjectFile(self, made, os.path.relpath(full, made.root)) if made is not None else None
+
+    def _beside(self, full: str) -> Listing | None:
+        return next((m for m in self.beside if os.path.dirname(full) == m.root and os.path.basename(full) in
+                     m.objects), None)
+
+    def is_file(self, path: Path | str) -> bool:
+        """A placeholder's; the files of a folder outside the prefix, in the same bucket (a config folder beside
+        the save, or above it), are listed the first time one is asked about: one LIST of that folder's own files."""
+        full = os.path.abspath(path)
+        bucket_dir = os.path.join(self.listing.top, self.listing.bucket)
+        folder = os.path.dirname(full)
+        inside = full.startswith(str(self.root) + "/")
+        if not inside and folder.startswith(bucket_dir + "/") and folder not in self._looked:
+            self._looked.add(folder)
+            self._list_beside(folder, bucket_dir)
+        return os.path.isfile(full)
+
+    def _list_beside(self, folder: str, bucket_dir: str) -> None:
+        """Its files laid out as placeholders in place (rank 0 alone looks there: no other rank races it)."""
+        url = f"{s3_client.SCHEME}{self.listing.bucket}/{os.path.relpath(folder, bucket_dir)}"
+        try:
+            made = listing(url, CONFIG_OBJECTS, top=self.listing.top, one_level=True)
+        except InputError:  # nothing there (or more than a config folder holds): not the folder looked for
+            return
+        os.makedirs(folder, exist_ok=True)
+        for name, (size, mtime_ns, _) in made.objects.items():
+            if not os.path.lexists(path := os.path.join(folder, name)):
+                with open(path, "wb") as f:
+                    f.truncate(size)
+                os.utime(path, ns=(mtime_ns, mtime_ns))
+        self.beside.append(made)
+
+    def batch(self, reader: Any) -> Batch:
+        return Batch(reader)
+
+    def each(self, fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
+        with ThreadPoolExecutor(max_workers=CONCURRENT, thread_name_prefix="distmerge-ends",
+                                initializer=source.session().bind) as pool:
+            return list(pool.map(fn, items))
+
+    def shown(self, message: str) -> str:
+        for made in (self.listing, *self.beside) if self.listing is not None else ():
+            if made.root in message:
+                message = message.replace(made.root, made.url)
+        return message
+
+    def remember(self, ident: tuple[str, str, str], offset: int, data: bytes) -> None:
+        with self.lock:
+            self.ends.setdefault(ident, []).append((offset, data))
+            while len(self.ends) > ENDS_KEPT:
+                del self.ends[next(iter(self.ends))]
+
 
 
 class ObjectFile:
-    """An object of the input opened for reading (tree.open_input): positional reads by ranged GETs."""
+    """An object of the input opened for reading (S3Source.open): positional reads by ranged GETs."""
 
     fd = -1  # no descriptor: nothing can map it (torch_save.mapped_views reads the views' bytes instead)
-    remote = True  # reads cost a request each: callers that can ask for many ranges at once do (reader.Batch)
+    few_reads = True  # reads cost a request each: callers that can ask for many ranges at once do (reads.Batch)
 
-    def __init__(self, made: Listing, rel: str) -> None:
+    def __init__(self, src: S3Source, made: Listing, rel: str) -> None:
         if rel not in made.objects:
             raise InputError(f"{made.url_of(rel)} was not listed: not an object of the input")
-        self.made, self.rel = made, rel
+        self.src, self.made, self.rel = src, made, rel
         self.size, _, self.etag = made.objects[rel]
         self.ident = ("s3", made.bucket, made.key(rel))
         self.real = Path(made.root) / rel
@@ -224,8 +276,8 @@ class ObjectFile:
         """Checks to make before the bytes they guard are handed out, by any read of this object in this process
         (zip_records: the records' local headers). Those whose bytes are already kept are made now."""
         made = _Checks(checks)
-        with _CHECKS_LOCK:
-            _CHECKS[self._id] = made
+        with self.src.lock:
+            self.src.checks[self._id] = made
         for check in checks:
             data = self._kept(check.at, check.length)
             if data is not None:
@@ -247,8 +299,18 @@ class ObjectFile:
 
         self.read_spans(offset, offset + want, [(offset, want, put)])
         if want <= ENDS and (offset == 0 or offset + want == self.size):
-            _remember(self._id, offset, bytes(buf[:want]))
+            self.src.remember(self._id, offset, bytes(buf[:want]))
         return want
+
+    def read_full(self, buf: memoryview, offset: int) -> int:
+        """buf filled from `offset` by one ranged GET; fewer bytes only where the object ends."""
+        return self.readinto(buf, offset)
+
+    def copy_range(self, offset: int, nbytes: int, put: Callable[[memoryview, int], None], bounce: memoryview,
+                   shown: str) -> int:
+        """Bytes [offset, offset + nbytes) to `put(piece, position in the range)`: one ranged GET, in pieces."""
+        self.read_spans(offset, offset + nbytes, [(offset, nbytes, put)])
+        return nbytes
 
     def pread(self, nbytes: int, offset: int) -> bytes:
         buf = bytearray(max(0, min(nbytes, self.size - offset)))
@@ -288,8 +350,8 @@ class ObjectFile:
         """GET [start, end), widened to the checks due there (a header further than WIDEN before `start`, which a
         read from the middle of a large record reaches, is read alone instead); returns where the bytes stopped
         (end, or the object's end if it is shorter than listed)."""
-        with _CHECKS_LOCK:
-            checks = _CHECKS.get(self._id)
+        with self.src.lock:
+            checks = self.src.checks.get(self._id)
             due = checks.due(start, end) if checks is not None else []
         for c in [c for c in due if c.at + c.length < start - WIDEN]:
             c.check(b"".join(s3_client.stream_range(self.made.bucket, self.made.key(self.rel), c.at, c.length,
@@ -318,12 +380,12 @@ class ObjectFile:
         return min(pos, end)
 
     def _due(self, start: int, end: int) -> list[Expected]:
-        with _CHECKS_LOCK:
-            checks = _CHECKS.get(self._id)
+        with self.src.lock:
+            checks = self.src.checks.get(self._id)
             return checks.due(start, end) if checks is not None else []
 
     def _kept(self, offset: int, nbytes: int) -> bytes | None:
-        for at, data in (*self.known, *_ENDS.get(self._id, ())):
+        for at, data in (*self.known, *self.src.ends.get(self._id, ())):
             if at <= offset and offset + nbytes <= at + len(data):
                 return data[offset - at : offset - at + nbytes]
         return None

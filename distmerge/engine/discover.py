@@ -14,7 +14,7 @@ from typing import Any
 from distmerge.errors import ConfigError, InputError
 from distmerge.formats import registry
 from distmerge.formats.base import Scan
-from distmerge.input import objects, tree
+from distmerge.input import source, tree
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,7 +33,7 @@ def discover(root: Path, fmt_name: str, hf_config: Path | None, options: Mapping
     fmt = registry.pick(root, fmt_name)
     registry.check_options(fmt, options)
     scan = fmt.scan(root, options)
-    scan = replace(scan, walked=tree.record(scan.root, [Path(scan.root) / f.path for f in scan.files]))
+    scan = replace(scan, walked=source.record(scan.root, [Path(scan.root) / f.path for f in scan.files]))
     hf_dir = Path(hf_config) if hf_config else (Path(scan.hf_dir) if scan.hf_dir else None)
     if base_model is not None:
         scan = registry.with_base_model(scan, base_model)
@@ -58,22 +58,13 @@ def _check_hf_dir(walk: tree.InputTree, hf_dir: Path) -> None:
                          "follow it; pass --hf-config DIR with the model's config folder if you trust it") from None
 
 
-def check_input(input_dir: Path | str) -> Path:
-    """The input folder, resolved and walked once (tree.py): later lookups go through that walk. An
-    object-store input (`s3://bucket/prefix`) is listed once and walked as its placeholders (objects.py)."""
-    if objects.is_url(input_dir):
-        root = Path(objects.listing(str(input_dir), tree.MAX_ENTRIES).root)
-        tree.load(root)
-        return root
-    root = Path(input_dir).resolve()
-    if not root.exists():
-        raise InputError(f"input {input_dir} does not exist")
-    if not root.is_dir():
-        raise InputError(f"input {input_dir} is not a folder: pass the checkpoint folder")
-    if not any(root.iterdir()):
-        raise InputError(f"input {input_dir} is empty")
-    tree.load(root)
-    return root
+def check_input(input_dir: Any) -> Path:
+    """The input's source (input/source.py: a folder, `s3://bucket/prefix`, or a Source object), walked once and
+    made the input of this merge: later lookups go through that walk. Returns where the formats look."""
+    src = source.open_source(input_dir)
+    src.walk()
+    source.session().use(src)
+    return src.root
 
 
 def read_config(hf_dir: Path) -> dict[str, Any]:

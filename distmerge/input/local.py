@@ -1,0 +1,132 @@
+"""A local (or shared POSIX) folder as a Source (source.py): walked once at discovery (tree.py says how and why),
+every file opened through that walk or, on the other ranks, through the record of it that came with the scan."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from distmerge.errors import InputError
+from distmerge.input import source, tree
+from distmerge.input.reads import FileBatch
+from distmerge.input.tree import InputTree, Opened, host_id
+
+
+@dataclass(frozen=True, kw_only=True)
+class Walked:
+    """What the walk saw of the files a scan lists, sent to every rank with the scan: for each file (by the
+    absolute path formats open it by) its path inside the walked root, with no link on the way, its size,
+    device and inode. Device and inode are compared only on the host that walked: across the nodes of a
+    shared file system inode numbers usually agree but device numbers do not, and some file systems (FUSE,
+    some NFS exports) number inodes per mount, so another node compares the size only."""
+
+    root: str  # the walked input folder, resolved
+    host: str  # host_id() of the walking process
+    files: dict[str, tuple[str, int, int, int]] = field(default_factory=dict)  # path -> (inside, size, dev, ino)
+    folders: dict[str, str] = field(default_factory=dict)  # folders whose unlisted files are opened (scan root)
+    listing: Any = None  # a source's own record (s3.Listing): what other ranks make the source again from
+
+    def source(self) -> source.Source:
+        """The source a rank that did not walk opens these files by."""
+        return self.listing.source() if self.listing is not None else LocalSource(self.root, walked=self)
+
+
+class LocalSource:
+    """A folder of this machine or a shared file system."""
+
+    plans_ahead = False
+
+    def __init__(self, location: str | Path, *, walked: Walked | None = None) -> None:
+        self.url = str(location)
+        self.root = Path(walked.root) if walked is not None else Path(os.path.realpath(location))
+        self.tree: InputTree | None = None  # on the process that walked it
+        self.records: list[Walked] = []  # the records this process opens by
+
+    # -- discovery (rank 0) ----------------------------------------------------------------------------------
+    def walk(self) -> None:
+        shown = self.url
+        if not self.root.exists():
+            raise InputError(f"input {shown} does not exist")
+        if not self.root.is_dir():
+            raise InputError(f"input {shown} is not a folder: pass the checkpoint folder")
+        if not any(self.root.iterdir()):
+            raise InputError(f"input {shown} is empty")
+        self.tree = InputTree(self.root)
+
+    def is_file(self, path: Path | str) -> bool:
+        return Path(path).is_file()
+
+    def config_dir(self, folders: Iterable[Path], names: tuple[str, ...]) -> str | None:
+        for folder in folders:
+            for name in names:
+                if self.is_file(folder / name / "config.json"):
+                    return str(folder / name)
+        return None
+
+    def record(self, folder: Path | str, paths: Iterable[Path | str]) -> Walked:
+        walk = self.tree
+        assert walk is not None, "record() is rank 0's, after walk()"
+        walked = Walked(root=str(walk.root), host=host_id(), listing=self._listing())
+        walked.folders[os.path.abspath(folder)] = str(walk.folder(folder).relative_to(walk.root))
+        for path in paths:
+            real, entry = walk._checked(path, "file")
+            walked.files[os.path.abspath(path)] = (str(real.relative_to(walk.root)), entry.size, entry.dev, entry.ino)
+        return walked
+
+    def _listing(self) -> Any:
+        return None
+
+    # -- every rank --------------------------------------------------------------------------------------------
+    def adopt(self, walked: Walked | None) -> None:
+        if walked is None:
+            self.records.clear()
+        elif walked not in self.records:
+            self.records.append(walked)
+
+    def holds(self, path: Path | str) -> bool:
+        full = os.path.abspath(path)
+        if self.tree is not None and self.tree.contains(full):
+            return True
+        return any(full in w.files or any(Path(full).is_relative_to(f) for f in w.folders) for w in self.records)
+
+    def open(self, path: Path | str) -> Any:
+        full = os.path.abspath(path)
+        if self.tree is not None and self.tree.contains(full):
+            real, entry = self.tree._checked(path, "file")
+            return self._file(path, str(real.relative_to(self.tree.root)), entry.size, (entry.dev, entry.ino))
+        for walked in self.records:
+            if full in walked.files:
+                rel, size, dev, ino = walked.files[full]
+                return self._file(path, rel, size, (dev, ino) if walked.host == host_id() else None)
+            folder = next((f for f in walked.folders if Path(full).is_relative_to(f)), None)
+            if folder is not None:  # an unlisted file of the save (DCP's .metadata): no link on the way, regular
+                return self._file(path, os.path.normpath(os.path.join(walked.folders[folder],
+                                                                      os.path.relpath(full, folder))), None, None)
+        return None
+
+    def _file(self, shown: Path | str, rel: str, size: int | None, ident: tuple[int, int] | None) -> Any:
+        return Opened(tree.open_beneath(shown, self.root, rel, size, ident), self.root / rel)
+
+    # -- the read policy ---------------------------------------------------------------------------------------
+    def batch(self, reader: Any) -> FileBatch:
+        return FileBatch(reader)
+
+    def each(self, fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
+        return [fn(item) for item in items]
+
+    def shown(self, message: str) -> str:
+        return message
+
+    def __str__(self) -> str:
+        return self.url
+
+
+def load(root: Path | str) -> InputTree:
+    """Walk a folder as the input of what follows in this context (tests; discovery uses walk())."""
+    src = LocalSource(root)
+    src.tree = InputTree(Path(root))
+    source.session().use(src)
+    return src.tree
