@@ -143,7 +143,7 @@ class Reader:
         owner's local fragments."""
         return self.source.batch(self)
 
-    def remote(self, frag: Fragment) -> bool:
+    def by_request(self, frag: Fragment) -> bool:
         """The fragment's bytes come through the file's methods (a request each) rather than its descriptor or a
         mapped view."""
         return frag.byte_offset >= 0 and self._file(frag.file_index).fd < 0
@@ -151,7 +151,7 @@ class Reader:
     def with_packing(self, frags: Iterable[Fragment]) -> list[Fragment]:
         """Of an owner's own fragments of a round, those the source's policy reads with the round's packing
         (exchange.held_back): an object store's, in the same merged GETs; none of a folder's."""
-        return [f for f in frags if self.remote(f)] if self.source.plans_ahead else []
+        return [f for f in frags if self.by_request(f)] if self.source.plans_ahead else []
 
     def taken(self, index: int) -> list[tuple[int, int]] | None:
         """(start, end) of every fragment of an input file this rank opened, sorted: bytes a batch may not read

@@ -44,7 +44,7 @@ class Reader(Protocol):
 
     def can_copy(self, frag: Fragment) -> bool: ...
 
-    def remote(self, frag: Fragment) -> bool: ...
+    def by_request(self, frag: Fragment) -> bool: ...
 
     def taken(self, index: int) -> list[tuple[int, int]] | None: ...
 
@@ -155,7 +155,7 @@ class Batch:
             if then is not None:
                 then(dest)
             return
-        if not self.reader.remote(frag):
+        if not self.reader.by_request(frag):
             self.reader.read_into(frag, dest, count, then)
             return
         self.jobs[frag.file_index].append(_Job(frag=frag, offset=frag.byte_offset, nbytes=frag.nbytes, dest=dest,
@@ -167,7 +167,7 @@ class Batch:
         if kept is not None:
             put(memoryview(kept.numpy())[:nbytes], out_offset)
             return
-        if not self.reader.remote(frag):
+        if not self.reader.by_request(frag):
             self.reader.copy_to(frag, put, out_offset, nbytes)
             return
         self.jobs[frag.file_index].append(_Job(frag=frag, offset=frag.byte_offset, nbytes=nbytes, put=put,
