@@ -3,7 +3,8 @@
     distmerge.merge(input, output, **options) -> MergeResult
     distmerge.verify(merged, reference, **options) -> VerifyResult
 
-(distmerge/api.py, docs/api.md). Imported on first use: `import distmerge` alone loads no torch.
+(distmerge/api.py, docs/api.md). Imported on first use: `import distmerge` alone loads no torch. The package that
+does the verifying is distmerge.verifier, so this name is only ever the function.
 """
 
 __version__ = "0.1.0"
@@ -11,17 +12,13 @@ __all__ = ["merge", "verify"]
 
 
 def __getattr__(name: str):
-    if name == "merge":
-        from distmerge.api import merge
-
-        return merge
-    if name == "verify":  # the package, which takes the call (distmerge/verify/__init__.py says why)
-        import importlib
+    if name in __all__:
         import random
 
         state = random.getstate()  # importing rich draws from it (api.as_found): a job's random stays as it was
         try:
-            return importlib.import_module("distmerge.verify")
+            from distmerge import api
         finally:
             random.setstate(state)
+        return getattr(api, name)
     raise AttributeError(f"module 'distmerge' has no attribute {name!r}")

@@ -2,7 +2,7 @@
 
 import sys
 
-from distmerge.cli import main
+from distmerge.front.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

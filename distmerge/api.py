@@ -32,16 +32,17 @@ from contextlib import contextmanager
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
-from distmerge import options, output_options
-from distmerge.cli_options import base_model_dir, format_options, output_settings, reference_format_options
+from distmerge import options
 from distmerge.errors import DistmergeError
+from distmerge.options import output_options
+from distmerge.options.cli_options import base_model_dir, format_options, output_settings, reference_format_options
 
 if TYPE_CHECKING:
-    from distmerge.comm import Comm
+    from distmerge.distributed.comm import Comm
     from distmerge.engine.run import MergeOptions
     from distmerge.results import MergeResult
-    from distmerge.verify.listing import VerifyOptions
-    from distmerge.verify.run import VerifyResult
+    from distmerge.verifier.listing import VerifyOptions
+    from distmerge.verifier.run import VerifyResult
 
 log = logging.getLogger("distmerge")
 
@@ -67,7 +68,7 @@ def merge(input: str | os.PathLike, output: str | os.PathLike, **kwargs: Any) ->
 
 
 def verify(merged: str | os.PathLike, reference: str | os.PathLike, **kwargs: Any) -> VerifyResult:
-    from distmerge.verify.run import verify_and_write
+    from distmerge.verifier.run import verify_and_write
 
     with api_spelling("verify"):
         values = options.from_keywords("verify", {"merged": merged, "reference": reference, **kwargs})
@@ -118,8 +119,8 @@ def verify_request(values: Mapping[str, Any]) -> VerifyOptions:
     """verify.VerifyOptions from the parsed options. The options that shape the output given may change the
     comparison (output_options.criteria): a --dtype asks for the cast, values must equal the reference cast the same
     way (as merge --verify-against)."""
-    from distmerge.verify.listing import VerifyOptions
-    from distmerge.verify.report import Criteria
+    from distmerge.verifier.listing import VerifyOptions
+    from distmerge.verifier.report import Criteria
 
     settings = output_settings(values)
     crit = Criteria(atol=values["atol"], rtol=values["rtol"], min_cosine=values["min_cosine"],
@@ -155,7 +156,7 @@ def job_group(values: Mapping[str, Any], on_silence: Callable[[str, bool], None]
     """The Comm of one call: the running job's group when there is one (borrowed: left up), else a group of our
     own under torchrun, else one process. `on_silence`: a command's (Comm's): the watchdog of a group of our own
     ends the process with its verdict."""
-    from distmerge.comm import process_group, resolve_device
+    from distmerge.distributed.comm import process_group, resolve_device
 
     group, device, timeout = values.get("group"), values["device"], values["timeout"]
     if group is not None or _initialized():

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from distmerge.cli import main as distmerge_main
+from distmerge.front.cli import main as distmerge_main
 
 REPO = Path(__file__).resolve().parents[1]
 

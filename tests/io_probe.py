@@ -3,7 +3,7 @@
     torchrun --nproc-per-node N tests/io_probe.py RECORD_DIR merge --input IN --output OUT ...
 
 Each rank writes RECORD_DIR/rank{R}.json with the growth of `rchar` (/proc/self/io) across
-`distmerge.cli.main`: every byte the process got from read, pread, readv, sendfile and copy_file_range,
+`distmerge.front.cli.main`: every byte the process got from read, pread, readv, sendfile and copy_file_range,
 page-cache hits included, counted by the kernel, not by distmerge. Every distmerge module, and what the input's
 format imports lazily, is imported before the count starts, so Python reading its own modules stays out.
 Used by tests/test_promises.py.
@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 import distmerge
-import distmerge.cli
+import distmerge.front.cli
 
 
 def rchar() -> int:
@@ -29,7 +29,7 @@ def rchar() -> int:
 
 def import_everything(argv: list[str]) -> None:
     for module in pkgutil.walk_packages(distmerge.__path__, "distmerge."):
-        if not module.name.startswith("distmerge.verify.logits"):  # transformers: never on the merge path
+        if not module.name.startswith("distmerge.verifier.logits"):  # transformers: never on the merge path
             importlib.import_module(module.name)
 
 
@@ -37,7 +37,7 @@ def main() -> int:
     record, argv = Path(sys.argv[1]), sys.argv[2:]
     import_everything(argv)
     before = rchar()
-    rc = distmerge.cli.main(argv)
+    rc = distmerge.front.cli.main(argv)
     read = rchar() - before
     rank = int(os.environ.get("RANK", "0"))
     (record / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "rchar": read, "rc": rc}))

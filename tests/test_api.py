@@ -13,8 +13,8 @@ import pytest
 
 import distmerge
 from distmerge import options
-from distmerge.cli import main as distmerge_main
 from distmerge.errors import InputError, OutputError
+from distmerge.front.cli import main as distmerge_main
 from tests.conftest import REPO, free_port, input_untouched, merge_inproc, reference_dir, tree_bytes
 
 # The API's options against the command line's, --help and the README: tests/test_options_agree.py
@@ -148,7 +148,7 @@ def test_a_call_leaves_the_callers_random_stream_as_it_found_it(fsdp_ckpts, tmp_
     checks the RNG too, but nothing draws there any more. Shown to fail: without as_found's random.setstate,
     "merge moved the caller's random stream"."""
     from distmerge.engine import run as engine_run
-    from distmerge.verify import run as verify_run
+    from distmerge.verifier import run as verify_run
 
     ckpt = fsdp_ckpts["fsdp2_llama_w2"]
     merge_draws = drawing(monkeypatch, engine_run, "merge")
@@ -199,7 +199,7 @@ def test_an_nccl_job_gets_a_gloo_side_group_of_ours(runs_nccl, job_group):
     """Over NCCL the fragments travel in the job's group on its current GPU (read, never set), the small messages
     in a gloo group distmerge makes, and close() destroys that one only; with device='cpu' the fragments go in the
     side group too (NCCL carries no CPU tensor)."""
-    from distmerge.comm import Comm
+    from distmerge.distributed.comm import Comm
 
     start = groups()
     comm = Comm.borrow(None, device="auto", timeout_s=30)
@@ -220,7 +220,7 @@ def test_a_gloo_job_keeps_the_cpu_and_torch_cuda_untouched(job_group, monkeypatc
     device='cuda' there is a clear error."""
     import torch
 
-    from distmerge.comm import Comm
+    from distmerge.distributed.comm import Comm
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: pytest.fail("torch.cuda asked"))
     start = groups()
@@ -237,7 +237,7 @@ def test_an_nccl_group_of_part_of_the_job_is_refused(runs_nccl, job_group, monke
     distmerge alone, and the message says what to pass instead."""
     import torch.distributed as dist
 
-    from distmerge.comm import Comm
+    from distmerge.distributed.comm import Comm
 
     real = dist.get_world_size
     monkeypatch.setattr(dist, "get_world_size", lambda g=None: 1 if g is job_group else 4 if g is None else real(g))
@@ -262,11 +262,11 @@ def test_the_api_in_a_one_process_job(job_group, fsdp_ckpts, tmp_path):
 # The functions that may write to stdout/stderr: the command line's, and the progress, summary and report that
 # the API shows only with progress=True.
 PRINTERS = {
-    "distmerge/cli.py": {"main", "_report_error", "report_silence"},
-    "distmerge/verl_cli.py": {"say_notes", "after_merge"},
-    "distmerge/inspect.py": {"run_inspect"},
+    "distmerge/front/cli.py": {"main", "_report_error", "report_silence"},
+    "distmerge/front/verl_cli.py": {"say_notes", "after_merge"},
+    "distmerge/front/inspect.py": {"run_inspect"},
     "distmerge/report.py": {"Progress.say", "Progress.start", "Progress.advance", "print_summary"},
-    "distmerge/verify/report.py": {"print_report"},
+    "distmerge/verifier/report.py": {"print_report"},
 }
 
 

@@ -14,14 +14,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from distmerge import transforms
-from distmerge.cli import main as distmerge_main
 from distmerge.errors import ConfigError, LayoutError
-from distmerge.families import value_head
+from distmerge.families import transforms, value_head
 from distmerge.families.base import FamilyContext, SourceMeta, claim
 from distmerge.families.megatron import family as megatron
 from distmerge.families.megatron.tables import FAMILIES
 from distmerge.formats.base import Hints
+from distmerge.front.cli import main as distmerge_main
 from tests.conftest import (
     assert_exact,
     load_merged,

@@ -35,7 +35,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from distmerge.cli import main as distmerge_main
+from distmerge.front.cli import main as distmerge_main
 from tests.conftest import REPO, free_port, merge_inproc, reference_dir
 from tests.test_verify import bump
 

@@ -35,9 +35,9 @@ from pathlib import Path
 
 import pytest
 
-from distmerge.cli import main as distmerge_main
 from distmerge.errors import InputError
 from distmerge.formats.base import Fragment
+from distmerge.front.cli import main as distmerge_main
 from tests.conftest import assert_exact, expected_tensors, input_untouched, load_merged, reference_dir, tree_digest
 
 SECONDS, MEMORY = 10, 3 << 29  # per case: wall time, address space beyond what the test process holds

@@ -29,12 +29,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from distmerge.cli import main as distmerge_main
 from distmerge.engine import discover as disc
 from distmerge.engine.reader import Reader
 from distmerge.errors import InputError
 from distmerge.formats import copies, registry
 from distmerge.formats.torch_private import state_dicts, zip_records
+from distmerge.front.cli import main as distmerge_main
 from distmerge.input import local as input_local
 from distmerge.input import source as input_source
 from distmerge.input import tree as input_tree
@@ -218,7 +218,7 @@ import shutil, sys
 from pathlib import Path
 from distmerge.engine import plan
 from distmerge.engine import discover
-from distmerge.cli import main
+from distmerge.front.cli import main
 
 walk = discover.discover
 

@@ -41,7 +41,7 @@ from safetensors.torch import load_file
 from distmerge.errors import CorruptInputError
 from distmerge.formats.deepspeed import folder as deepspeed
 from distmerge.formats.torch_private import dcp, restricted, state_dicts, torch_save
-from distmerge.verify import sides
+from distmerge.verifier import sides
 from tests import hostile_pickles as hp
 from tests.conftest import REPO, assert_exact, load_merged, merge_inproc, reference_dir
 

@@ -101,7 +101,7 @@ def test_merged_vl_loads_and_gives_the_trained_logits(vl_ckpts, vl_merged):
 
 @pytest.mark.parametrize("reference", ["hub", "module.safetensors"])
 def test_verify_pairs_hub_and_module_names_both_ways(reference, vl_ckpts, vl_merged, capsys):
-    from distmerge.cli import main
+    from distmerge.front.cli import main
 
     ref = reference_dir(vl_ckpts[CASE]) / reference
     extra = ["--logits"] if reference == "hub" else []

@@ -23,8 +23,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from distmerge.cli import main as distmerge_main
-from distmerge.transforms import lora_fuse
+from distmerge.families.transforms import lora_fuse
+from distmerge.front.cli import main as distmerge_main
 from tests.conftest import assert_exact, assert_refused, load_merged, merge_inproc, reference_dir, torchrun
 
 CASE = "fsdp2_llama_lora_only_w2"

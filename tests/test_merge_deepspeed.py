@@ -107,7 +107,7 @@ def test_lora_only_save_says_what_it_is(ds_ckpts, tmp_path, capsys):
 
 
 def test_inspect_describes_the_save(ds_ckpts, capsys):
-    from distmerge.cli import main
+    from distmerge.front.cli import main
 
     assert main(["inspect", str(ds_ckpts["ds_z2_odd_w3"]), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)

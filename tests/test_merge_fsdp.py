@@ -94,7 +94,7 @@ def test_torchrun_output_is_byte_identical(case, nproc, fsdp_ckpts, tmp_path):
 
 
 def test_inspect_reports_layout(fsdp_ckpts, capsys):
-    from distmerge.cli import main
+    from distmerge.front.cli import main
 
     assert main(["inspect", str(fsdp_ckpts["fsdp2_llama_hsdp_2x2"]), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)

@@ -135,7 +135,7 @@ def test_iteration_option_and_tracker(megatron_ckpts, tmp_path, capsys):
 
 
 def test_inspect_megatron(megatron_ckpts, capsys):
-    from distmerge.cli import main
+    from distmerge.front.cli import main
 
     ckpt = megatron_ckpts["megatron_tp2pp2"]
     assert main(["inspect", str(ckpt), "--hf-config", str(hf_config(ckpt)), "--json"]) == 0

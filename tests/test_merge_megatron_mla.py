@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from distmerge.cli import main as distmerge_main
+from distmerge.families.transforms import mla_rope_halves
 from distmerge.formats.megatron import layout as mg
-from distmerge.transforms import mla_rope_halves
+from distmerge.front.cli import main as distmerge_main
 from tests.conftest import (
     assert_exact,
     assert_refused,
@@ -380,7 +380,7 @@ def test_mtp_under_an_architecture_without_mtp_rows_is_refused():
 def test_copies_transform_applies_its_transform_once():
     """transforms.copies: the named transform's one result, `count` times (the MTP layer's embedding copy is the
     trimmed vocabulary, like the main one)."""
-    from distmerge.transforms import copies
+    from distmerge.families.transforms import copies
 
     padded = torch.arange(12.0).view(4, 3)
     out = copies([padded], of="trim_rows", count=3, rows=2)

@@ -25,9 +25,9 @@ from distmerge.engine.reader import Reader
 from distmerge.engine.unwritten import _checksum
 from distmerge.errors import InputError, LayoutError
 from distmerge.families.base import FamilyContext, SourceMeta, claim
+from distmerge.families.transforms import apply
 from distmerge.formats import registry
 from distmerge.formats.base import Fragment, Hints
-from distmerge.transforms import apply
 from tests.conftest import assert_exact, load_merged, merge_inproc, reference_dir, torchrun, tree_bytes
 from tests.fixtures.torchtitan_cases import input_ids
 from tests.test_contract_families import metas, torchtitan_sources, tt_hf_state

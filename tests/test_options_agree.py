@@ -11,8 +11,8 @@ import pytest
 
 import distmerge
 from distmerge import api, options
-from distmerge.cli import build_parser
 from distmerge.errors import InputError
+from distmerge.front.cli import build_parser
 from distmerge.options import Opt
 from tests.conftest import REPO
 from tests.test_readme_options import documented, readme_rows

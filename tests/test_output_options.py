@@ -1,4 +1,4 @@
-"""The options that shape the output are declared once (distmerge/output_options.py): the row of the options table,
+"""The options that shape the output are declared once (options/output_options.py): the row of the options table,
 the setting, the resume fingerprint and verify's treatment all come from the declaration. A new one is one
 declaration: shown with a toy registered here, not in the package."""
 
@@ -10,15 +10,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from distmerge import api, options, output_options
-from distmerge.cli_options import output_settings
+from distmerge import api, options
 from distmerge.engine import prepare, resume
 from distmerge.engine.prepare import OutputSettings
 from distmerge.errors import InputError
 from distmerge.families.base import LoraOptions
-from distmerge.output_options import OutputOption
-from distmerge.verify import kinds
-from distmerge.verify.listing import VerifyOptions
+from distmerge.options import output_options
+from distmerge.options.cli_options import output_settings
+from distmerge.options.output_options import OutputOption
+from distmerge.verifier import kinds
+from distmerge.verifier.listing import VerifyOptions
 from tests.test_options_agree import REQUIRED, subparser
 
 CONFIG_DIGEST = "f9d86028c6e0d64e225186f96acb69338b2c59764df79162107f5c4bb34d1310"  # of {"a": 1}

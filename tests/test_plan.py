@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from distmerge.cli import parse_size
 from distmerge.engine.plan import assign_owners, assign_readers, make_plan, merge_inventories, natural_key
 from distmerge.errors import LayoutError
 from distmerge.families.base import FamilyContext, SourceMeta
 from distmerge.families.hf import HF
 from distmerge.formats.base import Fragment, InputFile
+from distmerge.front.cli import parse_size
 from distmerge.output.names import model_file_names as file_names
 
 

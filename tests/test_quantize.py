@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distmerge import fp8
+from distmerge.quantize import fp8
 from tests.conftest import REPO, free_port, load_merged, merge_inproc, reference_dir, torchrun, tree_bytes
 
 CT_FOLDER = "fsdp2_llama_w2"
@@ -217,7 +217,7 @@ def test_the_moe_families_write_their_experts_in_fp8(case, written, kept, megatr
     ("lm_head.weight", False),
 ])
 def test_the_table_names_decoder_linear_weights_only(name, fp8_weight):
-    from distmerge.families.quantized import QUANTIZED
+    from distmerge.quantize.table import QUANTIZED
 
     assert (QUANTIZED.fullmatch(name) is not None) == fp8_weight
 
@@ -339,7 +339,8 @@ def test_output_bytes_are_the_same_for_any_n(nproc, scheme, mla_ckpts, merged, t
 GROUP_AFTER_CLOSE = """
 import gc, sys, weakref
 import torch.distributed as dist
-from distmerge import comm, fp8_compressed
+from distmerge.distributed import comm
+from distmerge.quantize import fp8_compressed
 comm.launched_world = lambda: 2
 c = comm.Comm(device="cpu", timeout_s=60)
 group = weakref.ref(dist.group.WORLD)

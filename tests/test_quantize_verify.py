@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from distmerge import api
-from distmerge.cli import main as distmerge_main
+from distmerge.front.cli import main as distmerge_main
 from tests.conftest import merge_inproc, reference_dir
 
 CASE = "fsdp2_llama_w2"  # 138-row MLP weights: a full block and a partial one
@@ -101,10 +101,10 @@ def test_block_by_block_is_the_whole_tensor(scheme, block, monkeypatch):
     """verify's FP8 comparison a block at a time (verify/fp8_compare.py, each element finding its own scale) gives
     the figures, the largest error / bound and the count beyond it of the whole tensors dequantized at once (as
     fp8.Scheme.dequantize and fp8.bound do); with one scale off by 5%, the elements it scales go beyond."""
-    from distmerge import fp8
-    from distmerge.verify import blocks
-    from distmerge.verify.fp8_compare import Fp8Running
-    from distmerge.verify.report import Criteria
+    from distmerge.quantize import fp8
+    from distmerge.verifier import blocks
+    from distmerge.verifier.fp8_compare import Fp8Running
+    from distmerge.verifier.report import Criteria
 
     monkeypatch.setitem(blocks.BLOCK, "cpu", block)
     grid, gen = fp8.SCHEMES[scheme], torch.Generator().manual_seed(0)

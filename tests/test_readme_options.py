@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from distmerge.cli import build_parser
+from distmerge.front.cli import build_parser
 from tests.conftest import REPO
 
 HEADER = "| option | commands | meaning |"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from distmerge.cli import main as distmerge_main
+from distmerge.front.cli import main as distmerge_main
 from distmerge.report import human_bytes
 from tests.conftest import REPO, free_port, merge_inproc, torchrun, tree_bytes
 

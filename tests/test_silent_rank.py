@@ -1,7 +1,7 @@
 """A silent rank is named (issue #34): a rank that stops answering for --timeout seconds, stopped (SIGSTOP: a
 stalled node) or alive but stuck (a read that does not return: a hung filesystem), is named by the lowest live
 rank in one line, with its host, the phase the job was in and --timeout; every live rank ends within --timeout
-+ 30 s, non-zero, and no index is written (distmerge/watchdog/). Real torchrun jobs of 2 processes on the W=4
++ 30 s, non-zero, and no index is written (distributed/watchdog/). Real torchrun jobs of 2 processes on the W=4
 FSDP fixture, 9 rounds (--budget 16KB, 10 files), with --timeout 6."""
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from distmerge.watchdog import dog as watchdog
-from distmerge.watchdog.dog import Watchdog
-from distmerge.watchdog.pulse import Pulse
-from distmerge.watchdog.verdict import Reading, Record, Verdict, judge, verdict_line
+from distmerge.distributed.watchdog import dog as watchdog
+from distmerge.distributed.watchdog.dog import Watchdog
+from distmerge.distributed.watchdog.pulse import Pulse
+from distmerge.distributed.watchdog.verdict import Reading, Record, Verdict, judge, verdict_line
 from tests.conftest import REPO, free_port
 
 TIMEOUT = 6

@@ -11,17 +11,20 @@ MAX_LINES = 400
 # Lower layers never import higher ones. An entry names a module or a package (below distmerge.); a module takes
 # the layer of the longest entry that is it or a package above it (engine.run is 5, the rest of engine/ 4).
 LAYERS = {
-    0: ("errors", "dtypes", "results", "threads", "input", "s3_client", "watchdog", "output_options"),
-    1: ("formats", "comm", "transforms", "fp8", "fp8_compressed"),
-    2: ("families",),
+    0: ("errors", "dtypes", "results", "threads", "input", "s3_client", "distributed.watchdog",
+        "options.output_options"),
+    1: ("formats", "distributed.comm", "families.transforms", "quantize"),
+    2: ("families", "quantize.table"),
     3: ("engine.plan", "engine.spread", "engine.inventory", "output"),
-    4: ("engine", "report", "expect"),
-    5: ("engine.run", "inspect", "verify", "options", "cli_options", "hub", "api"),
-    6: ("cli", "__main__", "verl_cli", "hooks"),
+    4: ("engine", "report"),
+    5: ("engine.run", "front.inspect", "verifier", "options", "front.hub", "api"),
+    6: ("front", "__main__", "hooks"),
 }
+# The modules at the top of distmerge/: what every part uses, and the API. A new module belongs to a part.
+TOP = {"__init__", "__main__", "api", "errors", "dtypes", "results", "threads", "report", "s3_client"}
 # Inside a package, the same rule one level down: its modules' layers among themselves.
 SUBLAYERS = {
-    "verify": {
+    "verifier": {
         0: ("report", "sides", "components"),
         1: ("listing", "totals"),
         2: ("blocks", "kinds", "plot"),
@@ -113,7 +116,9 @@ def test_engine_names_no_format_or_family():
     """Formats and families plug in through their registries: the engine modules import none by name."""
     mods = modules()
     plugins = {m for m in mods if m.startswith(("distmerge.formats.", "distmerge.families."))}
-    allowed = {"distmerge.formats.base", "distmerge.formats.registry", "distmerge.families.base"}
+    # families.transforms: the layout functions a unit names by string (Unit.transform), applied by assemble
+    allowed = {"distmerge.formats.base", "distmerge.formats.registry", "distmerge.families.base",
+               "distmerge.families.transforms"}
     engine = [m for m in mods if any(m == f"distmerge.{e}" or m.startswith(f"distmerge.{e}.") for e in ENGINE)]
     named = [(e, i) for e in engine for i in imports(mods[e], set(mods)) if i in plugins - allowed]
     assert named == []
@@ -129,6 +134,21 @@ def test_inside_a_package_nothing_imports_a_higher_sublayer():
         assert members == set(level), (package, sorted(members ^ set(level)))
         upward = [(m, i) for m in members for i in imports(mods[m], set(mods)) if i in level and level[i] > level[m]]
         assert upward == [], upward
+
+
+def test_the_top_holds_only_what_every_part_uses():
+    """Everything else belongs to a part: quantize/, front/, options/, distributed/, engine/ ... (#35)."""
+    top = {p.stem for p in PACKAGE.glob("*.py")}
+    assert top == TOP, sorted(top ^ TOP)
+
+
+def test_verify_is_the_function():
+    """`distmerge.verify` is the API's function whatever was imported before (the package is distmerge.verifier)."""
+    import distmerge
+    import distmerge.verifier.run  # noqa: F401
+    from distmerge import api
+
+    assert distmerge.verify is api.verify and distmerge.merge is api.merge
 
 
 def test_a_package_attribute_is_the_package():

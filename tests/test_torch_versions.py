@@ -136,7 +136,7 @@ def test_merging_rank_files_imports_no_dtensor(tmp_path):
     never imported on the merge path."""
     script = (
         "import sys\n"
-        "from distmerge.cli import main\n"
+        "from distmerge.front.cli import main\n"
         "code = main(['merge', '-i', sys.argv[1], '-o', sys.argv[2], '-q'])\n"
         "print(code, 'torch.distributed.tensor' in sys.modules, 'sympy' in sys.modules)\n"
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distmerge.transforms import apply
+from distmerge.families.transforms import apply
 
 
 def fused_qkv(q, k, v, heads, groups, head_dim):

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from distmerge.cli import main as distmerge_main
+from distmerge.front.cli import main as distmerge_main
 from tests.conftest import load_reference, merge_inproc, reference_dir, torchrun
 
 INDEX = "model.safetensors.index.json"

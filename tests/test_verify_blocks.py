@@ -1,4 +1,4 @@
-"""verify's figures block by block (distmerge/verify/blocks.py): whatever the pieces a target arrives in and their
+"""verify's figures block by block (distmerge/verifier/blocks.py): whatever the pieces a target arrives in and their
 order, the figures are those of the whole tensors, `equal` is torch.equal, and the figures are the plain
 computation's; a checkpoint whose units are direct is compared without any target being built whole."""
 
@@ -10,9 +10,9 @@ import random
 import pytest
 import torch
 
-from distmerge.cli import main as distmerge_main
-from distmerge.verify import blocks, stream
-from distmerge.verify.blocks import Running, Scratch, Streamed, figures
+from distmerge.front.cli import main as distmerge_main
+from distmerge.verifier import blocks, stream
+from distmerge.verifier.blocks import Running, Scratch, Streamed, figures
 from tests.conftest import reference_dir
 
 CPU = torch.device("cpu")

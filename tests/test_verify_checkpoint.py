@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from distmerge.cli import main as distmerge_main
+from distmerge.front.cli import main as distmerge_main
 from tests.conftest import REPO, input_untouched, merge_inproc, reference_dir, torchrun, tree_digest
 
 SHARD = "300KB"  # the llama fixture in 3 planned files: file names in the records, work for two ranks
@@ -161,10 +161,10 @@ def test_a_budget_of_one_byte_still_passes(megatron_ckpts, capsys):
 
 def test_python_entry_point(megatron_ckpts, tmp_path):
     """What another command (a verl-style `test`) calls: VerifyOptions with merge's options, inside a group."""
-    from distmerge.comm import process_group
+    from distmerge.distributed.comm import process_group
     from distmerge.engine.prepare import OutputSettings
-    from distmerge.verify import VerifyOptions, verify_and_report
-    from distmerge.verify.run import verify as verify_api
+    from distmerge.verifier import VerifyOptions, verify_and_report
+    from distmerge.verifier.run import verify as verify_api
 
     ckpt = megatron_ckpts["megatron_tp2pp2"]
     ref = reference_dir(ckpt)

@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from distmerge.verify import plot, totals
+from distmerge.verifier import plot, totals
 from tests.conftest import merge_inproc, reference_dir
 from tests.test_verify import SHARD, verify
 

@@ -1,4 +1,4 @@
-"""verl's model-merger command line, verbatim (distmerge/verl_cli.py, docs/verl.md): the merger guide's commands
+"""verl's model-merger command line, verbatim (distmerge/front/verl_cli.py, docs/verl.md): the merger guide's commands
 with only the program name swapped, on real saves laid out as verl lays them out; each flag does what it did in
 verl, is checked against the checkpoint (a contradiction is one line, exit 1), or is a note said once."""
 
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from distmerge.cli import build_parser
-from distmerge.cli import main as distmerge_main
-from distmerge.verl_cli import translate
+from distmerge.front.cli import build_parser
+from distmerge.front.cli import main as distmerge_main
+from distmerge.front.verl_cli import translate
 from tests.conftest import (
     assert_exact,
     expected_tensors,
@@ -147,7 +147,7 @@ def test_verl_and_native_spelling_of_one_option_is_refused(fsdp_ckpts, tmp_path,
 
 def test_every_verl_flag_is_in_docs_verl_md():
     """docs/verl.md's table has a row for each row of verl_cli.FLAGS, and no row for a flag it lacks."""
-    from distmerge.verl_cli import FLAGS
+    from distmerge.front.verl_cli import FLAGS
     from tests.conftest import REPO
 
     text = (REPO / "docs" / "verl.md").read_text()

@@ -20,10 +20,11 @@ from typing import Protocol
 
 import torch
 
-from distmerge import dtypes, transforms
+from distmerge import dtypes
 from distmerge.engine.plan import Plan
 from distmerge.engine.reader import Reader
 from distmerge.errors import LayoutError
+from distmerge.families import transforms
 from distmerge.families.base import Unit
 from distmerge.formats.base import Fragment
 from distmerge.input.reads import Batch

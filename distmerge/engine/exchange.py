@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from distmerge.comm import Comm
+from distmerge.distributed.comm import Comm
 from distmerge.engine.plan import Plan
 from distmerge.engine.reader import Reader
 from distmerge.formats.base import Fragment

@@ -8,12 +8,13 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from distmerge import dtypes, fp8
+from distmerge import dtypes
 from distmerge.engine.plan import Plan
 from distmerge.engine.resume import write_manifest
 from distmerge.input import tree
 from distmerge.output.names import INDEX_NAME, MODEL_FILES
 from distmerge.output.store import Store
+from distmerge.quantize import fp8
 
 # Files of huggingface/ that are weights or indexes, never copied (the merge writes its own).
 SKIP_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")

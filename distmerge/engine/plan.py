@@ -18,13 +18,14 @@ from dataclasses import dataclass, field, replace
 from itertools import product
 from operator import attrgetter
 
-from distmerge import dtypes, fp8
+from distmerge import dtypes
 from distmerge.engine import spread
 from distmerge.errors import LayoutError
 from distmerge.families.base import SourceMeta, Target, Unit
 from distmerge.formats.base import Fragment, InputFile
 from distmerge.output.names import GROUP_FILES, model_file_names
 from distmerge.output.store import Sharing
+from distmerge.quantize import fp8
 
 
 @dataclass(frozen=True, kw_only=True)

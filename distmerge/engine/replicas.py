@@ -14,7 +14,7 @@ from collections import defaultdict
 
 import torch
 
-from distmerge.comm import Comm
+from distmerge.distributed.comm import Comm
 from distmerge.engine.plan import Plan
 from distmerge.engine.reader import Reader
 from distmerge.formats.base import Fragment

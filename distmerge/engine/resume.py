@@ -25,13 +25,13 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from distmerge import output_options as declared
-from distmerge.comm import Comm
+from distmerge.distributed.comm import Comm
 from distmerge.engine.plan import OutputFile, Plan
 from distmerge.engine.prepare import OutputSettings
 from distmerge.errors import OutputError
 from distmerge.formats import registry
 from distmerge.formats.base import InputFile
+from distmerge.options import output_options as declared
 from distmerge.output.names import INDEX_NAME, MANIFEST, RECORDS, RUN_RECORD, record_name
 from distmerge.output.store import Store
 from distmerge.output.writer import header_bytes

@@ -38,20 +38,19 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from distmerge import expect
-from distmerge.comm import Comm
+from distmerge.distributed.comm import Comm
 from distmerge.engine import discover as disc
-from distmerge.engine import inventory, replicas, resume, unwritten
+from distmerge.engine import expect, inventory, replicas, resume, unwritten
 from distmerge.engine import plan as planning
 from distmerge.engine.assemble import UnitBuild
 from distmerge.engine.exchange import Exchanger, Pending
+from distmerge.engine.expect import Claim
 from distmerge.engine.finalize import finalize
 from distmerge.engine.plan import Plan
 from distmerge.engine.prepare import OutputSettings, prepare_merge
 from distmerge.engine.reader import Reader
 from distmerge.engine.sink import FileSink, Sink
 from distmerge.errors import CorruptInputError, Interrupted
-from distmerge.expect import Claim
 from distmerge.formats import registry
 from distmerge.input.source import name_of
 from distmerge.output import lock, open_store

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from distmerge.comm import Comm
+from distmerge.distributed.comm import Comm
 from distmerge.engine import resume, spread
 from distmerge.engine.assemble import TargetOut
 from distmerge.engine.plan import Plan

@@ -29,7 +29,7 @@ from dataclasses import replace
 import torch
 
 from distmerge import dtypes
-from distmerge.comm import Comm
+from distmerge.distributed.comm import Comm
 from distmerge.engine.plan import Plan
 from distmerge.engine.reader import Reader
 from distmerge.errors import LayoutError

@@ -8,6 +8,6 @@ Which family takes a checkpoint is decided by `base.claim`, in each family's dec
 import distmerge.families.hf  # noqa: F401
 import distmerge.families.lora.family  # noqa: F401
 import distmerge.families.megatron.family  # noqa: F401
-import distmerge.families.quantized  # noqa: F401
 import distmerge.families.torchtitan.family  # noqa: F401
 import distmerge.families.value_head  # noqa: F401
+import distmerge.quantize.table  # noqa: F401

@@ -26,7 +26,7 @@ from compare_outputs import byte_differences
 from make_ckpt import llama_shape
 
 # What a merge process has imported before it reads a byte (cli, engine, torch.distributed, rich, formats).
-IMPORTS_ONLY = ("import resource, torch.distributed, distmerge.cli, distmerge.engine.run, distmerge.report; "
+IMPORTS_ONLY = ("import resource, torch.distributed, distmerge.front.cli, distmerge.engine.run, distmerge.report; "
                 ""
                 "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
 

@@ -89,7 +89,7 @@ def agreement(ours: Path, theirs: Path, bf16: Path) -> list[str]:
     from safetensors.torch import load_file
 
     sys.path.insert(0, str(HERE.parents[1]))
-    from distmerge import fp8
+    from distmerge.quantize import fp8
 
     def load(folder: Path) -> dict:
         return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}

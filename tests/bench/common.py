@@ -28,14 +28,14 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 PY = sys.executable
 _TR = Path(PY).with_name("torchrun")
-# The launch-only row: everything a merge command does except the merge (distmerge/cli.py's order): the imports
+# The launch-only row: everything a merge command does except the merge (distmerge/front/cli.py's order): the imports
 # and the parser under the CLI's start-up (GC off, then frozen), then the process group formed and destroyed, the
 # torchrun rendezvous and the teardown that every run pays whatever it merges. `minus launch` is then the work.
-LAUNCH_ONLY = ("from distmerge.cli import _start_up, build_parser\n"
+LAUNCH_ONLY = ("from distmerge.front.cli import _start_up, build_parser\n"
                "with _start_up(program=True):\n"
                "    build_parser()\n"
                "    import distmerge.engine.run\n"
-               "from distmerge.comm import process_group\n"
+               "from distmerge.distributed.comm import process_group\n"
                "with process_group(device='cpu', timeout_s=600):\n"
                "    pass")
 TORCHRUN = [str(_TR)] if _TR.exists() else [PY, "-m", "torch.distributed.run"]  # the same launcher either way
@@ -47,7 +47,7 @@ class Failed(Exception):
 
 
 def parse_size(text: str) -> int:
-    # distmerge.cli.parse_size accepts the same forms; it is not imported so the parent stays distmerge-free.
+    # distmerge.front.cli.parse_size accepts the same forms; it is not imported so the parent stays distmerge-free.
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", text, re.IGNORECASE)
     if not m:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 0.8GB, 500MB)")

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 import distmerge
-from distmerge import comm as dm_comm
+from distmerge.distributed import comm as dm_comm
 from distmerge.input import tree as input_tree
 
 

@@ -22,10 +22,10 @@ import torch
 
 from distmerge import dtypes
 from distmerge.families import hub_names
-from distmerge.verify.blocks import figures
-from distmerge.verify.listing import Listing, VerifyOptions
-from distmerge.verify.report import Figures, LogitsCheck, judge
-from distmerge.verify.sides import TensorFiles
+from distmerge.verifier.blocks import figures
+from distmerge.verifier.listing import Listing, VerifyOptions
+from distmerge.verifier.report import Figures, LogitsCheck, judge
+from distmerge.verifier.sides import TensorFiles
 
 ROWS, SEQ = 2, 32
 # --logits of an FP8 folder (merge --quantize) without a tolerance given: the logits' cosine with the full-precision

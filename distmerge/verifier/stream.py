@@ -30,10 +30,10 @@ import torch
 from distmerge import dtypes
 from distmerge.engine.plan import Plan
 from distmerge.families.base import Target, Unit
-from distmerge.verify.blocks import Running, Scratch, Streamed, block_size, whole
-from distmerge.verify.fp8_compare import Fp8Running, fp8_check, fp8_running
-from distmerge.verify.listing import Listing, Pair
-from distmerge.verify.report import Check, Criteria, judge
+from distmerge.verifier.blocks import Running, Scratch, Streamed, block_size, whole
+from distmerge.verifier.fp8_compare import Fp8Running, fp8_check, fp8_running
+from distmerge.verifier.listing import Listing, Pair
+from distmerge.verifier.report import Check, Criteria, judge
 
 
 class Blocks(Protocol):

@@ -17,9 +17,10 @@ import re
 from dataclasses import replace
 from typing import Any
 
-from distmerge import dtypes, fp8, fp8_compressed
+from distmerge import dtypes
 from distmerge.errors import InputError
 from distmerge.families.base import FamilyResult, ModelTraits, Target, Unit, register_quantizer
+from distmerge.quantize import fp8, fp8_compressed
 
 # A decoder layer of the text model, under the names save_pretrained writes (hub_names.py: a Qwen2-VL language
 # model's layers are `model.layers`, LLaVA's `language_model.model.layers`; vision towers never match).
@@ -50,7 +51,7 @@ def quantize(result: FamilyResult, scheme: str, traits: ModelTraits, config: dic
     count = sum(t.dtype == fp8.FP8 for t in targets)
     if not count:
         raise InputError(f"--quantize {scheme}: no tensor of this model is a linear layer of an attention or MLP "
-                         "block (distmerge/families/quantized.py lists them); merge without --quantize")
+                         "block (distmerge/quantize/table.py lists them); merge without --quantize")
     kept = _unconverted(targets, traits, config)
     quantized = fp8.Quantized(scheme=scheme, unconverted=kept)
     note = (f"--quantize {scheme}: {count} linear weights in float8_e4m3fn ({fp8.SCHEMES[scheme].layout}); "

@@ -12,10 +12,11 @@ import sys
 import time
 from pathlib import Path
 
-from distmerge import __version__, options, verl_cli
-from distmerge.cli_options import add_options
+from distmerge import __version__, options
 from distmerge.errors import DistmergeError, InputError
-from distmerge.options import parse_size  # noqa: F401  (re-exported: distmerge.cli.parse_size, as before)
+from distmerge.front import verl_cli
+from distmerge.options import parse_size  # noqa: F401  (re-exported: distmerge.front.cli.parse_size, as before)
+from distmerge.options.cli_options import add_options
 
 EPILOG = """examples:
   torchrun --nproc-per-node 8 -m distmerge merge --input ckpts/global_step_1000/actor --output merged/
@@ -68,7 +69,7 @@ def tell_torchrun(line: str) -> None:
 
 
 def report_silence(line: str, speak: bool) -> None:
-    """The watchdog's verdict on a silent rank (distmerge/watchdog/): every rank that found it gives it to torchrun, one
+    """The watchdog's verdict on a silent rank (watchdog/): every rank that found it gives it to torchrun, one
     prints it. The watchdog then ends the process (its main thread is blocked in a collective)."""
     tell_torchrun(f"distmerge: error: {line}")
     if speak:
@@ -199,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     verl_cli.say_notes(verl, _rank())
     try:
         if args.command == "inspect":
-            from distmerge.inspect import run_inspect
+            from distmerge.front.inspect import run_inspect
 
             return run_inspect(args)
         if args.command == "verify":
@@ -268,7 +269,7 @@ def _run_verify(args: argparse.Namespace) -> int:
     """`distmerge verify` (and verl's `test`): the API's verify (verify_and_write) in the group api.job_group
     gives; the report always (--quiet: the verdict), exit 0 only when every tensor passes."""
     from distmerge import api
-    from distmerge.verify.run import verify_and_write
+    from distmerge.verifier.run import verify_and_write
 
     values = verl_cli.test_values(options.from_namespace(args, "verify"), args.verl)
     opts = api.verify_request(values)
@@ -279,8 +280,8 @@ def _run_verify(args: argparse.Namespace) -> int:
 
 def _verify_after_merge(args: argparse.Namespace, comm) -> int:
     """Same processes, same group: the merged files are still in the page cache."""
-    from distmerge.verify import VerifyOptions, verify_and_report
-    from distmerge.verify.report import Criteria
+    from distmerge.verifier import VerifyOptions, verify_and_report
+    from distmerge.verifier.report import Criteria
 
     sys.stdout.flush()  # the merge summary before the verify table
     crit = Criteria(accept_cast=args.dtype != "keep")  # the merge cast on purpose; values must match the cast

@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from distmerge import options, output_options
-from distmerge.options import CAST_NAMES, parse_size  # noqa: F401  (re-exported: the parsers' names, as before)
+from distmerge import options
+from distmerge.options import CAST_NAMES, output_options, parse_size  # noqa: F401  (re-exported: the parsers' names, as before)
 
 # command -> the section each group of options is shown under (None: the command's own "options:" section)
 TITLES: dict[str, dict[str, str | None]] = {

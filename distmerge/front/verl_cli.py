@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from distmerge.errors import InputError
 
 if TYPE_CHECKING:  # expect.py imports the planner (and torch): only a command that makes claims loads it
-    from distmerge.expect import Claim
+    from distmerge.engine.expect import Claim
 
 COMMANDS = {"merge": "merge", "test": "verify"}  # verl's command -> the native command that parses the rest
 
@@ -132,7 +132,7 @@ def _apply(flag: Flag, value, native: list[str], verl: Verl, parser) -> tuple[li
     if flag.kind == "backend":
         return native, replace(verl, backend=value)
     if flag.kind == "claim":
-        from distmerge.expect import Claim
+        from distmerge.engine.expect import Claim
 
         return native, replace(verl, claims=(*verl.claims, Claim(flag=flag.spelling, kind=str(flag.target),
                                                                  value=value)))
@@ -195,7 +195,7 @@ def after_merge(verl: Verl | None, output: Path, rank: int, quiet: bool) -> None
     """--hf_upload_path: rank 0 uploads the finished output (the other processes have ended)."""
     if verl is None or verl.upload is None or rank != 0:
         return
-    from distmerge.hub import upload
+    from distmerge.front.hub import upload
 
     url = upload(Path(output), verl.upload, verl.private)
     if not quiet:
@@ -215,7 +215,7 @@ def check_claims(verl: Verl | None, opts, comm) -> None:
     """Collective: verl's claims (--tie-word-embedding ...) checked against the checkpoint, by rank 0."""
     if verl is None or not verl.claims:
         return
-    from distmerge import expect
+    from distmerge.engine import expect
 
     comm.root_only(lambda: expect.check_checkpoint(verl.claims, opts.merged, opts.format, opts.hf_config,
                                                    opts.format_options))

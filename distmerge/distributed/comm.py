@@ -8,7 +8,7 @@ Call order (every rank makes every call, in the same order):
     close       destroy the group, on success and on failure (a borrowed group is left as it was)
 
 Each of the first four is a step: every rank counts them alike, and marks the time it waits in one (a Pulse). A
-Comm that starts its own group runs a watchdog that reads them (distmerge/watchdog/): it names a rank that makes
+Comm that starts its own group runs a watchdog that reads them (distributed/watchdog/): it names a rank that makes
 another wait --timeout seconds. The engine says which phase it is in with `phase`, and what must be undone before
 the watchdog ends the process with `on_abort`.
 
@@ -34,10 +34,10 @@ from typing import Any, TypeVar
 import torch
 
 from distmerge import errors
+from distmerge.distributed.watchdog.dog import Watchdog
+from distmerge.distributed.watchdog.pulse import BACKSTOP_S, Pulse, WatchedWork
 from distmerge.errors import DistmergeError, InputError
 from distmerge.input import source as input_source
-from distmerge.watchdog.dog import Watchdog
-from distmerge.watchdog.pulse import BACKSTOP_S, Pulse, WatchedWork
 
 T = TypeVar("T")
 # Test aid: a borrowed gloo group gets a gloo side group for the small messages, as an NCCL group does, so that
@@ -63,7 +63,7 @@ def launched_world() -> int:
 class Comm:
     def __init__(self, *, device: str, timeout_s: float, on_silence: Callable[[str, bool], None] | None = None) -> None:
         """A group of our own over the processes torchrun (or srun) started. With several, a watchdog names a rank
-        that makes another wait `timeout_s` (distmerge/watchdog/); the group's own timeout, timeout_s + BACKSTOP_S,
+        that makes another wait `timeout_s` (distributed/watchdog/); the group's own timeout, timeout_s + BACKSTOP_S,
         is the backstop. `on_silence(line, speak)`: the command's (cli.report_silence); given, the watchdog calls it
         with its verdict and ends the process."""
         self.world = launched_world()

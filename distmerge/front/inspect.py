@@ -10,12 +10,12 @@ from collections import Counter
 from rich.console import Console
 from rich.table import Table
 
-from distmerge.cli_options import base_model_dir, format_options, output_settings
 from distmerge.engine import discover as disc
 from distmerge.engine.prepare import plan_merge
 from distmerge.engine.reader import Reader
 from distmerge.families.base import claim
 from distmerge.formats import registry
+from distmerge.options.cli_options import base_model_dir, format_options, output_settings
 from distmerge.report import human_bytes
 
 

@@ -22,10 +22,11 @@ from pathlib import Path
 
 import torch
 
-from distmerge import dtypes, fp8
-from distmerge.verify.blocks import Running, Scratch, block_size
-from distmerge.verify.listing import Listing, Pair
-from distmerge.verify.report import Check, Criteria, Figures, fmt
+from distmerge import dtypes
+from distmerge.quantize import fp8
+from distmerge.verifier.blocks import Running, Scratch, block_size
+from distmerge.verifier.listing import Listing, Pair
+from distmerge.verifier.report import Check, Criteria, Figures, fmt
 
 OUTCOME = "within FP8 bound"
 

@@ -10,7 +10,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from distmerge.verify.report import Check, Criteria
+from distmerge.verifier.report import Check, Criteria
 
 # verl's merger guide: "more than 99% of names matched" (both ways, here).
 COVERAGE_CRITERION = 0.99

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from distmerge.watchdog.pulse import Pulse
-from distmerge.watchdog.verdict import Reading, Record, Verdict, judge, verdict_line
+from distmerge.distributed.watchdog.pulse import Pulse
+from distmerge.distributed.watchdog.verdict import Reading, Record, Verdict, judge, verdict_line
 
 log = logging.getLogger("distmerge")
 
@@ -67,7 +67,7 @@ class Watchdog:
             return None
         run = os.environ.get("TORCHELASTIC_RUN_ID", "") + "." + os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
         dog = cls(pulse=pulse, rank=rank, world=world, timeout_s=timeout_s, address=(store.host, store.port),
-                  namespace=f"distmerge/watchdog/{run}/{next(_COMMS)}",
+                  namespace=f"distmerge/distributed/watchdog/{run}/{next(_COMMS)}",
                   served_by_rank_0=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True",
                   aborts=aborts, on_silence=on_silence)
         try:

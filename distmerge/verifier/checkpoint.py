@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from distmerge import dtypes
-from distmerge.comm import Comm
+from distmerge.distributed.comm import Comm
 from distmerge.engine import plan as planning
 from distmerge.engine.finalize import main_dtype
 from distmerge.engine.plan import Plan
@@ -44,11 +44,11 @@ from distmerge.engine.run import plan_checkpoint, run_rounds
 from distmerge.errors import InputError
 from distmerge.formats import registry
 from distmerge.report import Progress
-from distmerge.verify.kinds import checkpoint_side
-from distmerge.verify.listing import Listing, VerifyOptions, merged_config, pair_sides
-from distmerge.verify.report import Check
-from distmerge.verify.sides import Loc, Side, TensorFiles, open_side
-from distmerge.verify.stream import StreamSink
+from distmerge.verifier.kinds import checkpoint_side
+from distmerge.verifier.listing import Listing, VerifyOptions, merged_config, pair_sides
+from distmerge.verifier.report import Check
+from distmerge.verifier.sides import Loc, Side, TensorFiles, open_side
+from distmerge.verifier.stream import StreamSink
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import torch
 
-from distmerge.comm import Comm
+from distmerge.distributed.comm import Comm
 from distmerge.engine.plan import assign_owners
-from distmerge.verify.blocks import Running, Scratch, block_size
-from distmerge.verify.fp8_compare import Fp8Running, fp8_running
-from distmerge.verify.listing import Listing, Pair
-from distmerge.verify.report import Check, Criteria
-from distmerge.verify.sides import TensorFiles
-from distmerge.verify.stream import make_check
+from distmerge.verifier.blocks import Running, Scratch, block_size
+from distmerge.verifier.fp8_compare import Fp8Running, fp8_running
+from distmerge.verifier.listing import Listing, Pair
+from distmerge.verifier.report import Check, Criteria
+from distmerge.verifier.sides import TensorFiles
+from distmerge.verifier.stream import make_check
 
 
 def check_mine(listing: Listing, crit: Criteria, comm: Comm) -> list[Check]:

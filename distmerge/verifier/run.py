@@ -29,16 +29,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from distmerge.comm import Comm
+from distmerge.distributed.comm import Comm
 from distmerge.engine.plan import natural_key
 from distmerge.threads import one_thread
-from distmerge.verify.checkpoint import verify_checkpoint
-from distmerge.verify.compare import check_mine
-from distmerge.verify.kinds import kinds
-from distmerge.verify.listing import VerifyOptions, make_listing
-from distmerge.verify.report import Check, LogitsCheck, print_report, report_json, write_json
-from distmerge.verify.totals import totals, totals_json, totals_lines
-from distmerge.verify.two_checkpoints import verify_two_checkpoints
+from distmerge.verifier.checkpoint import verify_checkpoint
+from distmerge.verifier.compare import check_mine
+from distmerge.verifier.kinds import kinds
+from distmerge.verifier.listing import VerifyOptions, make_listing
+from distmerge.verifier.report import Check, LogitsCheck, print_report, report_json, write_json
+from distmerge.verifier.totals import totals, totals_json, totals_lines
+from distmerge.verifier.two_checkpoints import verify_two_checkpoints
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,7 +91,7 @@ def _verify(opts: VerifyOptions, comm: Comm) -> VerifyResult:
                     key=lambda c: natural_key(c.name))
     logits = None
     if opts.logits:
-        from distmerge.verify.logits import compare_logits
+        from distmerge.verifier.logits import compare_logits
 
         comm.phase("the comparison of the logits (rank 0)")
         logits = comm.root_only(lambda: compare_logits(listing, opts, comm.device))
@@ -119,7 +119,7 @@ def verify_and_write(opts: VerifyOptions, comm: Comm, *, plot: Path | None, show
     """Collective: verify; rank 0 writes opts.json and `plot` and, when `show`, prints the report (distmerge.verify
     of the API: show only with progress=True). The result on every rank."""
     if plot is not None:
-        from distmerge.verify.plot import require_matplotlib, write_plot
+        from distmerge.verifier.plot import require_matplotlib, write_plot
 
         comm.root_only(require_matplotlib)
     result = verify(opts, comm)

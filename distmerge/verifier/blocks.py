@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from distmerge.verify.report import Figures
+from distmerge.verifier.report import Figures
 
 # Elements per block. On the CPU 16 Ki: the float64 temporaries of one block (~6 x 128 KB) and the parts of blocks
 # kept across pieces (Streamed: at most a block at each edge of a fragment) stay within a few MB. With 1 Mi

@@ -11,7 +11,6 @@ from typing import Any
 from distmerge import (
     dtypes,
     families,  # noqa: F401  (imports every family module, which registers itself)
-    fp8,
 )
 from distmerge.engine.plan import natural_key
 from distmerge.engine.prepare import OutputSettings
@@ -20,8 +19,9 @@ from distmerge.families import hub_names
 from distmerge.families.base import ModelTraits, claim
 from distmerge.families.megatron import mtp
 from distmerge.formats.base import Hints
-from distmerge.verify.report import Check, Criteria
-from distmerge.verify.sides import Side, open_side
+from distmerge.quantize import fp8
+from distmerge.verifier.report import Check, Criteria
+from distmerge.verifier.sides import Side, open_side
 
 
 @dataclass(frozen=True, kw_only=True)

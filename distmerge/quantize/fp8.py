@@ -135,7 +135,7 @@ class Quantized:
         if self.scheme == "fp8-block":
             return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                     "weight_block_size": list(BLOCK), "modules_to_not_convert": list(self.unconverted)}
-        from distmerge import fp8_compressed
+        from distmerge.quantize import fp8_compressed
 
         return fp8_compressed.config(list(self.unconverted))
 

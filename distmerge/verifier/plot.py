@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from distmerge.errors import DistmergeError
-from distmerge.verify.report import Check, Criteria
-from distmerge.verify.totals import KIND_NAMES, OTHER, kind_of, layer_of, percent, totals
+from distmerge.verifier.report import Check, Criteria
+from distmerge.verifier.totals import KIND_NAMES, OTHER, kind_of, layer_of, percent, totals
 
 FLOOR = 1e-10
 SIZE = (10.0, 6.4)  # inches, at DPI: a 1000 x 640 PNG

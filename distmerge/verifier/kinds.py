@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from distmerge import output_options
 from distmerge.engine import discover as disc
 from distmerge.engine.prepare import OutputSettings
 from distmerge.errors import DistmergeError, InputError
 from distmerge.formats import registry
-from distmerge.verify.listing import VerifyOptions
-from distmerge.verify.sides import LAYOUTS
+from distmerge.options import output_options
+from distmerge.verifier.listing import VerifyOptions
+from distmerge.verifier.sides import LAYOUTS
 
 # What marks a finished model (save_pretrained's or a merge's), and the model files of a merge that did not finish
 # (verify refuses that folder by name, as before, instead of trying it as a checkpoint).

@@ -25,10 +25,10 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from distmerge import output_options
 from distmerge.errors import InputError
 from distmerge.input.source import is_source
-from distmerge.output_options import CAST_NAMES, QUANTIZE_CHOICES  # noqa: F401  (re-exported, as before)
+from distmerge.options import output_options
+from distmerge.options.output_options import CAST_NAMES, QUANTIZE_CHOICES  # noqa: F401  (re-exported, as before)
 
 SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
 COMMANDS = ("merge", "inspect", "verify")

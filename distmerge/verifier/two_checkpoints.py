@@ -34,19 +34,19 @@ from pathlib import Path
 
 import torch
 
-from distmerge.comm import Comm
+from distmerge.distributed.comm import Comm
 from distmerge.engine.plan import Plan
 from distmerge.engine.reader import Reader
 from distmerge.engine.run import Work, plan_checkpoint, run_in_lockstep
 from distmerge.errors import InputError
 from distmerge.formats import registry
 from distmerge.report import Progress
-from distmerge.verify.checkpoint import Compared, planned_side
-from distmerge.verify.components import comparison_plans
-from distmerge.verify.kinds import checkpoint_side
-from distmerge.verify.listing import Listing, VerifyOptions, pair_sides
-from distmerge.verify.report import Criteria
-from distmerge.verify.stream import StreamSink
+from distmerge.verifier.checkpoint import Compared, planned_side
+from distmerge.verifier.components import comparison_plans
+from distmerge.verifier.kinds import checkpoint_side
+from distmerge.verifier.listing import Listing, VerifyOptions, pair_sides
+from distmerge.verifier.report import Criteria
+from distmerge.verifier.stream import StreamSink
 
 
 def verify_two_checkpoints(opts: VerifyOptions, comm: Comm) -> Compared:

@@ -15,30 +15,7 @@
     run.py      the phases (the command: cli.py over api.py)
 """
 
-import inspect
-import sys
-import types
-
-from distmerge.verify.listing import VerifyOptions
-from distmerge.verify.run import VerifyResult, verify, verify_and_report
+from distmerge.verifier.listing import VerifyOptions
+from distmerge.verifier.run import VerifyResult, verify, verify_and_report
 
 __all__ = ["VerifyOptions", "VerifyResult", "verify", "verify_and_report"]
-
-
-class _Package(types.ModuleType):
-    """`distmerge.verify` is both this package and the API's function (distmerge.api.verify): Python binds the
-    package to the name once it is imported, so the package itself takes the call."""
-
-    def __call__(self, merged, reference, **options):
-        from distmerge.api import verify as api_verify
-
-        return api_verify(merged, reference, **options)
-
-    @property
-    def __signature__(self):  # help() and inspect.signature show the API's generated signature
-        from distmerge.api import verify as api_verify
-
-        return inspect.signature(api_verify)
-
-
-sys.modules[__name__].__class__ = _Package

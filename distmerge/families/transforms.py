@@ -9,7 +9,8 @@ from collections.abc import Callable
 
 import torch
 
-from distmerge import dtypes, fp8
+from distmerge import dtypes
+from distmerge.quantize import fp8
 
 Transform = Callable[..., list[torch.Tensor]]
 
