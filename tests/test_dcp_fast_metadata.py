@@ -19,7 +19,11 @@ import torch
 
 from distmerge.errors import CorruptInputError
 from distmerge.formats.dcp import folder as dcp_format
-from distmerge.formats.torch_private import dcp, dcp_blobs, dcp_decode, dcp_runs, dcp_table, restricted
+from distmerge.formats.torch_private import dcp, restricted
+from distmerge.formats.torch_private.dcp import blobs as dcp_blobs
+from distmerge.formats.torch_private.dcp import decode as dcp_decode
+from distmerge.formats.torch_private.dcp import runs as dcp_runs
+from distmerge.formats.torch_private.dcp import table as dcp_table
 from tests import hostile_pickles as hp
 from tests.test_hostile_pickles import CPU_LIMIT_S, EXPECTED, RSS_LIMIT, in_child
 

@@ -147,7 +147,7 @@ def discovery_reads(ckpt: Path, hf: Path | None, world: int) -> tuple[int, objec
     from distmerge.engine.reader import Reader
     from distmerge.formats import registry
     from distmerge.formats.dcp import folder as dcp
-    from distmerge.formats.torch_private import dcp_blobs
+    from distmerge.formats.torch_private.dcp import blobs as dcp_blobs
 
     dcp._metadata.cache_clear()  # read it as a fresh process does
     dcp_blobs._LAYOUTS.clear()  # and check each chunk blob layout in full again, as a fresh process does

@@ -1,7 +1,7 @@
 """The only package that touches private PyTorch details, so that a torch upgrade is a change here only:
 
 - state_dicts.py: torch.save zip records, DTensor specs, FSDP1's ShardedTensor pickle (per-rank files)
-- dcp.py: torch.distributed.checkpoint's `.metadata` pickle and the torch.save blobs inside `.distcp`
+- dcp/: torch.distributed.checkpoint's `.metadata` pickle and the torch.save blobs inside `.distcp`
 - restricted.py, torch_save.py: torch.save files read without torch.load (Megatron legacy, DeepSpeed)
 - zip_records.py, pickle_scan.py: every archive and pickle checked against budgets before it is unpickled
 

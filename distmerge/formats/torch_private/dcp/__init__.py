@@ -11,6 +11,14 @@ Both pickles are read by a restricted unpickler: every global maps to an inert r
 `.metadata` may be at most METADATA_FLOOR plus the bytes of the folder's `.distcp` files (metadata_budget):
 a legitimate save's metadata is a small fraction of its data, so only a hostile file reaches it. Chunk blobs
 are zip archives checked like any torch.save file (zip_records), and a chunk's view must lie inside its record.
+
+One part, its files by idea (`read_metadata` here is the way in):
+
+    decode.py   the `.metadata` pickle taken apart without an object per chunk: frames, then a stack machine
+                over the skeleton's opcodes (falls back to the general restricted unpickler on anything else)
+    runs.py     the bulk of it, the chunks' and storage_data's records, matched and decoded in runs
+    table.py    the chunk table: every chunk a row of integer columns, joined to its storage entry
+    blobs.py    where a chunk's elements start inside its `.distcp` blob (one blob, or a file's in one pass)
 """
 
 from __future__ import annotations
@@ -23,9 +31,10 @@ from typing import Any
 import torch
 
 from distmerge.errors import CorruptInputError
-from distmerge.formats.torch_private import dcp_decode, dcp_table, pickle_scan
-from distmerge.formats.torch_private.dcp_blobs import Chunk, chunk_data_offset, locate  # noqa: F401 (readers' names)
-from distmerge.formats.torch_private.dcp_table import DcpMetadata
+from distmerge.formats.torch_private import pickle_scan
+from distmerge.formats.torch_private.dcp import decode, table
+from distmerge.formats.torch_private.dcp.blobs import Chunk, chunk_data_offset, locate  # noqa: F401 (readers' names)
+from distmerge.formats.torch_private.dcp.table import DcpMetadata
 from distmerge.formats.torch_private.restricted import Record, as_text, loads
 from distmerge.input import tree
 
@@ -65,13 +74,13 @@ def metadata_budget(path: Path) -> pickle_scan.Budget:
 
 
 def read_metadata(path: Path) -> DcpMetadata:
-    """The chunk table of a DCP `.metadata` (dcp_table). Read by dcp_decode when the file is what torch's writer
+    """The chunk table of a DCP `.metadata` (table.py). Read by decode.py when the file is what torch's writer
     writes (seconds for a million chunks), else by the general reader (pickle_scan + restricted.loads), which
     refuses what it must with its own one-line reasons."""
     budget = metadata_budget(path)
     try:
-        skeleton, names = dcp_decode.decode(_read(path, budget), _METADATA_GLOBALS)
-        return dcp_table.table(skeleton, path, names)
+        skeleton, names = decode.decode(_read(path, budget), _METADATA_GLOBALS)
+        return table.table(skeleton, path, names)
     except CorruptInputError:
         raise
     except Exception:  # noqa: BLE001 - anything the fast reader does not take, the general one judges
@@ -80,7 +89,7 @@ def read_metadata(path: Path) -> DcpMetadata:
     try:
         md = loads(raw, _METADATA_GLOBALS, where=str(path), storages={}, budget=budget)
         del raw
-        return dcp_table.table(md, path, [])
+        return table.table(md, path, [])
     except (pickle.UnpicklingError, AttributeError, KeyError, TypeError, EOFError, ValueError) as err:
         raise CorruptInputError(f"{path} is not a DCP metadata file distmerge can read safely ({err})") from None
 

@@ -6,7 +6,7 @@ first (about 150 s) and then holds a record per chunk (about 5 GB). Here the fil
 
     frames    the FRAME headers must tile the file; they are dropped (a frame is only a read-ahead hint)
     runs      the records of the chunks lists and of storage_data, matched and decoded in runs at C speed
-              (dcp_runs): each run stays one object of integer columns (ChunkRun, a StorageSlice)
+              (runs.py): each run stays one object of integer columns (ChunkRun, a StorageSlice)
     the rest  a stack machine over the remaining opcodes (about a hundred per tensor) builds the skeleton:
               Metadata, each tensor's TensorStorageMetadata and TensorProperties, StorageMeta, ... as the
               inert records of the allow-list
@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from distmerge.formats.torch_private import dcp_runs
-from distmerge.formats.torch_private.dcp_runs import NotDecoded
+from distmerge.formats.torch_private.dcp import runs
+from distmerge.formats.torch_private.dcp.runs import NotDecoded
 from distmerge.formats.torch_private.restricted import DTYPES, Record, record_class
 from distmerge.threads import one_thread
 
@@ -39,10 +39,10 @@ REF_TOKEN = re.compile(rb"h.|j....", re.DOTALL)
 STOP, MARK = 0x2E, 0x28
 REFS = (0x68, 0x6A)  # BINGET, LONG_BINGET: a run's record starts with a reference to its class
 BATCH = 1 << 15  # records decoded together: the per-call cost of torch's operations spread, the tokens' memory bounded
-RECORD = b")\x81\x94}\x94("  # after its class: EMPTY_TUPLE NEWOBJ MEMOIZE EMPTY_DICT MEMOIZE MARK (dcp_runs.NEW)
+RECORD = b")\x81\x94}\x94("  # after its class: EMPTY_TUPLE NEWOBJ MEMOIZE EMPTY_DICT MEMOIZE MARK (runs.NEW)
 MAX_LONG = 8  # LONG1 integers of at most 8 bytes: offsets and sizes are int64 in torch
 
-# The class behind each pin a run must resolve to (dcp_runs.CHUNK_PINS, STORAGE_PINS).
+# The class behind each pin a run must resolve to (runs.CHUNK_PINS, STORAGE_PINS).
 METADATA, FILESYSTEM = "torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem"
 PINS = {
     "chunk": {"cls": f"{METADATA}.ChunkStorageMetadata", "ko": "offsets", "ks": "sizes", "sz": "torch.Size"},
@@ -56,14 +56,14 @@ class StorageSlice:
 
     __slots__ = ("run",)
 
-    def __init__(self, run: dcp_runs.Run) -> None:
+    def __init__(self, run: runs.Run) -> None:
         self.run = run
 
 
 def decode(raw: bytes, table: dict[tuple[str, str], Any]) -> tuple[Any, list[str]]:
     """The skeleton of the pickled Metadata (runs standing in for their records), and the strings its storage
     runs name by id."""
-    machine = Machine(dcp_runs.unframe(raw), dcp_runs.allowed(table))
+    machine = Machine(runs.unframe(raw), runs.allowed(table))
     del raw  # the caller passes the file's bytes on: they are freed here, the opcodes kept
     with one_thread():
         return machine.run(), machine.texts()
@@ -80,9 +80,9 @@ class Machine:
         self.memo_len = 0  # every MEMOIZE so far, the runs' included
         self.names: defaultdict[bytes, int] = defaultdict(itertools.count().__next__)  # a run string's id
         self.made: dict[int, int] = {}  # memo index of a string a run created -> its id in names
-        self.pending: dict[str, list[dcp_runs.Run]] = {"chunk": [], "storage": []}  # matched, not decoded yet
+        self.pending: dict[str, list[runs.Run]] = {"chunk": [], "storage": []}  # matched, not decoded yet
         self.waiting = {"chunk": 0, "storage": 0}  # their records
-        self.chunk_runs: list[dcp_runs.Run] = []  # every chunk run, by its first memo index (recall)
+        self.chunk_runs: list[runs.Run] = []  # every chunk run, by its first memo index (recall)
         self.chunk_bases: list[int] = []
         self.callables = {id(v) for v in table.values()}  # what REDUCE may call: the allow-list's constructors
         self.ops: dict[int, Callable[[], None]] = {ord(k): getattr(self, f"op_{v}") for k, v in OPCODES.items()}
@@ -308,10 +308,10 @@ class Machine:
             return
         if not self.data.startswith(RECORD, self.pos + (2 if self.data[self.pos] == REFS[0] else 5)):
             return  # a key or a value, not a record (Megatron's plans: most items of their dicts)
-        pins = dcp_runs.first(kind, self.data, self.pos)
+        pins = runs.first(kind, self.data, self.pos)
         if pins is None or not all(self._pinned(pins[k], want) for k, want in PINS[kind].items()):
             return
-        run, self.pos, memos = dcp_runs.match(kind, pins, self.data, self.pos, self.memo_len)
+        run, self.pos, memos = runs.match(kind, pins, self.data, self.pos, self.memo_len)
         self.memo_len += memos
         self.stack += [run] if kind == "chunk" else [StorageSlice(run), None]
         if kind == "chunk":
@@ -323,13 +323,13 @@ class Machine:
             self.flush(kind)
 
     def flush(self, kind: str) -> None:
-        runs, self.pending[kind], self.waiting[kind] = self.pending[kind], [], 0
-        if not runs:
+        batch, self.pending[kind], self.waiting[kind] = self.pending[kind], [], 0
+        if not batch:
             return
         if kind == "chunk":
-            dcp_runs.decode_chunks(runs)
+            runs.decode_chunks(batch)
             return
-        made_at, made_id = dcp_runs.decode_storage(runs, self._ids, self._refs)
+        made_at, made_id = runs.decode_storage(batch, self._ids, self._refs)
         self.made.update(zip(made_at.tolist(), made_id.tolist(), strict=True))
 
     def _pinned(self, ref: bytes, want: str) -> bool:

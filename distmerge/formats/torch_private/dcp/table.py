@@ -5,7 +5,7 @@
                     tensor's own); non_tensors (the bytes entries' names)
 
 `table` builds it from the unpickled Metadata, whichever reader made it: the general one (a record per chunk
-and per storage entry) or dcp_decode (runs of records as columns, ChunkRun and StorageSlice, beside records).
+and per storage entry) or decode.py (runs of records as columns, ChunkRun and StorageSlice, beside records).
 A chunk's bytes are found by its (tensor, offsets) in storage_data, joined in torch: both sides' keys are
 numbered by torch.unique, each chunk takes the last storage entry of its number (storage_data is a dict: a
 later equal key replaces an earlier one's value). The columns pickle small: the scan broadcasts them.
@@ -21,9 +21,9 @@ from typing import Any
 import torch
 
 from distmerge.errors import CorruptInputError
-from distmerge.formats.torch_private.dcp_blobs import Chunk
-from distmerge.formats.torch_private.dcp_decode import StorageSlice
-from distmerge.formats.torch_private.dcp_runs import Run
+from distmerge.formats.torch_private.dcp.blobs import Chunk
+from distmerge.formats.torch_private.dcp.decode import StorageSlice
+from distmerge.formats.torch_private.dcp.runs import Run
 
 
 @dataclass(frozen=True, kw_only=True)
