@@ -15,7 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from distmerge.errors import ConfigError, LayoutError
-from distmerge.families import transforms, value_head
+from distmerge.families import value_head
 from distmerge.families.base import FamilyContext, SourceMeta, claim
 from distmerge.families.megatron import family as megatron
 from distmerge.families.megatron.tables import FAMILIES
@@ -180,7 +180,7 @@ def test_with_zero_bias_adds_a_zero_bias_and_keeps_the_weight():
     """The transform of a bias-free head: the weight untouched, a zero bias of one entry per row, same dtype, so
     x @ W.T + b gives what the head gave. Shown to fail: returning ones as the bias."""
     weight = torch.randn(1, 8, dtype=torch.bfloat16)
-    out_weight, bias = transforms.with_zero_bias([weight])
+    out_weight, bias = value_head.with_zero_bias([weight])
     assert torch.equal(out_weight, weight) and bias.dtype == weight.dtype and torch.equal(bias, torch.zeros(1))
     x = torch.randn(3, 8, dtype=torch.bfloat16)
     assert torch.equal(torch.nn.functional.linear(x, out_weight, bias), x @ weight.T)

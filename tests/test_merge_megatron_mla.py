@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distmerge.families.transforms import mla_rope_halves
+from distmerge.families.megatron.transforms import mla_rope_halves
 from distmerge.formats.megatron import layout as mg
 from distmerge.front.cli import main as distmerge_main
 from tests.conftest import (

@@ -26,6 +26,8 @@ from collections.abc import Collection
 from dataclasses import replace
 from typing import Any
 
+import torch
+
 from distmerge.errors import ConfigError, LayoutError
 from distmerge.families.base import (
     FamilyContext,
@@ -38,6 +40,7 @@ from distmerge.families.base import (
     output_dtype,
     register,
 )
+from distmerge.families.transforms import transform
 from distmerge.formats.base import Hints
 
 SCORE_WEIGHT, SCORE_BIAS = "score.weight", "score.bias"  # ...ForTokenClassification's head (a Linear with bias)
@@ -137,3 +140,14 @@ class ValueHeadFamily:
 
 
 VALUE_HEAD = register(ValueHeadFamily())
+
+
+@transform
+def with_zero_bias(sources: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A linear layer saved without a bias -> its weight and a zero bias, for a class whose layer has one
+    (verl's Megatron value head, Linear(hidden, 1, bias=False) -> ...ForTokenClassification's score):
+
+        weight (rows, in)   ->   weight (rows, in), bias (rows,) = 0     (x @ W.T + 0: the same outputs)
+    """
+    (weight,) = sources
+    return [weight, weight.new_zeros(weight.shape[0])]

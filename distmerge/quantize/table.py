@@ -17,9 +17,12 @@ import re
 from dataclasses import replace
 from typing import Any
 
+import torch
+
 from distmerge import dtypes
 from distmerge.errors import InputError
 from distmerge.families.base import FamilyResult, ModelTraits, Target, Unit, register_quantizer
+from distmerge.families.transforms import TRANSFORMS, transform
 from distmerge.quantize import fp8, fp8_compressed
 
 # A decoder layer of the text model, under the names save_pretrained writes (hub_names.py: a Qwen2-VL language
@@ -96,3 +99,24 @@ def _unconverted(targets: list[Target], traits: ModelTraits, config: dict[str, A
 
 def _natural(name: str) -> list:
     return [int(t) if i % 2 else t for i, t in enumerate(re.split(r"(\d+)", name))]
+
+
+@transform
+def quantized(sources: list[torch.Tensor], inner: str, inner_params: tuple[tuple[str, object], ...], scheme: str,
+              weights: tuple[tuple[int, str], ...]) -> list[torch.Tensor]:
+    """`inner`'s targets with some weights in FP8 (--quantize, fp8.py), each followed by its scales:
+
+        inner(sources) = [t0, t1, t2]   weights ((1, "BF16"),)   ->   [t0, fp8(t1), scale(t1), t2]
+
+    A weight is first cast to the dtype it would have had unquantized (the merge's --dtype), so the FP8 output is
+    the quantization of the model the same merge writes without --quantize. On the device the unit was assembled on.
+    """
+    out = TRANSFORMS[inner](sources, **dict(inner_params))
+    dtype_of = dict(weights)
+    result: list[torch.Tensor] = []
+    for i, tensor in enumerate(out):
+        if i in dtype_of:
+            result.extend(fp8.SCHEMES[scheme].quantize(tensor.to(dtypes.torch_dtype(dtype_of[i]))))
+        else:
+            result.append(tensor)
+    return result

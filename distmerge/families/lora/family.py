@@ -23,6 +23,7 @@ from collections.abc import Collection
 from dataclasses import replace
 from typing import Any
 
+import distmerge.families.lora.transforms  # noqa: F401 (its transforms register themselves)
 from distmerge.errors import InputError
 from distmerge.families.base import (
     CAUSAL_LM,

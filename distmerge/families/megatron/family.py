@@ -12,6 +12,7 @@ import re
 from functools import cache
 from typing import Any
 
+import distmerge.families.megatron.transforms  # noqa: F401 (its transforms register themselves)
 from distmerge.errors import InputError, LayoutError
 from distmerge.families import base, value_head
 from distmerge.families.base import FamilyContext, FamilyResult, SourceMeta, Target, Unit, output_dtype

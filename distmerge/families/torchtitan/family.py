@@ -14,6 +14,7 @@ from collections import defaultdict
 from functools import cache
 from typing import Any
 
+import distmerge.families.torchtitan.transforms  # noqa: F401 (its transforms register themselves)
 from distmerge.errors import InputError, LayoutError
 from distmerge.families import base
 from distmerge.families.base import FamilyContext, FamilyResult, SourceMeta, Target, Unit, output_dtype

@@ -1,0 +1,59 @@
+"""Megatron's fused and rotated layouts -> Hugging Face's (the rows of tables.py, mla.py name them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from distmerge.families.transforms import transform
+
+
+@transform
+def split_qkv(sources: list[torch.Tensor], heads: int, groups: int, head_dim: int) -> list[torch.Tensor]:
+    """Megatron's fused linear_qkv (TP shards already concatenated on dim 0) -> q, k, v.
+
+        rows, group by group:  [ q heads of group 0 | k_0 | v_0 | q heads of group 1 | k_1 | v_1 | ... ]
+                                 (heads/groups)*head_dim  head_dim  head_dim
+    TP splits these rows evenly: a shard holds whole groups, or (TP > groups) part of one; concatenating
+    the shards restores the order either way. Weights and biases alike.
+    """
+    (fused,) = sources
+    per = heads // groups
+    rest = tuple(fused.shape[1:])
+    blocks = fused.reshape(groups, (per + 2) * head_dim, *rest)
+    q = blocks[:, : per * head_dim].reshape(heads * head_dim, *rest)
+    k = blocks[:, per * head_dim : (per + 1) * head_dim].reshape(groups * head_dim, *rest)
+    v = blocks[:, (per + 1) * head_dim :].reshape(groups * head_dim, *rest)
+    return [q.contiguous(), k.contiguous(), v.contiguous()]
+
+
+@transform
+def split_gate_up(sources: list[torch.Tensor], shards: int) -> list[torch.Tensor]:
+    """SwiGLU linear_fc1 -> gate, up.
+
+        legacy files (shards = TP):  [ gate_0; up_0 | gate_1; up_1 | ... ]   each TP shard is [gate_i; up_i]
+        torch_dist   (shards = 1):   [ gate; up ]                           already global halves
+    """
+    (fused,) = sources
+    rest = tuple(fused.shape[1:])
+    halves = fused.reshape(shards, 2, fused.shape[0] // (2 * shards), *rest)
+    gate = halves[:, 0].reshape(-1, *rest)
+    up = halves[:, 1].reshape(-1, *rest)
+    return [gate.contiguous(), up.contiguous()]
+
+
+@transform
+def mla_rope_halves(sources: list[torch.Tensor], heads: int, keep: int, rope: int) -> list[torch.Tensor]:
+    """Multi-latent attention rows whose rope part rotates interleaved pairs (megatron-core's MLA, Hugging Face
+    DeepseekV3 with rope_interleave=True) -> rotating halves (rope_interleave=False). Per head (`heads` blocks
+    of `keep + rope` rows; the kv down projection is one block, keep = kv_lora_rank):
+
+        [ keep rows | x0 y0 x1 y1 ... ]   ->   [ keep rows | x0 x1 ... | y0 y1 ... ]
+
+    The keep rows (no position embedding, or the kv latent) stay as they are.
+    """
+    (weight,) = sources
+    rest = tuple(weight.shape[1:])
+    blocks = weight.reshape(heads, keep + rope, *rest)
+    pairs = blocks[:, keep:].reshape(heads, rope // 2, 2, *rest).transpose(1, 2).reshape(heads, rope, *rest)
+    return [torch.cat([blocks[:, :keep], pairs], dim=1).reshape(weight.shape).contiguous()]

@@ -1,0 +1,27 @@
+"""torchtitan's layouts -> Hugging Face's (the rows of tables.py name them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from distmerge.families.transforms import transform
+
+
+@transform
+def rope_permute(sources: list[torch.Tensor], heads: int) -> list[torch.Tensor]:
+    """Rotary embedding on interleaved pairs (Meta's Llama, torchtitan's llama3) -> on halves (Hugging Face Llama).
+
+    Both rotate pairs of a head's rows by the same angle; only which rows form a pair differs. Per head
+    (hd rows, i < hd/2, c the pair member):
+
+        interleaved:  [ x0 y0 | x1 y1 | ... ]          row 2i + c
+        halves:       [ x0 x1 ... | y0 y1 ... ]        row c * hd/2 + i
+
+    so tt.view(heads, hd/2, 2, cols).transpose(1, 2) is the Hugging Face order. wq takes the query heads,
+    wk the key/value heads; wv and wo are not rotated and keep their rows.
+    """
+    (weight,) = sources
+    rows, rest = weight.shape[0], tuple(weight.shape[1:])
+    pairs = weight.reshape(heads, rows // heads // 2, 2, *rest)
+    return [pairs.transpose(1, 2).reshape(rows, *rest).contiguous()]
