@@ -398,7 +398,7 @@ def test_mtp_torchrun_output_is_byte_identical(mla_ckpts, tmp_path):
 def test_mtp_verify_passes_against_save_pretrained(mla_ckpts, mtp_merged, capsys):
     """`distmerge verify` against save_pretrained's model, which has no MTP layer (transformers builds no module
     for it): the MTP layer's tensors are listed as not in the reference, which is no failure, and every other
-    tensor is bit-exact. Shown to fail without the MTP rule in verify/listing.py ("verify: FAIL 32 of 125
+    tensor is bit-exact. Shown to fail without the MTP rule in verifier/listing.py ("verify: FAIL 32 of 125
     tensors: model.layers.4.eh_proj.weight (extra in merged), ...")."""
     case = "mla_dist_mtp_tp2"
     reference = reference_dir(mla_ckpts[case]) / "model.safetensors"

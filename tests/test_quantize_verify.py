@@ -98,7 +98,7 @@ def test_config_of_the_fp8_folder(quantized):
 @pytest.mark.parametrize("scheme", ["fp8-block", "fp8-channel"])
 @pytest.mark.parametrize("block", [1000, 2**14])  # 1000: blocks that start mid-row and mid 128-column block
 def test_block_by_block_is_the_whole_tensor(scheme, block, monkeypatch):
-    """verify's FP8 comparison a block at a time (verify/fp8_compare.py, each element finding its own scale) gives
+    """verify's FP8 comparison a block at a time (verifier/fp8_compare.py, each element finding its own scale) gives
     the figures, the largest error / bound and the count beyond it of the whole tensors dequantized at once (as
     fp8.Scheme.dequantize and fp8.bound do); with one scale off by 5%, the elements it scales go beyond."""
     from distmerge.quantize import fp8

@@ -21,7 +21,7 @@
                                                   merge already complete
 
 discover (less the output checks), plan, checks and the rounds are shared with `verify` of a checkpoint
-(verify/checkpoint.py), through `plan_checkpoint` and `run_rounds`: the rounds hand each assembled target to a
+(verifier/checkpoint.py), through `plan_checkpoint` and `run_rounds`: the rounds hand each assembled target to a
 sink (sink.py), which for merge writes it into its output file (sink.FileSink) and for verify compares it with
 the reference. The engine knows neither formats and families nor what verify compares, nor where the output
 lives: every byte it writes goes through the output store (output/store.py documents its calls).

@@ -9,7 +9,7 @@ it is built. Call order on each rank, per round:
                   the files whose every byte is in)
 
 `output` and `round_done` run inside the round's all_gather, so an error in either is raised on every rank.
-Two sinks exist: `FileSink` below (`merge`: safetensors files) and verify/stream.StreamSink (`verify` of a
+Two sinks exist: `FileSink` below (`merge`: safetensors files) and verifier/stream.StreamSink (`verify` of a
 checkpoint: each target compared with a reference, nothing written).
 """
 

@@ -1,5 +1,5 @@
 """Comparing two finished models (each rank, the merged files it owns): figures per tensor, both sides read a
-block at a time (verify/blocks.py), on the process group's device. An FP8 weight (merge --quantize) is read a block
+block at a time (verifier/blocks.py), on the process group's device. An FP8 weight (merge --quantize) is read a block
 at a time too, with its scales, and compared dequantized (fp8_compare.py)."""
 
 from __future__ import annotations

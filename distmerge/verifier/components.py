@@ -1,7 +1,7 @@
 """Which units of two plans are compared together, by whom, in which round (pure: the same on every rank).
 
 verify of one checkpoint against another plans both (each as merge would, Hugging Face names on both); a pair
-of target names (verify/listing.py) joins the unit of one plan that builds its merged tensor with the unit of the
+of target names (verifier/listing.py) joins the unit of one plan that builds its merged tensor with the unit of the
 other that builds its reference tensor. A comparison component is a connected set of units across the two plans:
 
     plan A (FSDP)     q_proj   k_proj   v_proj        one unit per target

@@ -31,11 +31,11 @@ class VerifyOptions:
     `merged` is either a finished Hugging Face model (a folder holding model.safetensors.index.json or
     model.safetensors, or one weights file), compared as it is, or any checkpoint `merge` reads (FSDP rank files,
     DCP, Megatron, DeepSpeed, torchtitan, LoRA runs): that one is merged in memory, as `merge` with the options
-    below would, and each tensor compared with the reference; nothing is written (verify/checkpoint.py).
+    below would, and each tensor compared with the reference; nothing is written (verifier/checkpoint.py).
     `reference`: a Hugging Face folder or file, or a checkpoint too (detected, or named by `reference_format`),
     read with the `reference_` fields as `merged` is with theirs (its config.json from `reference_hf_config` when
     it has none of its own): merged in memory with the same `settings` and compared with `merged`, whichever
-    kind that is (verify/kinds.py). The fields from `format` on are engine.run.MergeOptions's and apply to a
+    kind that is (verifier/kinds.py). The fields from `format` on are engine.run.MergeOptions's and apply to a
     checkpoint only (given with a finished model they are an error): `format_options` are the format's own
     (Megatron's iteration, DeepSpeed's tag, torchtitan's step), `base_model` a second input root (a LoRA-only
     save's base folder), `settings` --dtype, --lora, --budget and the rest.

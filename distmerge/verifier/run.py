@@ -65,7 +65,7 @@ def verify(opts: VerifyOptions, comm: Comm) -> VerifyResult:
 
     `opts.merged` a finished model: its files are compared with the reference. A checkpoint (anything `merge`
     reads): merged in memory with the merge options in `opts` (format, hf_config, format_options, base_model,
-    settings) and compared, nothing written (verify/checkpoint.py); `opts.reference` likewise, with its own
+    settings) and compared, nothing written (verifier/checkpoint.py); `opts.reference` likewise, with its own
     reference_ options (kinds.py). The records are the same either way."""
     with one_thread():
         return _verify(opts, comm)
@@ -111,7 +111,7 @@ def verify_and_report(opts: VerifyOptions, comm: Comm, *, plot: Path | None = No
     (listing.py: `merged` a finished model or any checkpoint `merge` reads, `reference` a Hugging Face folder or
     file, plus the merge options a checkpoint needs) and call it inside comm.process_group. Exit status 0 when
     every tensor passes, else 1; errors are raised as DistmergeError on every rank. `plot`: a PNG of the
-    figures by layer and kind (verify/plot.py; matplotlib, checked for before the comparison)."""
+    figures by layer and kind (verifier/plot.py; matplotlib, checked for before the comparison)."""
     return 0 if verify_and_write(opts, comm, plot=plot, show=True).passed else 1
 
 

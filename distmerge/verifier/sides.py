@@ -158,7 +158,7 @@ class TensorFiles:
         return data.view(dtypes.torch_dtype(entry.dtype)).view(entry.shape)
 
     def read(self, name: str, start: int, count: int) -> torch.Tensor:
-        """Elements [start, start + count) of tensor `name`, flattened in row-major order (verify/blocks.py):
+        """Elements [start, start + count) of tensor `name`, flattened in row-major order (verifier/blocks.py):
         a safetensors tensor's byte range read with `pread` into a buffer the next `read` reuses (allocating one
         per block fragmented the heap: blocks.Scratch), a .bin tensor's view of its mapping."""
         handle = self._handle(name)

@@ -1,5 +1,5 @@
 """verify's sink (sink.Sink) for a side merged in memory: each target this rank builds is compared, block by block
-(verify/blocks.py), with the tensors paired with it on the other side, which are read a block at a time too.
+(verifier/blocks.py), with the tensors paired with it on the other side, which are read a block at a time too.
 
 On the CPU a target of a direct unit (assemble.py: one source, identity or row trim, no cast, each fragment one
 run of bytes: FSDP's Shard(0), plain tensors) is never built: its bytes are compared as they arrive, from the
