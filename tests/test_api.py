@@ -56,6 +56,28 @@ def test_the_api_takes_a_source_object_as_its_input(fsdp_ckpts, tmp_path):
     assert tree_bytes(tmp_path / "api") == tree_bytes(tmp_path / "cli")
 
 
+def test_the_api_takes_a_store_object_as_its_output(fsdp_ckpts, tmp_path):
+    """The output's twin: `output=` takes a Store (output/store.py, docs/extending.md), here a folder's that counts
+    the files it creates; the model is the folder's own, byte for byte, and the result names the store's url."""
+    from distmerge.output.local import LocalStore
+
+    class Counting(LocalStore):
+        created: list[str] = []
+
+        def create(self, layout, rank):
+            Counting.created.append(layout.name)
+            return super().create(layout, rank)
+
+    ckpt = fsdp_ckpts["fsdp2_llama_w2"]
+    assert merge_inproc("--input", ckpt, "--output", tmp_path / "cli") == 0
+    store = Counting(tmp_path / "api")
+    result = distmerge.merge(ckpt, store)
+    assert result.output == store.url
+    assert tree_bytes(tmp_path / "api") == tree_bytes(tmp_path / "cli")
+    assert {n for n in Counting.created if n.endswith(".safetensors")} == \
+        {p.name for p in (tmp_path / "cli").glob("*.safetensors")}
+
+
 def test_errors_are_raised_typed_not_exited(tmp_path, capsys):
     with pytest.raises(InputError, match="missing"):
         distmerge.merge(tmp_path / "missing", tmp_path / "out")

@@ -21,7 +21,7 @@ from distmerge.engine.plan import Plan
 from distmerge.errors import InputError
 from distmerge.families.base import FamilyContext, LoraOptions, claim, quantize
 from distmerge.formats.base import BASE_MODEL_PREFIX, Fragment
-from distmerge.output import is_url
+from distmerge.output import is_store, is_url
 from distmerge.output.store import Sharing
 
 
@@ -94,5 +94,7 @@ def prepare_merge(found: Discovery, fragments: list[Fragment], world: int, setti
     return Prepared(plan=plan, left_out=dict(result.left_out), must_equal=tuple(result.must_equal))
 
 
-def _shown(output: Path | str) -> str:
+def _shown(output: Path | str | object) -> str:
+    if is_store(output):
+        return output.url  # type: ignore[attr-defined]
     return str(output) if is_url(output) else str(Path(output).resolve())

@@ -53,7 +53,7 @@ from distmerge.engine.sink import FileSink, Sink
 from distmerge.errors import CorruptInputError, Interrupted
 from distmerge.formats import registry
 from distmerge.input.source import name_of
-from distmerge.output import lock, open_store
+from distmerge.output import lock, open_store, store_name
 from distmerge.output.lock import Lease
 from distmerge.output.names import RECORDS, record_name
 from distmerge.output.store import Sharing, Store
@@ -153,7 +153,7 @@ def _merge(opts: MergeOptions, comm: Comm, progress: Progress, store: Store, hel
         if collecting:
             gc.enable()
     return MergeResult(
-        output=str(opts.output),
+        output=store_name(opts.output),
         format=scan.format,
         input_world_size=scan.world_size,
         processes=comm.world,

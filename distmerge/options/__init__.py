@@ -29,6 +29,7 @@ from distmerge.errors import InputError
 from distmerge.input.source import is_source
 from distmerge.options import output_options
 from distmerge.options.output_options import CAST_NAMES, QUANTIZE_CHOICES  # noqa: F401  (re-exported, as before)
+from distmerge.output import is_store
 
 SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
 COMMANDS = ("merge", "inspect", "verify")
@@ -295,7 +296,9 @@ def _parsed(row: Opt, value: Any) -> Any:
     if row.kind == "path":
         return Path(os.fspath(value))
     if row.kind == "location":
-        return value if is_source(value) else location(os.fspath(value))  # a Source object: input/source.py
+        if is_source(value) or is_store(value):  # a Source or Store object: input/source.py, output/store.py
+            return value
+        return location(os.fspath(value))
     if isinstance(value, bool):
         raise TypeError(f"not a {row.kind}")
     if row.kind == "size" and isinstance(value, int):

@@ -15,9 +15,22 @@ def is_url(location: str | os.PathLike) -> bool:
     return isinstance(location, str) and "://" in location
 
 
-def open_store(location: str | os.PathLike) -> Store:
-    """The store for `--output`: `s3://bucket/prefix` is an S3-compatible object store (the `s3` extra, imported
-    only then), anything else a folder. Another scheme is refused, never taken for a folder named `x:`."""
+def is_store(value: object) -> bool:
+    """A Store object given as the output (the API's `output=`: storage plugged in from outside), not a name."""
+    return not isinstance(value, (str, os.PathLike)) and all(hasattr(value, m) for m in ("url", "prepare", "lock"))
+
+
+def store_name(location: object) -> str:
+    """An output as messages and records name it: a Store by its url."""
+    return str(location.url) if is_store(location) else str(location)  # type: ignore[attr-defined]
+
+
+def open_store(location: str | os.PathLike | Store) -> Store:
+    """The store for `--output`: a Store object as it is (each process passes its own); `s3://bucket/prefix` is an
+    S3-compatible object store (the `s3` extra, imported only then), anything else a folder. Another scheme is
+    refused, never taken for a folder named `x:`."""
+    if is_store(location):
+        return location  # type: ignore[return-value]
     if is_url(location):
         from distmerge.output.s3 import ObjectStore
 
