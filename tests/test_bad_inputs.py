@@ -116,7 +116,7 @@ def test_dcp_metadata_pointing_outside_is_refused(tmp_path, capsys):
     dcp._metadata.cache_clear()
     (ckpt / ".metadata").write_bytes(pickle.dumps(0))
     original = dcp.load_metadata
-    dcp.load_metadata = lambda root: meta
+    dcp.load_metadata = lambda src, root: meta
     try:
         assert merge_inproc("--input", ckpt, "--output", tmp_path / "out", "--hf-config", tmp_path) == 1
     finally:

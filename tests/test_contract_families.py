@@ -29,6 +29,7 @@ from distmerge.families.base import CAUSAL_LM, REGISTERED, FamilyContext, LoraOp
 from distmerge.families.megatron.tables import FAMILIES, MODEL_TYPES, Row
 from distmerge.formats.base import Hints
 from distmerge.formats.safetensors_header import read_header
+from distmerge.input import source
 
 SMALL = dict(hidden_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=4, intermediate_size=24,
              vocab_size=100, num_hidden_layers=2, tie_word_embeddings=False)
@@ -56,7 +57,7 @@ def hf_state(arch: str, auto: str = "AutoModelForCausalLM",
     model = getattr(transformers, auto).from_config(config)
     with tempfile.TemporaryDirectory() as out:
         model.save_pretrained(out)
-        header = read_header(Path(out) / "model.safetensors")
+        header = read_header(source.of(out), Path(out) / "model.safetensors")
     return {**config.to_dict(), "architectures": [arch]}, {e.name: e.shape for e in header.entries.values()}
 
 
@@ -169,7 +170,7 @@ def tt_hf_state(model_type: str, q_lora: bool = True) -> tuple[dict[str, Any], d
     model = transformers.AutoModelForCausalLM.from_config(config)
     with tempfile.TemporaryDirectory() as out:
         model.save_pretrained(out)
-        header = read_header(Path(out) / "model.safetensors")
+        header = read_header(source.of(out), Path(out) / "model.safetensors")
     return config.to_dict(), {e.name: e.shape for e in header.entries.values()}
 
 

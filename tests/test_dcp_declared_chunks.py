@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from distmerge.formats.torch_private.dcp import read_metadata
+from distmerge.input import source
 from tests.conftest import assert_refused
 
 CASE = "dcp_llama_w2"
@@ -91,5 +92,5 @@ def test_a_huge_sparse_file_beside_the_metadata_costs_no_memory(dcp_ckpts, tmp_p
     ckpt = Path(shutil.copytree(dcp_ckpts[CASE], tmp_path / "ckpt"))
     with open(ckpt / "__99_0.distcp", "wb") as f:
         f.truncate(900 * 10**9)
-    md = read_metadata(ckpt / ".metadata")
+    md = read_metadata(source.of(ckpt / ".metadata"), ckpt / ".metadata")
     assert {c.file for c in md.chunks} == {"__0_0.distcp", "__1_0.distcp"}

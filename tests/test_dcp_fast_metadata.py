@@ -24,6 +24,7 @@ from distmerge.formats.torch_private.dcp import blobs as dcp_blobs
 from distmerge.formats.torch_private.dcp import decode as dcp_decode
 from distmerge.formats.torch_private.dcp import runs as dcp_runs
 from distmerge.formats.torch_private.dcp import table as dcp_table
+from distmerge.input import source
 from tests import hostile_pickles as hp
 from tests.test_hostile_pickles import CPU_LIMIT_S, EXPECTED, RSS_LIMIT, in_child
 
@@ -35,7 +36,7 @@ FIXTURES = [("dcp_ckpts", "dcp_llama_w2", "."), ("dcp_ckpts", "dcp_llama_wrapped
 
 def general(path: Path) -> dcp_table.DcpMetadata:
     md = restricted.loads(path.read_bytes(), dcp._METADATA_GLOBALS, where=str(path), storages={},
-                          budget=dcp.metadata_budget(path))
+                          budget=dcp.metadata_budget(source.of(path), path))
     return dcp_table.table(md, path, [])
 
 
@@ -73,7 +74,7 @@ def test_read_metadata_takes_the_fast_path_on_real_saves(request, monkeypatch):
 
     monkeypatch.setattr(dcp, "loads", refuse)
     for path in metadata_files(request):
-        assert len(dcp.read_metadata(path)) > 0
+        assert len(dcp.read_metadata(source.of(path), path)) > 0
 
 
 def test_what_the_fast_reader_does_not_decode_goes_to_the_general_reader(dcp_ckpts, tmp_path):
@@ -86,7 +87,7 @@ def test_what_the_fast_reader_does_not_decode_goes_to_the_general_reader(dcp_ckp
     (folder / ".metadata").write_bytes(pickle.dumps(md, protocol=2))
     with pytest.raises(dcp_runs.NotDecoded):
         fast(folder / ".metadata")
-    assert same(dcp.read_metadata(folder / ".metadata"), fast(src))
+    assert same(dcp.read_metadata(source.of(folder / ".metadata"), folder / ".metadata"), fast(src))
 
 
 def framed(payload: bytes) -> bytes:
@@ -105,7 +106,7 @@ def test_hostile_pickles_framed_as_torch_writes_are_refused_alike(payload, dcp_c
     folder = Path(shutil.copytree(dcp_ckpts["dcp_llama_w2"], tmp_path / "ckpt"))
     target = folder / ".metadata"
     target.write_bytes(framed(hp.PICKLES[payload](marker)))
-    result = in_child(lambda: dcp.read_metadata(target))
+    result = in_child(lambda: dcp.read_metadata(source.of(target), target))
     assert result["signal"] == 0 and result["raised"] == CorruptInputError.__name__, result
     assert str(target) in result["message"] and "\n" not in result["message"]
     assert any(words in result["message"] for words in EXPECTED[payload]), result["message"]
@@ -128,7 +129,8 @@ def test_a_storage_string_whose_length_byte_lies_is_not_decoded(dcp_ckpts, tmp_p
 
 
 def _second_blob_of_a_layout(ckpt: Path) -> tuple[dcp_blobs.Chunk, list[dcp_blobs.Chunk]]:
-    chunks = [c for c in dcp.read_metadata(ckpt / ".metadata").chunks if c.file == "__0_0.distcp"]
+    metadata = ckpt / ".metadata"
+    chunks = [c for c in dcp.read_metadata(source.of(metadata), metadata).chunks if c.file == "__0_0.distcp"]
     seen: dict[tuple, dcp_blobs.Chunk] = {}
     for c in sorted(chunks, key=lambda c: c.offset):
         key = (c.length, c.lengths, c.dtype)
@@ -170,7 +172,8 @@ def locate(path: Path, chunks: list[dcp_blobs.Chunk]) -> list[int]:
 def test_blobs_of_one_layout_are_checked_once(dcp_ckpts, monkeypatch):
     """The point of the layouts: a file's blobs of one shape cost one full zip check, not one each."""
     ckpt = dcp_ckpts["dcp_llama_w2"]
-    chunks = [c for c in dcp.read_metadata(ckpt / ".metadata").chunks if c.file == "__0_0.distcp"]
+    metadata = ckpt / ".metadata"
+    chunks = [c for c in dcp.read_metadata(source.of(metadata), metadata).chunks if c.file == "__0_0.distcp"]
     calls = []
     real = dcp_blobs.chunk_data_offset
     monkeypatch.setattr(dcp_blobs, "chunk_data_offset", lambda *a: calls.append(a) or real(*a))
@@ -188,7 +191,7 @@ def test_blobs_of_one_layout_are_checked_once(dcp_ckpts, monkeypatch):
 def test_the_scan_hands_ranks_columns_not_chunks(dcp_ckpts):
     """What the scan broadcasts for the chunks is a bytes object per column of rows, each as narrow as its values:
     no object per chunk crosses the process group."""
-    scan = dcp_format.DcpFormat().scan(dcp_ckpts["dcp_llama_wrapped_w4"], {})
+    scan = dcp_format.DcpFormat().scan(source.looking_at(dcp_ckpts["dcp_llama_wrapped_w4"]), {})
     chunks: dcp_format.ModelChunks = scan.state
     rows = chunks.rows()
     assert all(isinstance(data, bytes) for _, data in chunks.columns)
@@ -212,6 +215,6 @@ def test_a_memoised_shared_tuple_key_is_refused_by_both_readers(dcp_ckpts, tmp_p
     at its CPU limit, hashing)."""
     folder = Path(shutil.copytree(dcp_ckpts["dcp_llama_w2"], tmp_path / "ckpt"))
     (folder / ".metadata").write_bytes(memoised_shared_tuple_key())
-    result = in_child(lambda: dcp.read_metadata(folder / ".metadata"))
+    result = in_child(lambda: dcp.read_metadata(source.of(folder / ".metadata"), folder / ".metadata"))
     assert result["signal"] == 0 and "nodes_per_byte" in result["message"], result
     assert result["cpu_s"] < CPU_LIMIT_S, result

@@ -15,6 +15,7 @@ import pytest
 from safetensors.torch import load_file
 
 from distmerge.formats.torch_private import dcp
+from distmerge.input import source
 from tests.conftest import assert_exact, load_merged, merge_inproc, reference_dir, torchrun, tree_bytes
 
 # case: (format distmerge reports, the DCP folder inside the save, fewest chunks its .metadata lists)
@@ -26,7 +27,8 @@ CASES = {"dcp_hf_w16": ("dcp", ".", 4656), "torchtitan_w16": ("torchtitan", ".",
 def test_a_many_rank_save_merges_exactly_with_the_fast_metadata_reader(case, many_rank_ckpts, tmp_path, monkeypatch):
     fmt, folder, fewest = CASES[case]
     ckpt = many_rank_ckpts[case]
-    assert len(dcp.read_metadata(ckpt / folder / ".metadata")) >= fewest
+    metadata = ckpt / folder / ".metadata"
+    assert len(dcp.read_metadata(source.of(metadata), metadata)) >= fewest
     ran = torchrun(2, "merge", "--input", ckpt, "--output", tmp_path / "n2", "--quiet",
                    "--json-summary", tmp_path / "n2.json")
     assert ran.returncode == 0, ran.stderr[-3000:]

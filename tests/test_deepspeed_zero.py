@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from distmerge.formats.deepspeed.zero import flat_pieces, partition_size, stage3_pieces
+from distmerge.input import source
 
 
 def reassemble(pieces_by_rank, slices, numels, names):
@@ -69,7 +70,7 @@ def test_readers_are_spread_by_the_bytes_a_merge_reads(ds_ckpts):
     from distmerge.formats.registry import get
 
     fmt = get("deepspeed")
-    scan = fmt.scan(ds_ckpts["ds_z2_odd_w3"], {})
+    scan = fmt.scan(source.looking_at(ds_ckpts["ds_z2_odd_w3"]), {})
     model = [f for f in scan.files if "model_states" in f.path]
     optims = [f for f in scan.files if "optim_states" in f.path]
     assert len(model) == 1 and model[0].reads == 0 and model[0].size > 0

@@ -274,9 +274,12 @@ def test_rank_file_is_read_through_the_descriptor_that_was_checked(fsdp_ckpts, t
         return found
 
     monkeypatch.setattr(zip_records, "records", check_then_swap)
-    got = state_dicts.read_rank_file(rank(ckpt, 1))
-    want = state_dicts.read_rank_file(fsdp_ckpts["fsdp2_llama_w4"] / rank(ckpt, 1).name)
-    other = state_dicts.read_rank_file(fsdp_ckpts["fsdp2_llama_w4"] / rank(ckpt, 2).name)
+    def read(path: Path) -> state_dicts.RankFile:
+        return state_dicts.read_rank_file(input_source.of(path), path)  # the walked input's source, for ckpt
+
+    got = read(rank(ckpt, 1))
+    want = read(fsdp_ckpts["fsdp2_llama_w4"] / rank(ckpt, 1).name)
+    other = read(fsdp_ckpts["fsdp2_llama_w4"] / rank(ckpt, 2).name)
     def saver(saved: state_dicts.RankFile) -> int:
         return vars(state_dicts.dtensor_parts("lm_head.weight", saved.state["lm_head.weight"])[1].mesh)["_rank"]
 
@@ -316,10 +319,11 @@ def test_payload_check_refuses_only_equal_payloads(ds_ckpts, tmp_path):
     for name, source in ds_ckpts.items():
         save = next((p for p in source.rglob("global_step*") if p.is_dir()), None)
         optims = sorted(save.glob("*optim_states.pt")) if save else []
-        assert copies.payload_twin(optims) is None, name
+        assert copies.payload_twin(input_source.looking_at(source), optims) is None, name
     ckpt = Path(shutil.copytree(ds_ckpts["ds_z3_fp32_w2"], tmp_path / "ckpt", symlinks=True))
     relabelled_copy(ckpt, 0, 1)
-    assert copies.payload_twin([optim(ckpt, 0), optim(ckpt, 1)]) == (optim(ckpt, 0), optim(ckpt, 1))
+    src = input_source.looking_at(ckpt)
+    assert copies.payload_twin(src, [optim(ckpt, 0), optim(ckpt, 1)]) == (optim(ckpt, 0), optim(ckpt, 1))
     fd = os.open(optim(ckpt, 1), os.O_RDONLY)
     spans = copies._spans(fd, "test")
     os.close(fd)
@@ -327,11 +331,11 @@ def test_payload_check_refuses_only_equal_payloads(ds_ckpts, tmp_path):
     step = (total - copies.BLOCK) // (copies.SAMPLES - 1)
     assert step > 2 * copies.BLOCK, "the payload is too small to fall between sampled blocks"
     [(at, _)] = copies._pieces(spans, step + copies.BLOCK + 8, 1)  # between the 2nd and 3rd sampled blocks
-    before = copies._fingerprint(optim(ckpt, 1))
+    before = copies._fingerprint(src, optim(ckpt, 1))
     with open(optim(ckpt, 1), "r+b") as f:
         f.seek(at)
         byte = f.read(1)
         f.seek(at)
         f.write(bytes([byte[0] ^ 0xFF]))
-    assert copies._fingerprint(optim(ckpt, 1)) == before
-    assert copies.payload_twin([optim(ckpt, 0), optim(ckpt, 1)]) is None
+    assert copies._fingerprint(src, optim(ckpt, 1)) == before
+    assert copies.payload_twin(src, [optim(ckpt, 0), optim(ckpt, 1)]) is None

@@ -41,6 +41,7 @@ from safetensors.torch import load_file
 from distmerge.errors import CorruptInputError
 from distmerge.formats.deepspeed import folder as deepspeed
 from distmerge.formats.torch_private import dcp, restricted, state_dicts, torch_save
+from distmerge.input import source
 from distmerge.verifier import sides
 from tests import hostile_pickles as hp
 from tests.conftest import REPO, assert_exact, load_merged, merge_inproc, reference_dir
@@ -62,7 +63,12 @@ class Place:
 
 
 def _read_ds(path: Path) -> object:
-    return torch_save.read(path, deepspeed.INERT)
+    return torch_save.read(source.of(path), path, deepspeed.INERT)
+
+
+def _by_path(read: Callable[..., object]) -> Callable[[Path], object]:
+    """A reader of the formats (which read through the input's source) called with a path alone."""
+    return lambda path: read(source.of(path), path)
 
 
 _BLOB: dict[str, dcp.Chunk] = {}  # the real chunk whose blob the "dcp chunk blob" place rewrites
@@ -84,15 +90,18 @@ def _read_blob(path: Path) -> object:
 
 
 PLACES = {
-    "fsdp rank file": Place("fsdp", "fsdp2_llama_w2", "model_world_size_2_rank_1.pt", state_dicts.read_rank_file),
-    "megatron legacy": Place("megatron", "megatron_tp2", "iter_*/mp_rank_01/model_optim_rng.pt", torch_save.read),
+    "fsdp rank file": Place("fsdp", "fsdp2_llama_w2", "model_world_size_2_rank_1.pt",
+                                _by_path(state_dicts.read_rank_file)),
+    "megatron legacy": Place("megatron", "megatron_tp2", "iter_*/mp_rank_01/model_optim_rng.pt",
+                                 _by_path(torch_save.read)),
     "deepspeed model states": Place("deepspeed", "ds_z2_fp32_w2", "global_step*/*model_states.pt",
                                     _read_ds),
     "deepspeed optim states": Place("deepspeed", "ds_z2_fp32_w2", "global_step*/*rank_1_*optim_states.pt", _read_ds),
-    "dcp .metadata": Place("dcp", "dcp_llama_w2", ".metadata", dcp.read_metadata, zip=False),
-    "torch_dist .metadata": Place("megatron", "megatron_dist_tp2", "iter_*/.metadata", dcp.read_metadata, zip=False),
-    "torchtitan .metadata": Place("torchtitan", "tt_llama3_mha_w2", "checkpoint/step-*/.metadata", dcp.read_metadata,
+    "dcp .metadata": Place("dcp", "dcp_llama_w2", ".metadata", _by_path(dcp.read_metadata), zip=False),
+    "torch_dist .metadata": Place("megatron", "megatron_dist_tp2", "iter_*/.metadata", _by_path(dcp.read_metadata),
                                   zip=False),
+    "torchtitan .metadata": Place("torchtitan", "tt_llama3_mha_w2", "checkpoint/step-*/.metadata",
+                                  _by_path(dcp.read_metadata), zip=False),
     "verify .bin reference": Place("fsdp", "fsdp2_llama_w2", "pytorch_model.bin", sides.load_torch),
     "dcp chunk blob": Place("dcp", "dcp_llama_w2", "chunk.pt", _read_blob),
 }
@@ -126,7 +135,8 @@ def sources(request, tmp_path_factory) -> dict[str, Path]:
             torch.save(load_file(reference_dir(case) / "model.safetensors"), path)
             out[name] = path
         elif name == "dcp chunk blob":
-            _BLOB["chunk"] = chunk = max(dcp.read_metadata(case / ".metadata").chunks, key=lambda c: c.length)
+            _BLOB["chunk"] = chunk = max(_by_path(dcp.read_metadata)(case / ".metadata").chunks,
+                                         key=lambda c: c.length)
             out[name] = tmp_path_factory.mktemp("blob") / "chunk.pt"
             with open(case / chunk.file, "rb") as f:
                 f.seek(chunk.offset)
@@ -231,11 +241,12 @@ def test_refusing_a_torch_name_imports_nothing(sources, tmp_path):
         "import sys\n"
         "from pathlib import Path\n"
         "from distmerge.formats.torch_private import dcp, state_dicts, torch_save\n"
+        "from distmerge.input import source\n"
         f"files = {{k: Path(v) for k, v in {json.dumps({k: str(v) for k, v in files.items()})}.items()}}\n"
         "for read, key in ((state_dicts.read_rank_file, 'fsdp rank file'), (torch_save.read, 'megatron legacy'),\n"
         "                  (dcp.read_metadata, 'dcp .metadata')):\n"
         "    try:\n"
-        "        read(files[key])\n"
+        "        read(source.of(files[key]), files[key])\n"
         "    except Exception as err:\n"
         "        print(type(err).__name__, err)\n"
         "print('inductor imported:', 'torch._inductor' in sys.modules)\n"
@@ -361,7 +372,7 @@ def test_huge_metadata_is_refused_unread(tmp_path):
     with open(folder / ".metadata", "wb") as f:
         f.truncate(3 * 10**9)
     (folder / "__0_0.distcp").write_bytes(bytes(1000))
-    result = in_child(lambda: dcp.read_metadata(folder / ".metadata"))
+    result = in_child(lambda: _by_path(dcp.read_metadata)(folder / ".metadata"))
     assert result["raised"] == CorruptInputError.__name__ and "max_bytes" in result["message"], result
     assert result["cpu_s"] < 1 and result["rss_above"] < RSS_LIMIT, result
 
@@ -376,4 +387,4 @@ def test_oversized_safetensors_header_is_refused(tmp_path):
         f.write(struct.pack("<Q", 50 * 10**6))
         f.truncate(60 * 10**6)
     with pytest.raises(CorruptInputError, match="over the limit"):
-        read_header(path)
+        read_header(source.of(path), path)

@@ -16,15 +16,17 @@ from distmerge.engine.plan import _check_coverage, _tiled_in_order, assign_owner
 from distmerge.errors import LayoutError
 from distmerge.formats import registry
 from distmerge.formats.base import Fragment, InputFile
+from distmerge.input import source
 
 SAVES = [("fsdp", "fsdp2_llama_bf16_w4"), ("fsdp", "fsdp1_llama_nomesh_w4"), ("fsdp", "fsdp2_llama_hsdp_2x2"),
          ("dcp", "dcp_llama_wrapped_w4"), ("megatron", "megatron_moe_tp2ep2"), ("megatron", "megatron_dist_vpp")]
 
 
 def opened(root: Path) -> list[Fragment]:
-    fmt = registry.pick(root, "auto")
-    scan = fmt.scan(root, {})
-    return [f for file in scan.files for f in fmt.open(scan, file).fragments]
+    src = source.looking_at(root)  # the folder as it is: a format used on its own
+    fmt = registry.pick(src, "auto")
+    scan = fmt.scan(src, {})
+    return [f for file in scan.files for f in fmt.open(src, scan, file).fragments]
 
 
 @pytest.mark.parametrize("family,case", SAVES)

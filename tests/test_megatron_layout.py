@@ -10,6 +10,7 @@ from distmerge.families.megatron import family as megatron
 from distmerge.formats.base import Fragment, Hints
 from distmerge.formats.megatron import layout as mg
 from distmerge.formats.megatron.dist import unstack
+from distmerge.input import source
 
 QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "num_attention_heads": 4, "num_key_value_heads": 2,
              "head_dim": 8, "hidden_size": 16, "vocab_size": 100, "num_hidden_layers": 1,
@@ -150,7 +151,7 @@ def test_torch_save_reader_finds_bf16_bytes_in_place(tmp_path):
 
     weights = torch.randn(6, 4).to(torch.bfloat16)
     torch.save({"model": {"w": weights, "row": weights[2]}, "iteration": 7}, tmp_path / "model_optim_rng.pt")
-    saved = torch_save.read(tmp_path / "model_optim_rng.pt")
+    saved = torch_save.read(source.of(tmp_path), tmp_path / "model_optim_rng.pt")
     fd = os.open(tmp_path / "model_optim_rng.pt", os.O_RDONLY)
     try:
         for key, expected in saved.value["model"].items():

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from distmerge.input import source
 from tests.conftest import (
     assert_exact,
     assert_reference_logits,
@@ -152,7 +153,8 @@ def test_mp_rank_tt_nnn_without_args(case, second, megatron_ckpts, monkeypatch):
     from distmerge.formats.megatron import grid as megatron_grid
 
     monkeypatch.setattr(megatron_grid, "_args", lambda value: None)
-    grid = megatron_grid.resolve_grid(save_folder(megatron_ckpts[case]))
+    save = save_folder(megatron_ckpts[case])
+    grid = megatron_grid.resolve_grid(source.looking_at(save), save)
     assert (grid.pp, grid.ep) == ((2, 1) if second == "pp" else (1, 2))
 
 
@@ -191,7 +193,7 @@ def test_readers_are_spread_by_what_each_rank_file_is_read_for(megatron_ckpts, t
     from distmerge.formats.registry import get
 
     ckpt = megatron_ckpts["megatron_moe_tp2ep2"]
-    scan = get("megatron").scan(ckpt, {})
+    scan = get("megatron").scan(source.looking_at(ckpt), {})
     by_ep = {}
     for f in scan.files:
         by_ep.setdefault(scan.state.grid.coords[f.path][2], []).append(f)

@@ -16,6 +16,7 @@ from distmerge.engine.prepare import OutputSettings, prepare_merge
 from distmerge.families.base import FamilyContext
 from distmerge.families.hf import HF
 from distmerge.formats import registry
+from distmerge.input import source
 from tests.conftest import merge_inproc, torchrun
 from tests.test_plan import files, frag
 
@@ -73,7 +74,8 @@ def test_a_zero_save_is_written_where_it_was_read(ds_ckpts, world):
     fail with the locality pass removed (N=2: 412032 bytes cross instead of 384)."""
     found = discover(ds_ckpts["ds_z2_fp32_w2"].resolve(), "auto", None, {})
     fmt = registry.get(found.scan.format)
-    fragments = [frag for f in found.scan.files for frag in fmt.open(found.scan, f).fragments]
+    src = source.looking_at(found.scan.root)
+    fragments = [frag for f in found.scan.files for frag in fmt.open(src, found.scan, f).fragments]
     plan = prepare_merge(found, fragments, world, OutputSettings()).plan
     (file,) = plan.model_files
     assert file.shared

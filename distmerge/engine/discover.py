@@ -15,6 +15,7 @@ from distmerge.errors import ConfigError, InputError
 from distmerge.formats import registry
 from distmerge.formats.base import Scan
 from distmerge.input import source, tree
+from distmerge.input.source import Source
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -24,20 +25,23 @@ class Discovery:
     hf_dir: str
 
 
-def discover(root: Path, fmt_name: str, hf_config: Path | None, options: Mapping[str, Any],
+def discover(root: Path | Source, fmt_name: str, hf_config: Path | None, options: Mapping[str, Any],
              base_model: Path | None = None) -> Discovery:
-    """Format, files and config of a checked input folder (see check_input). `options` are the format's
-    own (formats/base.FormatOption), e.g. the Megatron save to take. `base_model`: a second input root, a
-    Hugging Face folder whose weight files join the input (a LoRA-only save's base); its config.json serves
-    when the checkpoint has none."""
-    fmt = registry.pick(root, fmt_name)
+    """Format, files and config of a checked input folder (see check_input; a folder no check walked is read as it
+    is) or of a Source. `options` are the format's own (formats/base.FormatOption), e.g. the Megatron save to
+    take. `base_model`: a second input root, a Hugging Face folder whose weight files join the input (a LoRA-only
+    save's base); its config.json serves when the checkpoint has none."""
+    src = source.looking_at(root)
+    root = src.root
+    fmt = registry.pick(src, fmt_name)
     registry.check_options(fmt, options)
-    scan = fmt.scan(root, options)
-    scan = replace(scan, walked=source.record(scan.root, [Path(scan.root) / f.path for f in scan.files]))
+    scan = fmt.scan(src, options)
+    paths = [Path(scan.root) / f.path for f in scan.files]
+    scan = replace(scan, walked=src.record(scan.root, paths) if src.tree is not None else None)
     hf_dir = Path(hf_config) if hf_config else (Path(scan.hf_dir) if scan.hf_dir else None)
     if base_model is not None:
         scan = registry.with_base_model(scan, base_model)
-        if not hf_config and (hf_dir is None or not (hf_dir / "config.json").is_file()):
+        if not hf_config and (hf_dir is None or not src.is_file(hf_dir / "config.json")):
             hf_dir = Path(base_model)
     if hf_dir is None:
         raise ConfigError(
@@ -45,7 +49,7 @@ def discover(root: Path, fmt_name: str, hf_config: Path | None, options: Mapping
         )
     if not hf_config and (walk := tree.tree_for(hf_dir)) is not None:
         _check_hf_dir(walk, hf_dir)
-    return Discovery(scan=scan, config=read_config(hf_dir), hf_dir=str(hf_dir))
+    return Discovery(scan=scan, config=read_config(src, hf_dir), hf_dir=str(hf_dir))
 
 
 def _check_hf_dir(walk: tree.InputTree, hf_dir: Path) -> None:
@@ -67,12 +71,14 @@ def check_input(input_dir: Any) -> Path:
     return src.root
 
 
-def read_config(hf_dir: Path) -> dict[str, Any]:
+def read_config(src: Source, hf_dir: Path) -> dict[str, Any]:
+    """config.json of the config folder, through the input's source (which reads a folder the user named, outside
+    the input, as it is)."""
     path = hf_dir / "config.json"
-    if not path.is_file():
+    if not src.is_file(path):
         raise ConfigError(f"{path} does not exist; pass --hf-config DIR with the model's config.json")
     try:
-        config = tree.read_json(path, tree.CONFIG_CAP, "model config")
+        config = src.read_json(path, tree.CONFIG_CAP, "model config")
     except InputError as err:
         raise ConfigError(f"{err}; or pass --hf-config DIR") from None
     if not isinstance(config, dict):

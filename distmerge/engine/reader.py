@@ -1,7 +1,7 @@
 """Reads fragment bytes on the rank that owns the input file: pread into memory, or through one reused 1 MiB
 buffer into an output file. No mapping of the input is kept (mmap only told us where bytes are). Every
-file is opened through tree.open_input, by the walk's record that came with the scan: on every rank,
-a file replaced by a link or a FIFO after discovery is refused, never followed."""
+file is opened through the input's source (input/source.py), by the walk's record that came with the scan: on
+every rank, a file replaced by a link or a FIFO after discovery is refused, never followed."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from distmerge.engine.plan import Plan
 from distmerge.errors import CorruptInputError
 from distmerge.formats import registry
 from distmerge.formats.base import Fragment, InputFormat, OpenedFile, Scan
-from distmerge.input import source, tree
+from distmerge.input import source
 
 # The copy of a fragment into an output file goes through one reused buffer of this size: preadv from the input,
 # pwrite into the output, 1 MiB each (writer.WRITE_CHUNK). copy_file_range, used before, splices 64 KiB at a time
@@ -42,7 +42,7 @@ class Reader:
         self.fmt = fmt
         self.files = scan.files
         self.opened: dict[int, OpenedFile] = {}
-        self._files: dict[int, Any] = {}  # tree.open_input: a file, or an object of an object-store input
+        self._files: dict[int, Any] = {}  # source.InFile: a file, or an object of an object-store input
         self.bytes_read = 0
         self._bounce = memoryview(bytearray(BOUNCE))
         self._taken: dict[int, list[tuple[int, int]]] = {}
@@ -61,7 +61,7 @@ class Reader:
         """Discover: open the assigned files, return their fragments (the rank's inventory)."""
         found: list[Fragment] = []
         for i in indices:
-            self.opened[i] = registry.open_file(self.fmt, self.scan, self.files[i])
+            self.opened[i] = registry.open_file(self.fmt, self.source, self.scan, self.files[i])
             found.extend(self.opened[i].fragments)
         return found
 
@@ -146,7 +146,7 @@ class Reader:
     def by_request(self, frag: Fragment) -> bool:
         """The fragment's bytes come through the file's methods (a request each) rather than its descriptor or a
         mapped view."""
-        return frag.byte_offset >= 0 and self._file(frag.file_index).fd < 0
+        return frag.byte_offset >= 0 and self._file(frag.file_index).by_request
 
     def with_packing(self, frags: Iterable[Fragment]) -> list[Fragment]:
         """Of an owner's own fragments of a round, those the source's policy reads with the round's packing
@@ -203,7 +203,7 @@ class Reader:
         self._done.update(frags)
 
     def file(self, index: int) -> Any:
-        """The input file, opened once (tree.open_input): a file, or an object of an object-store input."""
+        """The input file, opened once by the source: a file, or an object of an object-store input."""
         return self._file(index)
 
     def pool(self, threads: int) -> ThreadPoolExecutor:
@@ -220,7 +220,7 @@ class Reader:
     def _file(self, index: int) -> Any:
         if index not in self._files:
             file = self.files[index]  # a second input root's file (--base-model) names its own folder
-            self._files[index] = tree.open_input(Path(file.root or self.root) / file.path)
+            self._files[index] = self.source.open(Path(file.root or self.root) / file.path)
         return self._files[index]
 
     def close(self) -> None:

@@ -2,12 +2,17 @@
 
 Call order (distmerge/engine/run.py drives it; see docs/extending.md):
 
-    rank 0       fmt.detect(root)              is this my layout? (cheap: names, small marker files)
-    rank 0       fmt.scan(root, options)       -> Scan: the files, the config folder, the hints for the
+    rank 0       fmt.detect(source)            is this my layout? (cheap: names, small marker files)
+    rank 0       fmt.scan(source, options)     -> Scan: the files, the config folder, the hints for the
                                                model family, and the format's own state for open()
                                                (the Scan is broadcast to every rank)
-    every rank   fmt.open(scan, file)          -> OpenedFile: the fragments of one file it was assigned
+    every rank   fmt.open(source, scan, file)  -> OpenedFile: the fragments of one file it was assigned
     the engine   reads each fragment's bytes at `byte_offset` (or from the view open() kept)
+
+`source` is the input (input/source.py): a format looks at `source.root` and lists, tests, sizes and opens
+files only through the source's methods (`listdir`, `is_file`, `stat`, `read_json`, `open` ...), so a layout read
+from a folder is read the same from a bucket; paths are names within the source. A save inside the folder given
+is looked at through `source.at(folder)`.
 
 A format module registers itself with `@register`; distmerge/formats/__init__.py imports it.
 """
@@ -24,7 +29,7 @@ import torch
 
 from distmerge import dtypes
 from distmerge.errors import InputError
-from distmerge.input import source, tree
+from distmerge.input.source import Source
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,28 +55,28 @@ class InputFile:
 BASE_MODEL_PREFIX = "base-model:"
 
 
-def input_file(root: Path, index: int, path: str, rank: int = -1) -> InputFile:
-    st = inside(root, path).stat()
-    return InputFile(index=index, path=path, size=st.st_size, rank=rank, mtime_ns=st.st_mtime_ns)
+def input_file(src: Source, root: Path, index: int, path: str, rank: int = -1) -> InputFile:
+    st = src.stat(inside(src, root, path))
+    return InputFile(index=index, path=path, size=st.size, rank=rank, mtime_ns=st.mtime_ns)
 
 
-def inside(root: Path, path: str) -> Path:
+def inside(src: Source, root: Path, path: str) -> Path:
     """root/path, refusing names (from a listing or from metadata) and links that lead out of the input.
-    Judged by the input folder's tree (input/tree.py), walked at discovery: never by a subfolder's own
+    Judged by the input's walk (Source.resolve, input/tree.py), made at discovery: never by a subfolder's own
     resolution, so a linked save folder cannot move the anchor."""
-    walk = tree.tree_at(root)
-    rel, entry = walk.lookup(Path(root) / path)
-    if entry is not None and entry.kind == "refused":
-        raise InputError(f"{root}: {path} leads outside the input folder or is not a plain file ({entry.why}); "
+    found, why = src.resolve(Path(root) / path)
+    if why:
+        raise InputError(f"{root}: {path} leads outside the input folder or is not a plain file ({why}); "
                          "distmerge does not follow it")
-    return walk.root / rel
+    return found
 
 
-def config_dir(folders: Iterable[Path], names: tuple[str, ...] = ("huggingface",)) -> str | None:
+def config_dir(src: Source, folders: Iterable[Path], names: tuple[str, ...] = ("huggingface",)) -> str | None:
     """The config folder a format finds near its save (Scan.hf_dir): the first folder/name, folder by folder and
     name by name in the order given, that holds a config.json ("" names the folder itself). Asked of the input's
-    source (input/source.py): beside the input folder on disk as beside the prefix in a bucket."""
-    return source.config_dir(folders, names)
+    source: beside the input folder on disk as beside the prefix in a bucket."""
+    folders = list(folders)
+    return src.config_dir(folders, names) if folders else None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -240,14 +245,14 @@ class InputFormat(Protocol):
     help: str  # a few words for --help: what writes this layout
     options: tuple[FormatOption, ...]
 
-    def detect(self, root: Path) -> bool: ...
+    def detect(self, source: Source) -> bool: ...
 
-    def scan(self, root: Path, options: Mapping[str, Any]) -> Scan: ...
+    def scan(self, source: Source, options: Mapping[str, Any]) -> Scan: ...
 
-    def open(self, scan: Scan, file: InputFile) -> OpenedFile: ...
+    def open(self, source: Source, scan: Scan, file: InputFile) -> OpenedFile: ...
 
-    def explain(self, root: Path) -> str | None:
-        """When no format detects `root`: a message that says what to pass instead, if this format can tell."""
+    def explain(self, source: Source) -> str | None:
+        """When no format detects the input: a message that says what to pass instead, if this format can tell."""
         ...
 
 
@@ -268,5 +273,5 @@ class FormatDefaults:
 
     options: tuple[FormatOption, ...] = ()
 
-    def explain(self, root: Path) -> str | None:
+    def explain(self, source: Source) -> str | None:
         return None

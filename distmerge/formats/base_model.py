@@ -20,46 +20,52 @@ from pathlib import Path
 from distmerge.errors import InputError
 from distmerge.formats.base import BASE_MODEL_PREFIX, Fragment, InputFile, OpenedFile, Scan, input_file
 from distmerge.formats.safetensors_header import read_header
+from distmerge.input import source
+from distmerge.input.source import Source
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 LAYOUT = "Hugging Face base model file (--base-model)"
+INDEX_CAP = 64 * 1024 * 1024  # the index names each tensor once (~100 bytes a tensor): a real one is far smaller
 
 
 def attach(scan: Scan, folder: Path) -> Scan:
-    """The scan with the base folder's weight files appended (indices after the checkpoint's own)."""
+    """The scan with the base folder's weight files appended (indices after the checkpoint's own): the folder is a
+    source of its own, as the user named it (nothing walked: its links are judged when each file is sized)."""
     folder = Path(folder).resolve()
-    names = weight_files(folder)
+    src = source.open_source(folder)
+    names = weight_files(src, folder)
     first = len(scan.files)
-    files = tuple(replace(input_file(folder, first + i, name), root=str(folder)) for i, name in enumerate(names))
+    files = tuple(replace(input_file(src, folder, first + i, name), root=str(folder)) for i, name in enumerate(names))
     return replace(scan, files=(*scan.files, *files))  # the family says whether it used them (a note)
 
 
-def weight_files(folder: Path) -> list[str]:
+def weight_files(src: Source, folder: Path) -> list[str]:
     """The safetensors files of a Hugging Face folder, as save_pretrained writes them; a one-line error else."""
     what = f"--base-model {folder}"
-    if not (folder / "config.json").is_file():
+    if not src.is_file(folder / "config.json"):
         raise InputError(f"{what} has no config.json: pass the Hugging Face folder of the base model")
-    if (folder / INDEX).is_file():
+    if src.is_file(folder / INDEX):
         try:
-            weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
+            weight_map = json.loads(src.read_text(folder / INDEX, INDEX_CAP, INDEX))["weight_map"]
             names = sorted(set(weight_map.values()))
         except (ValueError, KeyError, TypeError, AttributeError):
             raise InputError(f"{what}: {INDEX} is not valid JSON with a weight_map") from None
-        if missing := [n for n in names if not (folder / n).is_file()]:
+        if missing := [n for n in names if not src.is_file(folder / n)]:
             raise InputError(f"{what}: {missing[0]} named by {INDEX} is missing")
         if bad := [n for n in names if not n.endswith(".safetensors") or "/" in n]:
             raise InputError(f"{what}: {INDEX} names {bad[0]}, not a safetensors file beside it")
         return names
-    if (folder / SINGLE).is_file():
+    if src.is_file(folder / SINGLE):
         return [SINGLE]
     raise InputError(f"{what} has neither {SINGLE} nor {INDEX}: save the base model with safetensors "
                      "(save_pretrained's default) and pass that folder")
 
 
-def open_file(file: InputFile) -> OpenedFile:
-    """One whole tensor per header entry; the header is checked before any byte is trusted."""
-    header = read_header(Path(file.root) / file.path)
+def open_file(src: Source, file: InputFile) -> OpenedFile:
+    """One whole tensor per header entry; the header is checked before any byte is trusted. `src`: the input's
+    source, which opens a file of a folder it does not hold as the user named it."""
+    header = read_header(src, Path(file.root) / file.path)
     opened = OpenedFile(fragments=[], layout={LAYOUT: len(header.entries)})
     for key, entry in header.entries.items():
         opened.fragments.append(Fragment(

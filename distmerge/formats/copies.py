@@ -17,46 +17,47 @@ Two checks, cheap first:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from pathlib import Path
 from typing import Any
 
 from distmerge.formats.torch_private import zip_records
-from distmerge.input import source, tree
+from distmerge.input.source import Source
 
 HASHED = 64 * 1024  # bytes hashed at each end of a file to tell copies apart
 SAMPLES, BLOCK = 16, 4096  # payload blocks fingerprinted per file
 COMPARED = 1 << 20  # bytes compared at a time when two fingerprints agree
 
 
-def first_copy(paths: list[Path]) -> tuple[Path, Path] | None:
-    """Two files of a save that are one file (a link to the other) or copies of each other: the same size
-    and the same first and last 64 KiB, or None."""
+def first_copy(src: Source, paths: list[Path]) -> tuple[Path, Path] | None:
+    """Two files of a save (of the input `src`) that are one file (a link to the other) or copies of each other:
+    the same size and the same first and last 64 KiB, or None."""
     seen: dict[tuple, Path] = {}
     by_size: dict[int, list[Path]] = {}
     for path in paths:
-        with tree.open_input(path) as f:
+        with src.open(path) as f:
             if f.ident in seen:
                 return seen[f.ident], path
             seen[f.ident] = path
             by_size.setdefault(f.size, []).append(path)
     for group in (g for g in by_size.values() if len(g) > 1):
         digests: dict[str, Path] = {}
-        for path, digest in zip(group, _ends_digests(group), strict=True):
+        for path, digest in zip(group, _ends_digests(src, group), strict=True):
             if digest in digests:
                 return digests[digest], path
             digests[digest] = path
     return None
 
 
-def _ends_digests(paths: list[Path]) -> list[str]:
+def _ends_digests(src: Source, paths: list[Path]) -> list[str]:
     """Each file's ends digest, as the input's source makes several small reads (an object store's several at once:
     two GETs each, a round trip apiece)."""
-    return source.each(_ends_digest, paths)
+    return src.each(functools.partial(_ends_digest, src), paths)
 
 
-def _ends_digest(path: Path) -> str:
-    with tree.open_input(path) as f:
+def _ends_digest(src: Source, path: Path) -> str:
+    with src.open(path) as f:
         head = f.pread(HASHED, 0)
         tail = f.pread(HASHED, max(0, f.size - HASHED))
     return hashlib.sha256(head + tail).hexdigest()
@@ -65,15 +66,15 @@ def _ends_digest(path: Path) -> str:
 Spans = list[tuple[int, int]]  # (file offset, size) of each storage record, in file order
 
 
-def payload_twin(paths: list[Path]) -> tuple[Path, Path] | None:
+def payload_twin(src: Source, paths: list[Path]) -> tuple[Path, Path] | None:
     """Two torch.save files whose storage records hold the same bytes, record for record, or None."""
     by_print: dict[str, list[Path]] = {}
     for path in paths:
-        by_print.setdefault(_fingerprint(path), []).append(path)
+        by_print.setdefault(_fingerprint(src, path), []).append(path)
     for group in (g for g in by_print.values() if len(g) > 1):
         for i, first in enumerate(group):
             for other in group[i + 1 :]:  # a real save gets here only for files of constant tensors
-                if _same_payload(first, other):
+                if _same_payload(src, first, other):
                     return first, other
     return None
 
@@ -84,8 +85,8 @@ def _spans(fd: Any, where: str) -> Spans:
     return sorted((r.start, r.size) for n, r in found.items() if n.startswith(prefix) and r.size)
 
 
-def _fingerprint(path: Path) -> str:
-    with tree.open_input(path) as f:
+def _fingerprint(src: Source, path: Path) -> str:
+    with src.open(path) as f:
         spans = _spans(f, str(path))
         total = sum(size for _, size in spans)
         digest = hashlib.sha256(repr([size for _, size in spans]).encode())
@@ -107,8 +108,8 @@ def _pieces(spans: Spans, at: int, length: int) -> list[tuple[int, int]]:
     return out
 
 
-def _same_payload(a: Path, b: Path) -> bool:
-    with tree.open_input(a) as fd_a, tree.open_input(b) as fd_b:
+def _same_payload(src: Source, a: Path, b: Path) -> bool:
+    with src.open(a) as fd_a, src.open(b) as fd_b:
         spans_a, spans_b = _spans(fd_a, str(a)), _spans(fd_b, str(b))
         if [s for _, s in spans_a] != [s for _, s in spans_b]:
             return False

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,6 +22,7 @@ from distmerge.formats.base import FormatDefaults, Fragment, Hints, InputFile, O
 from distmerge.formats.torch_private import archive_name, state_dicts, torch_save
 from distmerge.formats.torch_private.mesh_record import MeshCache
 from distmerge.input import tree
+from distmerge.input.source import Source
 
 RANK_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 LORA_META = "lora_train_meta.json"  # verl writes r, lora_alpha, task_type beside the rank files of a LoRA run
@@ -37,42 +37,45 @@ class FsdpFormat(FormatDefaults):
     order = 10
     help = "verl's model_world_size_W_rank_R.pt files"
 
-    def detect(self, root: Path) -> bool:
+    def detect(self, source: Source) -> bool:
         """Model rank files, or the traces of a verl save without them (scan then says what is missing)."""
-        return (root / "fsdp_config.json").is_file() or any(
-            RANK_FILE.match(p.name) or OPTIM_FILE.match(p.name) for p in root.iterdir()
+        root = source.root
+        return source.is_file(root / "fsdp_config.json") or any(
+            RANK_FILE.match(n) or OPTIM_FILE.match(n) for n in source.listdir(root)
         )
 
-    def scan(self, root: Path, options: Mapping[str, Any]) -> Scan:
-        found = {int(m[2]): (int(m[1]), p) for p in root.iterdir() if (m := RANK_FILE.match(p.name))}
+    def scan(self, source: Source, options: Mapping[str, Any]) -> Scan:
+        root = source.root
+        names = source.listdir(root)
+        found = {int(m[2]): (int(m[1]), n) for n in names if (m := RANK_FILE.match(n))}
         if not found:
-            if any(OPTIM_FILE.match(p.name) for p in root.iterdir()):
+            if any(OPTIM_FILE.match(n) for n in names):
                 raise InputError(f"{root} holds only optimizer files (optim_world_size_*): no model weights to merge")
             raise InputError(f"{root} has no model_world_size_*_rank_*.pt files")
         sizes = {w for w, _ in found.values()}
         if len(sizes) > 1:
             raise InputError(f"{root} mixes checkpoints of world sizes {sorted(sizes)}: keep one set of rank files")
         world = sizes.pop()
-        notes = _check_config(root, world)
+        notes = _check_config(source, root, world)
         _check_ranks(root, world, set(found))  # before anything is built from the world size in the names
-        files = tuple(input_file(root, r, found[r][1].name, rank=r) for r in range(world))
-        if copy := copies.first_copy([root / f.path for f in files]):
+        files = tuple(input_file(source, root, r, found[r][1], rank=r) for r in range(world))
+        if copy := copies.first_copy(source, [root / f.path for f in files]):
             raise LayoutError(f"{root}: {copy[1].name} is the same file as {copy[0].name} (a copy or a link): "
                               "each rank file must be the one its rank saved; restore the original files")
-        archive_name.check_saved_names([root / f.path for f in files])  # a rank file renamed to another's name
-        hints = Hints(lora_meta=_lora_meta(root) if (root / LORA_META).is_file() else None)
+        archive_name.check_saved_names(source, [root / f.path for f in files])  # renamed to another rank's name
+        hints = Hints(lora_meta=_lora_meta(source, root) if source.is_file(root / LORA_META) else None)
         return Scan(
             format=self.name,
             root=str(root),
             files=files,
-            hf_dir=base.config_dir((root,)),
+            hf_dir=base.config_dir(source, (root,)),
             world_size=world,
             notes=tuple(notes),
             hints=hints,
         )
 
-    def open(self, scan: Scan, file: InputFile) -> OpenedFile:
-        saved = state_dicts.read_rank_file(Path(scan.root) / file.path)
+    def open(self, source: Source, scan: Scan, file: InputFile) -> OpenedFile:
+        saved = state_dicts.read_rank_file(source, Path(scan.root) / file.path)
         meshes = MeshCache(file.rank, scan.world_size, saved.read_ints)
         opened = OpenedFile(fragments=[], skipped=[], layout={})
         strided = {}
@@ -87,7 +90,7 @@ class FsdpFormat(FormatDefaults):
                 opened.fragments.append(_fragment(key, block, file.index, saved))
                 if not block.ref.contiguous:  # torch.save keeps a view's strides: read through a mapped view
                     strided[(key, block.offsets)] = block.ref
-        opened.views.update(torch_save.mapped_views(saved.path, saved.storage_offsets, strided))
+        opened.views.update(torch_save.mapped_views(source, saved.path, saved.storage_offsets, strided))
         return opened
 
 
@@ -122,12 +125,12 @@ def _check_ranks(root: Path, world: int, ranks: set[int]) -> None:
         raise InputError(f"{root}: rank files missing for ranks {shown} of world size {world:,}")
 
 
-def _check_config(root: Path, world: int) -> list[str]:
+def _check_config(source: Source, root: Path, world: int) -> list[str]:
     config = root / "fsdp_config.json"
-    if not os.path.lexists(config):
+    if not source.exists(config):  # a link counts: reading it says what is wrong with it
         return [f"fsdp_config.json is missing: world size {world} inferred from the file names"]
     try:
-        saved = tree.read_json(config, tree.MARKER_CAP, "fsdp_config.json")["world_size"]
+        saved = source.read_json(config, tree.MARKER_CAP, "fsdp_config.json")["world_size"]
     except (KeyError, TypeError):
         raise InputError(f"{config} is not valid JSON with a world_size: fix or remove it") from None
     if saved != world:
@@ -135,8 +138,8 @@ def _check_config(root: Path, world: int) -> list[str]:
     return []
 
 
-def _lora_meta(root: Path) -> dict:
-    meta = tree.read_json(root / LORA_META, tree.MARKER_CAP, LORA_META)
+def _lora_meta(source: Source, root: Path) -> dict:
+    meta = source.read_json(root / LORA_META, tree.MARKER_CAP, LORA_META)
     if not isinstance(meta, dict):
         raise InputError(f"{root / LORA_META} is not a JSON object")
     return meta

@@ -13,6 +13,8 @@ from distmerge import formats  # noqa: F401  (imports every format module, which
 from distmerge.errors import InputError
 from distmerge.formats import base_model
 from distmerge.formats.base import REGISTERED, FormatOption, InputFile, InputFormat, OpenedFile, Scan
+from distmerge.input import source
+from distmerge.input.source import Source
 
 
 def all_formats() -> list[InputFormat]:
@@ -44,25 +46,29 @@ def options() -> list[tuple[FormatOption, list[str]]]:
     return list(found.values())
 
 
-def detect(root: Path) -> InputFormat | None:
-    """The format auto-detection picks for `root`, or None (then `pick` explains why)."""
-    return next((fmt for fmt in all_formats() if fmt.detect(root)), None)
+def detect(where: Source | Path) -> InputFormat | None:
+    """The format auto-detection picks for the input (a Source; or a folder: source.looking_at), or None (then
+    `pick` explains why)."""
+    src = source.looking_at(where)
+    return next((fmt for fmt in all_formats() if fmt.detect(src)), None)
 
 
-def pick(root: Path, requested: str = "auto") -> InputFormat:
+def pick(where: Source | Path, requested: str = "auto") -> InputFormat:
     if requested != "auto":
         return get(requested)
-    if found := detect(root):
+    src = source.looking_at(where)
+    if found := detect(src):
         return found
     for fmt in all_formats():
-        if hint := fmt.explain(root):
+        if hint := fmt.explain(src):
             raise InputError(hint)
-    if any((root / name).is_file() for name in HF_MODEL_FILES):
+    root = src.root
+    if any(src.is_file(root / name) for name in HF_MODEL_FILES):
         raise InputError(f"{root} is already a Hugging Face model (safetensors weights and their index): "
                          "load it as it is, or pass the training checkpoint it came from")
-    if inner := _checkpoint_inside(root):
-        raise InputError(f"{root} is not a checkpoint but holds one: pass {inner} ({pick(inner).name})")
-    listing = sorted(p.name for p in root.iterdir())[:8]
+    if inner := _checkpoint_inside(src):
+        raise InputError(f"{root} is not a checkpoint but holds one: pass {inner} ({pick(src.at(inner)).name})")
+    listing = src.listdir(root)[:8]
     raise InputError(
         f"{root} is not a checkpoint distmerge recognises (found: {', '.join(listing) or 'nothing'}); "
         f"known formats: {', '.join(f.name for f in all_formats())}"
@@ -74,10 +80,10 @@ HF_MODEL_FILES = ("model.safetensors.index.json", "model.safetensors", "distmerg
 LOOKED_AT = 64  # subfolders tried when the folder passed is one level too high
 
 
-def _checkpoint_inside(root: Path) -> Path | None:
+def _checkpoint_inside(src: Source) -> Path | None:
     """The one subfolder a format detects (verl's actor/, torchtitan's checkpoint/, a save's parent ...)."""
-    folders = sorted(p for p in root.iterdir() if p.is_dir())[:LOOKED_AT]
-    found = [p for p in folders if any(f.detect(p) for f in all_formats())]
+    folders = [src.root / n for n in src.listdir(src.root) if src.is_dir(src.root / n)][:LOOKED_AT]
+    found = [p for p in folders if any(f.detect(src.at(p)) for f in all_formats())]
     return found[-1] if found else None
 
 
@@ -95,6 +101,7 @@ def with_base_model(scan: Scan, folder: Path) -> Scan:
     return base_model.attach(scan, folder)
 
 
-def open_file(fmt: InputFormat, scan: Scan, file: InputFile) -> OpenedFile:
-    """A file of the checkpoint through its format; a file of the second input root through its reader."""
-    return base_model.open_file(file) if file.root else fmt.open(scan, file)
+def open_file(fmt: InputFormat, src: Source, scan: Scan, file: InputFile) -> OpenedFile:
+    """A file of the checkpoint through its format; a file of the second input root through its reader (both
+    opened through the input's source)."""
+    return base_model.open_file(src, file) if file.root else fmt.open(src, scan, file)

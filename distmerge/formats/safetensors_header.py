@@ -12,7 +12,7 @@ from typing import Any
 
 from distmerge import dtypes
 from distmerge.errors import CorruptInputError
-from distmerge.input import tree
+from distmerge.input.source import Source
 
 MAX_HEADER = 100 * 2**20  # the safetensors library's own limit
 # A header entry costs ~100-200 bytes of JSON per tensor; a 671B model in one file (~92k tensors) needs ~15 MB.
@@ -39,8 +39,10 @@ class Header:
     metadata: dict[str, str]
 
 
-def read_header(path: Path) -> Header:
-    with tree.open_input(path) as f:  # inside the input: the file the walk listed, no link or FIFO instead
+def read_header(src: Source, path: Path) -> Header:
+    """The checked header of the safetensors file at `path`, opened through `src` (inside the input: the file the
+    walk listed, no link or FIFO instead)."""
+    with src.open(path) as f:
         size = f.size
         head = f.pread(8, 0)
         if len(head) < 8:

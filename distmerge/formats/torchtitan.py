@@ -34,6 +34,7 @@ from distmerge.formats.base import FormatDefaults, FormatOption, Fragment, Hints
 from distmerge.formats.dcp import folder as dcp_folder
 from distmerge.formats.dcp.folder import METADATA, DcpFormat
 from distmerge.formats.dcp.keys import WRAPPER, model_names
+from distmerge.input.source import Source
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 CHECKPOINT_DIR = "checkpoint"  # CheckpointManager's default folder, inside the dump folder
@@ -62,43 +63,44 @@ class TorchtitanFormat(FormatDefaults):
     help = "torchtitan dump/checkpoint/step-N DCP folders"
     options = (STEP,)
 
-    def detect(self, root: Path) -> bool:
+    def detect(self, source: Source) -> bool:
         try:  # what cannot be read is not claimed: the DCP format, asked next, reports it
-            step = step_dir(root, None)
-            return _is_hf(step) or any(OWN_NAMES.match(n) for n in own_names(step)[0])
+            step = step_dir(source, source.root, None)
+            return _is_hf(source, step) or any(OWN_NAMES.match(n) for n in own_names(source, step)[0])
         except (InputError, OSError):
             return False
 
-    def scan(self, root: Path, options: Mapping[str, Any]) -> Scan:
-        step = step_dir(root, options.get(STEP.dest))
-        if _is_hf(step):
+    def scan(self, source: Source, options: Mapping[str, Any]) -> Scan:
+        step = step_dir(source, source.root, options.get(STEP.dest))
+        if _is_hf(source, step):
             raise InputError(f"{step} is already a Hugging Face model ({HF_INDEX}, torchtitan's last_save_in_hf): "
                              "load it with from_pretrained; there is nothing to merge")
-        wrapped = own_names(step)[1]
-        inner = DcpFormat().scan(step, {})
+        wrapped = own_names(source, step)[1]
+        inner = DcpFormat().scan(source.at(step), {})
         notes = (f"torchtitan checkpoint {step.name}", *inner.notes)
         chunks = inner.state
         if wrapped:  # a model-only save under a `model.` wrapper
             chunks = replace(chunks, names=tuple(n.removeprefix(WRAPPER) for n in chunks.names))
-        return replace(inner, format=self.name, hf_dir=hf_dir_near(step), notes=notes,
+        return replace(inner, format=self.name, hf_dir=hf_dir_near(source, step), notes=notes,
                        hints=Hints(naming="torchtitan"), state=chunks)
 
-    def open(self, scan: Scan, file: InputFile) -> OpenedFile:
-        opened = DcpFormat().open(scan, file)
+    def open(self, source: Source, scan: Scan, file: InputFile) -> OpenedFile:
+        opened = DcpFormat().open(source, scan, file)
         stacked = sum(frag.lengths[0] for frag in opened.fragments if STACKED.match(frag.name))
         opened.fragments = [piece for frag in opened.fragments for piece in per_expert(frag)]
         if stacked:
             opened.layout["stacked experts: one expert's slice of a chunk"] = stacked
         return opened
 
-    def explain(self, root: Path) -> str | None:
-        folder = root / CHECKPOINT_DIR if (root / CHECKPOINT_DIR).is_dir() else root
-        if not STEP_DIR.match(root.name) and any(STEP_DIR.match(p.name) for p in folder.iterdir()):
-            steps = saved_steps(folder)
+    def explain(self, source: Source) -> str | None:
+        root = source.root
+        folder = root / CHECKPOINT_DIR if source.is_dir(root / CHECKPOINT_DIR) else root
+        if not STEP_DIR.match(root.name) and any(STEP_DIR.match(n) for n in source.listdir(folder)):
+            steps = saved_steps(source, folder)
             if not steps:
                 return f"{folder} has step-N folders but none with .metadata: is the save complete?"
             try:  # a .metadata that cannot be read (a link out, a bomb) is the first thing to fix
-                own_names(folder / f"step-{max(steps)}")
+                own_names(source, folder / f"step-{max(steps)}")
             except InputError as err:
                 return str(err)
             return (f"{folder}/step-{max(steps)} does not use torchtitan's names: pass the step folder itself "
@@ -106,15 +108,15 @@ class TorchtitanFormat(FormatDefaults):
         return None
 
 
-def step_dir(root: Path, step: int | None) -> Path:
+def step_dir(src: Source, root: Path, step: int | None) -> Path:
     """The step folder to merge: `root` itself, or --step's (default: the highest) under root or root/checkpoint."""
-    if (root / METADATA).is_file() or (STEP_DIR.match(root.name) and _is_hf(root)):  # a step folder itself
+    if src.is_file(root / METADATA) or (STEP_DIR.match(root.name) and _is_hf(src, root)):  # a step folder itself
         if step is not None and not (STEP_DIR.match(root.name) and step == int(STEP_DIR.match(root.name)[1])):
             raise InputError(f"--step {step}: {root} is one save already; pass the checkpoint folder above it "
                              "to choose a step")
         return root
-    folder = root / CHECKPOINT_DIR if (root / CHECKPOINT_DIR).is_dir() else root
-    steps = saved_steps(folder)
+    folder = root / CHECKPOINT_DIR if src.is_dir(root / CHECKPOINT_DIR) else root
+    steps = saved_steps(src, folder)
     if not steps:
         raise InputError(f"{folder} holds no torchtitan step-N folder with .metadata")
     if step is None:
@@ -125,34 +127,34 @@ def step_dir(root: Path, step: int | None) -> Path:
     return folder / f"step-{step}"
 
 
-def saved_steps(folder: Path) -> list[int]:
+def saved_steps(src: Source, folder: Path) -> list[int]:
     """Steps whose folder holds a finished save (torchtitan's own rule: .metadata, or the HF index)."""
     steps = []
-    for entry in folder.iterdir():
-        m = STEP_DIR.match(entry.name)
-        if m and ((entry / METADATA).is_file() or _is_hf(entry)):
+    for name in src.listdir(folder):
+        m = STEP_DIR.match(name)
+        if m and (src.is_file(folder / name / METADATA) or _is_hf(src, folder / name)):
             steps.append(int(m[1]))
     return steps
 
 
-def _is_hf(step: Path) -> bool:
-    return (step / HF_INDEX).is_file() and not (step / METADATA).is_file()
+def _is_hf(src: Source, step: Path) -> bool:
+    return src.is_file(step / HF_INDEX) and not src.is_file(step / METADATA)
 
 
-def own_names(step: Path) -> tuple[list[str], bool]:
+def own_names(src: Source, step: Path) -> tuple[list[str], bool]:
     """The model's names, and whether a `model.` wrapper was left on them: dcp/keys.py strips it from full saves
     (the other groups give it away) but not from a model-only save, whose torchtitan names do."""
-    md = dcp_folder.load_metadata(step)
+    md = dcp_folder.load_metadata(src, step)
     names = list(model_names(sorted(md.fqns), str(step)).values())
     if all(n.startswith(WRAPPER) for n in names) and any(OWN_NAMES.match(n.removeprefix(WRAPPER)) for n in names):
         return [n.removeprefix(WRAPPER) for n in names], True
     return names, False
 
 
-def hf_dir_near(step: Path) -> str | None:
+def hf_dir_near(src: Source, step: Path) -> str | None:
     """huggingface/config.json in the step folder, the checkpoint folder or the dump folder (torchtitan writes
     none; users put the config of hf_assets_path there, or pass --hf-config)."""
-    return base.config_dir((step, step.parent, step.parent.parent))
+    return base.config_dir(src, (step, step.parent, step.parent.parent))
 
 
 def per_expert(frag: Fragment) -> list[Fragment]:

@@ -4,6 +4,7 @@ every file opened through that walk or, on the other ranks, through the record o
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,9 @@ class Walked:
         return self.listing.source() if self.listing is not None else LocalSource(self.root, walked=self)
 
 
+KINDS = ((stat.S_ISREG, "file"), (stat.S_ISDIR, "dir"), (stat.S_ISLNK, "link"))  # source.Stat.kind
+
+
 class LocalSource:
     """A folder of this machine or a shared file system."""
 
@@ -56,8 +60,46 @@ class LocalSource:
             raise InputError(f"input {shown} is empty")
         self.tree = InputTree(self.root)
 
+    # -- what the formats ask (rank 0): the folder as it is, links judged by the walk -------------------------------
+    def at(self, folder: Path | str) -> source.Within:
+        return source.Within(self, folder)
+
+    def listdir(self, folder: Path | str) -> list[str]:
+        return sorted(os.listdir(folder))
+
     def is_file(self, path: Path | str) -> bool:
         return Path(path).is_file()
+
+    def is_dir(self, path: Path | str) -> bool:
+        return Path(path).is_dir()
+
+    def exists(self, path: Path | str) -> bool:
+        return os.path.lexists(path)
+
+    def stat(self, path: Path | str, follow: bool = True) -> source.Stat:
+        st = os.stat(path, follow_symlinks=follow)
+        kind = next((k for test, k in KINDS if test(st.st_mode)), "other")
+        return source.Stat(kind=kind, size=st.st_size, mtime_ns=st.st_mtime_ns)
+
+    def resolve(self, path: Path | str) -> tuple[Path, str]:
+        walk = self._walk_of(path)
+        rel, entry = walk.lookup(path)
+        return walk.root / rel, entry.why if entry is not None and entry.kind == "refused" else ""
+
+    def folder(self, path: Path | str) -> Path:
+        return self._walk_of(path).folder(path)
+
+    def _walk_of(self, path: Path | str) -> InputTree:
+        """The walk that judges `path`: discovery's, or (a folder nothing walked: a format used on its own, the
+        --base-model folder) one made now, and not kept (a later walk() makes the input's own)."""
+        held = self.tree is not None and self.tree.contains(os.path.abspath(path))
+        return self.tree if held else InputTree(self.root)
+
+    def read_text(self, path: Path | str, cap: int, what: str) -> str:
+        return tree.read_text(Path(path), cap, what, self.open)
+
+    def read_json(self, path: Path | str, cap: int, what: str) -> Any:
+        return tree.read_json(Path(path), cap, what, self.open)
 
     def config_dir(self, folders: Iterable[Path], names: tuple[str, ...]) -> str | None:
         for folder in folders:
@@ -93,6 +135,11 @@ class LocalSource:
         return any(full in w.files or any(Path(full).is_relative_to(f) for f in w.folders) for w in self.records)
 
     def open(self, path: Path | str) -> Any:
+        found = self._held(path)
+        return found if found is not None else tree.open_any(path)
+
+    def _held(self, path: Path | str) -> Any:
+        """The file at `path` checked against the walk or a record, or None when neither lists it."""
         full = os.path.abspath(path)
         if self.tree is not None and self.tree.contains(full):
             real, entry = self.tree._checked(path, "file")

@@ -1,14 +1,13 @@
 """An input in an object store (`--input s3://bucket/prefix`) as a Source (source.py): listed once, read by ranged
 GETs. This file and its line in source.SCHEMES are all a new input store takes.
 
-The listing (one paginated LIST, at discovery, on rank 0) is laid out as a tree of empty placeholders: folders,
-and sparse files of each object's size and time, in a private temporary folder. Every format detects, lists and
-sizes the checkpoint there exactly as it does a folder (tree.py walks it; no format knows the difference),
-and no byte of it is ever read: `S3Source.open` hands out an `ObjectFile` for each placeholder, whose reads
-are ranged GETs, pinned to the ETag the listing saw (an object replaced since is an error, not a mix of two
-checkpoints). The listing travels to every rank with the scan (local.Walked), and a rank on another host
-lays out the same placeholders at the same path before it opens anything. A folder outside the prefix (a config
-folder beside or above the save) has its files listed when a format asks for its config.json (`is_file`).
+The listing (one paginated LIST, at discovery, on rank 0) is laid out as empty placeholders (folders, and sparse
+files of each object's size and time) in a private temporary folder, which the walk (tree.py) and this source's
+lookups (listdir, is_file, stat ...: the local source's) answer from. No byte of a placeholder is read: `open`
+gives an `ObjectFile`, whose reads are ranged GETs pinned to the ETag listed (an object replaced since is an error,
+not a mix of two checkpoints), which cannot be mapped and asks to be read ahead (`map()` None, `by_request`). The
+listing travels with the scan (local.Walked): a rank on another host lays out the same placeholders at the same
+path. A folder beside or above the prefix (a config folder) is listed when a format asks for its config.json.
 
 A request costs a round trip on S3 (and, on some servers, a read of the whole object), so reads are few and
 large: one GET can feed many destinations (`read_spans`: reads.Batch merges a round's fragments of an object);
@@ -190,8 +189,8 @@ class S3Source(LocalSource):
     def holds(self, path: Path | str) -> bool:
         return super().holds(path) or self._beside(os.path.abspath(path)) is not None
 
-    def open(self, path: Path | str) -> ObjectFile | None:
-        found = super().open(path)
+    def _held(self, path: Path | str) -> ObjectFile | None:
+        found = super()._held(path)
         if found is not None:
             return found
         full = os.path.abspath(path)
@@ -208,7 +207,7 @@ class S3Source(LocalSource):
         full = os.path.abspath(path)
         bucket_dir = os.path.join(self.listing.top, self.listing.bucket)
         folder = os.path.dirname(full)
-        inside = full.startswith(str(self.root) + "/")
+        inside = full.startswith(self.listing.root + "/")
         if not inside and folder.startswith(bucket_dir + "/") and folder not in self._looked:
             self._looked.add(folder)
             self._list_beside(folder, bucket_dir)
@@ -250,12 +249,10 @@ class S3Source(LocalSource):
                 del self.ends[next(iter(self.ends))]
 
 
-
 class ObjectFile:
     """An object of the input opened for reading (S3Source.open): positional reads by ranged GETs."""
 
-    fd = -1  # no descriptor: nothing can map it (torch_save.mapped_views reads the views' bytes instead)
-    few_reads = True  # reads cost a request each: callers that can ask for many ranges at once do (reads.Batch)
+    by_request = True  # reads cost a request each: callers that can ask for many ranges at once do (reads.Batch)
 
     def __init__(self, src: S3Source, made: Listing, rel: str) -> None:
         if rel not in made.objects:
@@ -266,6 +263,9 @@ class ObjectFile:
         self.real = Path(made.root) / rel
         self.known: list[tuple[int, bytes]] = []  # regions already read while this file is open (keep)
         self._id = (made.bucket, made.key(rel), self.etag)
+
+    def map(self) -> None:  # nothing to map: callers read the bytes they need (torch_save.mapped_views)
+        return None
 
     def keep(self, offset: int, data: bytes) -> None:
         """Serve later reads inside [offset, offset + len(data)) from these bytes (a zip's directory, its head)

@@ -12,20 +12,29 @@ assigns input files (plan.readers):
 
     phase     who            call                                 what the source does
     discover  rank 0         open_source(input) -> Source         nothing yet
-              rank 0         walk()                               list the input once (lstat walk; one LIST);
-                                                                  formats then look at `root`
-              rank 0         is_file, config_dir(folders, names)  the config folder near the save, beside the
+              rank 0         walk()                               list the input once (lstat walk; one LIST)
+              rank 0         fmt.detect(source),                  the formats look at `root` through the source:
+                             fmt.scan(source, options)            listdir, is_file, is_dir, exists, stat, resolve,
+                                                                  folder, read_text / read_json (markers,
+                                                                  trackers), open (pickles, headers), each;
+                                                                  at(folder) for a save inside the folder given
+              rank 0         config_dir(folders, names)           the config folder near the save, beside the
                                                                   input too (a bucket lists what it is asked)
               rank 0         record(folder, paths) -> Walked      what the walk saw of the scan's files, sent to
                                                                   every rank with the scan
     open      every rank     adopt(walked) (session.adopt)        the source this rank opens the scan's files by
-              readers        open(path) -> file                   checked against the record: pread / readinto /
-                                                                  read_spans, of the listed size
+              readers        fmt.open(source, scan, file),        checked against the record: an InFile of the
+                             open(path) -> InFile                 listed size; what a caller may do with it
+                                                                  (map it, read ahead) is asked of the file
     rounds    readers        batch(reader) -> a round's reads     the read policy: merged ranged GETs (objects),
                                                                   or Reader.fill's spans (files)
     errors    every rank     shown(message)                       the message naming the input as the user
                                                                   named it (an object's URL, not a placeholder)
     exit      every process  session.forget()                     nothing of the input kept (api.as_found)
+
+Formats and the engine never ask which kind of source they read: a lookup that works on a disk works in a bucket.
+Paths are names within the source (rooted at `root`); a format never opens, lists or stats one itself
+(tests/test_structure.py checks it).
 
 The sources of a merge are bound to it, not to the process (`Session`, in a ContextVar): two merges in one process
 (the in-job API, verify of two checkpoints) hold their own, and threads a source starts get its session
@@ -36,6 +45,7 @@ from __future__ import annotations
 
 import contextvars
 import importlib
+import mmap
 import os
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -45,18 +55,33 @@ from typing import Any, Protocol
 
 
 class InFile(Protocol):
-    """An input file opened for reading (tree.Opened, s3.ObjectFile)."""
+    """An input file opened for reading (tree.Opened, s3.ObjectFile). What a caller may do with it is asked of the
+    file (`by_request`, `map`), never of the kind of store it lies in."""
 
-    fd: int  # a descriptor to map or pread, or -1: read through the methods below
     size: int  # as listed
     ident: Any  # what tells two names of one file apart (device and inode; bucket and key)
-    few_reads: bool  # each read costs a request: read ahead and check what the bytes must be lazily (zip_records)
+    by_request: bool  # each read is a request (a round trip; on some servers a read of the whole object): callers
+    # read ahead what they will need and keep it (`keep`), let a check wait for the read that reaches its bytes
+    # (`expect`), ask for many ranges in one read (`read_spans`; reads.Batch). False: a read is a system call,
+    # made when its bytes are needed.
+
+    def map(self) -> mmap.mmap | None:
+        """A private, writable mapping of the whole file (its pages read when used; nothing is ever written back),
+        or None where the file cannot be mapped: read its bytes instead."""
 
     def pread(self, nbytes: int, offset: int) -> bytes: ...
 
     def readinto(self, buf: memoryview, offset: int) -> int: ...
 
+    def read_full(self, buf: memoryview, offset: int) -> int:
+        """buf filled from `offset`; fewer bytes only where the file ends (returns how many)."""
+
+    def copy_range(self, offset: int, nbytes: int, put: Callable[[memoryview, int], None], bounce: memoryview,
+                   shown: str) -> int: ...
+
     def close(self) -> None: ...
+
+    # with by_request: keep(offset, data), expect(checks: list[Expected]), read_spans(start, end, spans) (s3.py)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,7 +89,7 @@ class Expected:
     """Bytes [at, at + length) of a file must pass `check` (which raises CorruptInputError) before any byte of
     [at, until) is handed out: a zip record's local header, whose place and length the zip directory predicted
     (zip_records), checked by whichever read first reaches the record instead of by a read of its own (a file
-    with `few_reads`: its `expect(checks)`)."""
+    read `by_request`: its `expect(checks)`)."""
 
     at: int
     length: int
@@ -72,27 +97,67 @@ class Expected:
     check: Callable[[bytes], None]
 
 
+@dataclass(frozen=True, kw_only=True)
+class Stat:
+    """What a source says of one path (Source.stat)."""
+
+    kind: str  # "file", "dir", "link" (asked not to follow links), "other" (a FIFO, a device, a socket)
+    size: int
+    mtime_ns: int  # with size, tells --resume whether the input changed since the interrupted run
+
+
 class Source(Protocol):
     url: str  # as messages name the input
     root: Path  # where the formats look: the folder, or the placeholders of a listing
     tree: Any  # tree.InputTree of `root` on the process that walked it, else None
+    plans_ahead: bool  # the read policy: a round's reads may take later rounds' fragments in passing, and an
+    # owner's own fragments are read with the packing (reads.Batch); False: each round reads its own (Reader.fill)
 
     def walk(self) -> None: ...
 
-    def holds(self, path: Path | str) -> bool:
-        """Whether `path` names something of this source (its own files, or a config folder it was asked for)."""
+    # -- what the formats ask, rank 0 at discovery (paths: names within the source, rooted at `root`) -------------
+    def at(self, folder: Path | str) -> Source:
+        """The same input looked at from a folder inside it (`root` = folder): a save inside the folder given."""
 
-    def open(self, path: Path | str) -> InFile | None:
-        """The file at `path` checked against the walk or the record; None when it is none of this source's."""
+    def listdir(self, folder: Path | str) -> list[str]:
+        """The names in a folder, sorted; OSError when it is no folder."""
 
     def is_file(self, path: Path | str) -> bool: ...
+
+    def is_dir(self, path: Path | str) -> bool: ...
+
+    def exists(self, path: Path | str) -> bool:
+        """Anything at `path`, a link too (even one that leads nowhere: reading it says what is wrong)."""
+
+    def stat(self, path: Path | str, follow: bool = True) -> Stat:
+        """Kind, size and time of what is at `path` (`follow`: of what a link leads to); OSError when nothing."""
+
+    def resolve(self, path: Path | str) -> tuple[Path, str]:
+        """Where `path` leads by the walk, following only links that stay inside the input, and, for what distmerge
+        does not open there (a link out, a FIFO), why ("" otherwise; a missing path is the caller's to find)."""
+
+    def folder(self, path: Path | str) -> Path:
+        """The folder `path` leads to by the walk; InputError for a link out of the input or no folder."""
+
+    def read_text(self, path: Path | str, cap: int, what: str) -> str:
+        """A small file whole (a tracker, a marker), refused past `cap` bytes; `what` names it in errors."""
+
+    def read_json(self, path: Path | str, cap: int, what: str) -> Any: ...
 
     def config_dir(self, folders: Iterable[Path], names: tuple[str, ...]) -> str | None:
         """The first folder/name (folder by folder, name by name) that holds a config.json; "" names the folder."""
 
     def record(self, folder: Path | str, paths: Iterable[Path | str]) -> Any: ...
 
+    # -- every rank ------------------------------------------------------------------------------------------------
     def adopt(self, walked: Any) -> None: ...
+
+    def holds(self, path: Path | str) -> bool:
+        """Whether `path` names something of this source (its own files, or a config folder it was asked for)."""
+
+    def open(self, path: Path | str) -> InFile:
+        """The file at `path`, checked against the walk or the record where the source holds it; any other path
+        (a folder the user named: --hf-config, --base-model) as any regular file it leads to."""
 
     def batch(self, reader: Any) -> Any:
         """The read policy: an object with read_into, copy_to, fill and run (reads.py)."""
@@ -102,8 +167,23 @@ class Source(Protocol):
 
     def shown(self, message: str) -> str: ...
 
-    plans_ahead: bool  # the read policy: a round's reads may take later rounds' fragments in passing, and an
-    # owner's own fragments are read with the packing (reads.Batch); False: each round reads its own (Reader.fill)
+
+class Within:
+    """A source looked at from a folder inside it (Source.at): `root` is that folder, everything else is the
+    source's own, so the files are opened, and the lookups answered, exactly as the source's (a format scanning
+    torchtitan's step-N or Megatron's iter_N through its DCP reader; detection of a save one folder down)."""
+
+    def __init__(self, src: Source, folder: Path | str) -> None:
+        self.source, self.root = src, Path(folder)
+
+    def at(self, folder: Path | str) -> Within:
+        return Within(self.source, folder)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.source, name)
+
+    def __str__(self) -> str:
+        return str(self.source)
 
 
 # -- which source an input's name is: one line per scheme ------------------------------------------------------
@@ -161,22 +241,16 @@ def of(path: Path | str) -> Source:
     return find(path) or _made(LOCAL, path)
 
 
-def config_dir(folders: Iterable[Path], names: tuple[str, ...]) -> str | None:
-    """The config folder near a save (formats/base.config_dir), asked of the source the save is in: a bucket
-    lists a folder beside its prefix as a disk has one."""
-    folders = list(folders)
-    return of(folders[0]).config_dir(folders, names) if folders else None
-
-
-def record(folder: Path | str, paths: Iterable[Path | str]) -> Any:
-    """The walk's record of a scan's files (rank 0, discovery), or None outside a walked input."""
-    src = find(folder)
-    return src.record(folder, paths) if src is not None and src.tree is not None else None
-
-
-def each(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
-    """fn over items (paths of one input), as that input's source makes several small reads."""
-    return of(items[0]).each(fn, items) if items else []
+def looking_at(where: Any) -> Source:
+    """A Source as it is; else the source of this merge that holds the folder `where` (looking from it: a save
+    inside the input), or the folder as it is (nothing walked: a format asked on its own, verify's --merged)."""
+    if is_source(where):
+        return where
+    src = find(where)
+    if src is None:
+        return _made(LOCAL, where)
+    full = Path(os.path.abspath(where))
+    return src if full == src.root else src.at(full)
 
 
 # -- the sources of one merge ----------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import json
+import mmap
 import os
 import socket
 import stat
@@ -181,21 +182,19 @@ def tree_for(path: Path | str) -> InputTree | None:
     return walk if walk is not None and walk.contains(os.path.abspath(path)) else None
 
 
-def tree_at(root: Path) -> InputTree:
-    """The tree `root` belongs to; walked now (and not kept) when no discovery walked it (a format used on
-    its own, as the contract tests do)."""
-    return tree_for(root) or InputTree(root)
-
-
 # -- opening: through the record, never by a path the file system resolves --------------------------------
 class Opened:
-    """An input file opened for reading: positional reads on its descriptor (s3.ObjectFile: same API)."""
+    """An input file opened for reading (source.InFile): positional reads on its descriptor, which can be mapped."""
 
-    few_reads = False  # a read is a system call: formats read what they need when they need it
+    by_request = False  # a read is a system call: callers read what they need when they need it
 
     def __init__(self, fd: int, real: Path) -> None:
         st = os.fstat(fd)
         self.fd, self.real, self.size, self.ident = fd, real, st.st_size, (st.st_dev, st.st_ino)
+
+    def map(self) -> mmap.mmap:
+        """Private and writable (torch.frombuffer wants a writable buffer); the file is never written."""
+        return mmap.mmap(self.fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
     def pread(self, nbytes: int, offset: int) -> bytes:
         return os.pread(self.fd, nbytes, offset)
@@ -251,9 +250,11 @@ def open_input(path: Path | str) -> Any:
     against the walk or its record, as the module docstring says; an object of an object-store input); outside
     any input (--hf-config, --base-model: the user's own folders) any regular file its path leads to. One line
     when the file is not the one listed."""
-    src = source.find(path)
-    if src is not None and (found := src.open(path)) is not None:
-        return found
+    return source.of(path).open(path)
+
+
+def open_any(path: Path | str) -> Opened:
+    """A regular file no walk lists (a folder the user named), opened with no link on the way from its folder."""
     real = Path(os.path.realpath(path))
     if not real.is_file():
         raise InputError(f"{path} is not a regular file")
@@ -297,9 +298,13 @@ def open_beneath(shown: Path | str, root: Path, rel: str, size: int | None, iden
     return fd
 
 
-def read_small(path: Path, cap: int, what: str) -> bytes:
-    """The whole of a small file, refused (one line) when it is bigger than `cap`."""
-    with open_input(path) as f:
+Opener = Callable[[Path | str], Any]  # a source's open: path -> source.InFile
+
+
+def read_small(path: Path, cap: int, what: str, opener: Opener = open_input) -> bytes:
+    """The whole of a small file, refused (one line) when it is bigger than `cap`; opened by `opener` (its
+    source's open)."""
+    with opener(path) as f:
         size, chunks, got = f.size, [], 0
         while size <= cap and got <= cap:
             data = f.pread(min(1 << 20, cap + 1 - got), got)
@@ -313,16 +318,16 @@ def read_small(path: Path, cap: int, what: str) -> bytes:
     return b"".join(chunks)
 
 
-def read_text(path: Path, cap: int, what: str) -> str:
+def read_text(path: Path, cap: int, what: str, opener: Opener = open_input) -> str:
     try:
-        return read_small(path, cap, what).decode("utf-8")
+        return read_small(path, cap, what, opener).decode("utf-8")
     except UnicodeDecodeError:
         raise InputError(f"{path} is not UTF-8 text: not a {what}; fix or remove it") from None
 
 
-def read_json(path: Path, cap: int, what: str):
+def read_json(path: Path, cap: int, what: str, opener: Opener = open_input):
     """JSON of bounded size and nesting (a deeply nested file would exhaust Python's recursion)."""
-    text = read_text(path, cap, what)
+    text = read_text(path, cap, what, opener)
     depth = deepest = 0
     for ch in text:  # brackets inside strings count too: the bound only has to be safe, not exact
         if ch in "[{":

@@ -109,7 +109,7 @@ def _is_checkpoint(path: Path, fmt: str, *, also_unmarked: bool) -> bool:
     path = Path(path)
     if not path.is_dir():
         return False
-    return fmt != "auto" or any(f.detect(path) for f in registry.all_formats()) or (
+    return fmt != "auto" or registry.detect(path) is not None or (
         also_unmarked and not any(any(path.glob(mark)) for mark in MODEL_MARKS))
 
 

@@ -19,7 +19,7 @@ from distmerge.errors import CorruptInputError, InputError
 from distmerge.formats.safetensors_header import read_header
 from distmerge.formats.torch_private import torch_save
 from distmerge.formats.torch_private.restricted import TENSOR_GLOBALS, TensorRef
-from distmerge.input import tree
+from distmerge.input import source
 from distmerge.output.names import INDEX_NAME
 
 TORCH_SUFFIXES = (".bin", ".pt", ".pth")
@@ -119,7 +119,7 @@ def _check_index(path: Path, files: list[Path], weight_map: dict[str, str], tens
 
 
 def _list_safetensors(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    return {e.name: (e.dtype, e.shape) for e in read_header(path).entries.values()}
+    return {e.name: (e.dtype, e.shape) for e in read_header(source.of(path), path).entries.values()}
 
 
 def _list_torch(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -128,12 +128,12 @@ def _list_torch(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
 
 def load_torch(path: Path) -> dict[str, torch.Tensor]:
     """A flat state dict, memory-mapped: a tensor's bytes are read only when it is used."""
-    saved = torch_save.read(path, inert_modules=(), allowed=TENSOR_GLOBALS)
+    saved = torch_save.read(source.of(path), path, inert_modules=(), allowed=TENSOR_GLOBALS)
     state = saved.value
     if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, TensorRef) for k, v in
                                               state.items()):
         raise CorruptInputError(f"{path} is not a flat state dict of tensors (name -> tensor)")
-    return torch_save.mapped_views(path, saved.storage_offsets, state)
+    return torch_save.mapped_views(source.of(path), path, saved.storage_offsets, state)
 
 
 class TensorFiles:
@@ -180,7 +180,8 @@ class TensorFiles:
         if loc.file not in self._open:
             path = Path(self.side.files[loc.file])
             if self.side.kind == "safetensors":
-                self._open[loc.file] = (tree.open_input(path), read_header(path))
+                src = source.of(path)  # the folder as it is (a merged model), or an input's source
+                self._open[loc.file] = (src.open(path), read_header(src, path))
             else:
                 self._open[loc.file] = load_torch(path)
         return self._open[loc.file]
@@ -194,7 +195,7 @@ class TensorFiles:
 
 
 def _pread(f: Any, offset: int, data: torch.Tensor, name: str, path: str) -> torch.Tensor:
-    """Fills `data` (uint8) with the file's bytes from offset (`f`: tree.open_input's); returns it."""
+    """Fills `data` (uint8) with the file's bytes from offset (`f`: a source.InFile); returns it."""
     view, done = memoryview(data.numpy()), 0
     while done < len(view):
         got = f.readinto(view[done:], offset + done)

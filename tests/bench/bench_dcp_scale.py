@@ -51,7 +51,8 @@ READERS = {  # what each .metadata row runs, in a fresh interpreter: prints {"se
               "print(json.dumps({'seconds': time.perf_counter() - t, 'chunks': n}))\n"),
     "distmerge": ("import sys, time, json\nfrom pathlib import Path\n"
                   "from distmerge.formats.torch_private.dcp import read_metadata\n"
-                  "t = time.perf_counter()\nmd = read_metadata(Path(sys.argv[1]))\n"
+                  "from distmerge.input import source\n"
+                  "t = time.perf_counter()\nmd = read_metadata(source.of(sys.argv[1]), Path(sys.argv[1]))\n"
                   "print(json.dumps({'seconds': time.perf_counter() - t, 'chunks': len(md)}))\n"),
 }
 

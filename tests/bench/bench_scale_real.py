@@ -30,6 +30,7 @@ from distmerge.formats import registry
 from distmerge.formats.base import Fragment, Scan
 from distmerge.formats.dcp import folder as dcp
 from distmerge.formats.torch_private import dcp as dcp_private
+from distmerge.input import source
 
 SIMULATED = {"fsdp": fsdp_inventories, "dcp": dcp_inventories}
 
@@ -47,14 +48,15 @@ def discovery_costs(found: Discovery) -> tuple[str, list[list[Fragment]]]:
     """One line of measured discovery costs, and the real inventory (each file's fragments)."""
     fmt = registry.get(found.scan.format)
     root = Path(found.scan.root)
+    src = source.looking_at(root)
     line = ""
     if found.scan.format == "dcp":
-        seconds, md = best_of(lambda: dcp_private.read_metadata(root / dcp.METADATA))
+        seconds, md = best_of(lambda: dcp_private.read_metadata(src, root / dcp.METADATA))
         size = (root / dcp.METADATA).stat().st_size
         line = (f"; .metadata ({size / 1e6:.2f} MB, {len(md.chunks)} chunks) {seconds:.3f} s = "
                 f"{seconds / len(md.chunks) * 1e6:.0f} us per chunk")
-        dcp.load_metadata(root)  # open's cache, as on a rank after its first file
-    seconds, per_file = best_of(lambda: [fmt.open(found.scan, f).fragments for f in found.scan.files])
+        dcp.load_metadata(src, root)  # open's cache, as on a rank after its first file
+    seconds, per_file = best_of(lambda: [fmt.open(src, found.scan, f).fragments for f in found.scan.files])
     world, entries = len(found.scan.files), sum(map(len, per_file))
     return (f"W={world}, {entries} fragments; open {seconds:.3f} s = {seconds / world * 1e3:.1f} ms per file, "
             f"{seconds / entries * 1e6:.0f} us per entry{line}"), per_file

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -28,20 +27,34 @@ from distmerge.formats import base
 from distmerge.formats.base import FormatDefaults, Fragment, InputFile, OpenedFile, Scan, input_file, inside, register
 from distmerge.formats.dcp.keys import model_names
 from distmerge.formats.torch_private import dcp as private
-from distmerge.input import tree
+from distmerge.input.source import Source
 
 METADATA = ".metadata"
 RANK_OF = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 
+class _Through:
+    """The source a cached read goes through, left out of the cache's key: one file (path, time, size) is one
+    metadata, whichever view of the input asks (detection and the scan ask through different ones: Source.at)."""
+
+    def __init__(self, src: Source) -> None:
+        self.src = src
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Through)
+
+    def __hash__(self) -> int:
+        return 0
+
+
 @functools.lru_cache(maxsize=4)
-def _metadata(path: str, mtime_ns: int, size: int) -> private.DcpMetadata:
-    return private.read_metadata(Path(path))
+def _metadata(path: str, mtime_ns: int, size: int, through: _Through) -> private.DcpMetadata:
+    return private.read_metadata(through.src, Path(path))
 
 
-def load_metadata(root: Path) -> private.DcpMetadata:
-    st = (root / METADATA).stat()
-    return _metadata(str(root / METADATA), st.st_mtime_ns, st.st_size)
+def load_metadata(src: Source, root: Path) -> private.DcpMetadata:
+    st = src.stat(root / METADATA)
+    return _metadata(str(root / METADATA), st.mtime_ns, st.size, _Through(src))
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)  # eq=False: hashed by identity (the rows are megabytes)
@@ -98,8 +111,8 @@ def _by_file(chunks: ModelChunks) -> tuple[torch.Tensor, dict[int, tuple[int, in
     return order, {f: (e - n, e) for f, n, e in zip(files.tolist(), counts.tolist(), ends, strict=True)}
 
 
-def hf_dir_near(root: Path) -> str | None:
-    return base.config_dir((root, root.parent))
+def hf_dir_near(src: Source, root: Path) -> str | None:
+    return base.config_dir(src, (root, root.parent))
 
 
 @register
@@ -108,26 +121,28 @@ class DcpFormat(FormatDefaults):
     order = 40
     help = ".metadata + .distcp folders of dcp.save: torchtitan, accelerate"
 
-    def detect(self, root: Path) -> bool:
-        return (root / METADATA).is_file() and any(p.suffix == ".distcp" for p in root.iterdir())
+    def detect(self, source: Source) -> bool:
+        root = source.root
+        return source.is_file(root / METADATA) and any(Path(n).suffix == ".distcp" for n in source.listdir(root))
 
-    def scan(self, root: Path, options: Mapping[str, Any]) -> Scan:
-        md = load_metadata(root)
+    def scan(self, source: Source, options: Mapping[str, Any]) -> Scan:
+        root = source.root
+        md = load_metadata(source, root)
         names = model_names(sorted(md.fqns), str(root))
         model = torch.tensor([fqn in names for fqn in md.fqns] or [False])
         rows = model[md.tensor].nonzero()[:, 0]
         used = md.file[rows].unique().tolist()
         paths = sorted(md.files[i] for i in used)
-        missing = [p for p in paths if not inside(root, p).is_file()]
+        missing = [p for p in paths if not source.is_file(inside(source, root, p))]
         if missing:
             raise InputError(f"{root}/.metadata points at {', '.join(missing[:4])}, which is missing: copy it back")
-        files = tuple(input_file(root, i, p) for i, p in enumerate(paths))
+        files = tuple(input_file(source, root, i, p) for i, p in enumerate(paths))
         file_of = torch.full((max(len(md.files), 1),), -1, dtype=torch.int64)
         file_of[torch.tensor(used, dtype=torch.int64)] = torch.tensor([paths.index(md.files[i]) for i in used])
         table = torch.cat([md.tensor[rows, None], file_of[md.file[rows], None], md.offset[rows, None],
                            md.length[rows, None], md.offsets[rows], md.lengths[rows]], 1)
         _check_chunks(root, md, table, files)
-        ranks = {int(m[1]) for p in os.listdir(root) if (m := RANK_OF.match(p))}
+        ranks = {int(m[1]) for p in source.listdir(root) if (m := RANK_OF.match(p))}
         skipped = len(md.fqns) - len(names) + len(md.non_tensors)
         what = "optimizer, train state, extra state, ..."
         notes = [f"skipped {skipped} entries that are not model weights ({what})"] * bool(skipped)
@@ -135,16 +150,16 @@ class DcpFormat(FormatDefaults):
                                  codes=tuple(dtypes.code_of(d) for d in md.dtypes), shapes=md.shapes,
                                  width=md.offsets.shape[1])
         _metadata.cache_clear()  # the table (~100 bytes a chunk) is not needed past the scan
-        return Scan(format=self.name, root=str(root), files=files, hf_dir=hf_dir_near(root),
+        return Scan(format=self.name, root=str(root), files=files, hf_dir=hf_dir_near(source, root),
                     world_size=len(ranks) or len(files), notes=tuple(notes), state=state)
 
-    def open(self, scan: Scan, file: InputFile) -> OpenedFile:
+    def open(self, source: Source, scan: Scan, file: InputFile) -> OpenedFile:
         chunks: ModelChunks = scan.state
         rows, width = chunks.of_file(file.index), chunks.width
         opened = OpenedFile(fragments=[], layout={"DCP chunk": len(rows)})
         ndims = [len(chunks.shapes[r[0]]) for r in rows]
         boxes = [(tuple(r[4 : 4 + n]), tuple(r[4 + width : 4 + width + n])) for r, n in zip(rows, ndims, strict=True)]
-        with tree.open_input(Path(scan.root) / file.path) as f:  # the walk's file, no link or FIFO instead
+        with source.open(Path(scan.root) / file.path) as f:  # the walk's file, no link or FIFO instead
             at = private.locate(f, file.size, [(r[2], r[3], math.prod(box[1])) for r, box in zip(rows, boxes,
                                                                                                  strict=True)],
                                 lambda k: _chunk(chunks, rows[k], boxes[k], file.path),

@@ -22,13 +22,14 @@ from distmerge.formats.base import FormatDefaults, Fragment, InputFile, OpenedFi
 from distmerge.formats.dcp.folder import hf_dir_near
 from distmerge.formats.dcp.keys import model_names
 from distmerge.formats.safetensors_header import Header, read_header
+from distmerge.input.source import Source
 
 SHARD = re.compile(r"^shard-(\d+)-model-\d+-of-\d+\.safetensors$")
 INFO_KEY = "DCP_SHARDING_INFO"
 
 
-def shard_dir(root: Path) -> Path:
-    return root / "sharded" if (root / "sharded").is_dir() else root
+def shard_dir(src: Source, root: Path) -> Path:
+    return root / "sharded" if src.is_dir(root / "sharded") else root
 
 
 def sharding_info(path: Path, header: Header) -> dict[str, tuple[int, ...]]:
@@ -58,32 +59,34 @@ class DcpHfFormat(FormatDefaults):
     order = 50
     help = "shard-*-model-*.safetensors of PyTorch's distributed HuggingFaceStorageWriter"
 
-    def detect(self, root: Path) -> bool:
-        folder = shard_dir(root)
-        return folder.is_dir() and any(SHARD.match(p.name) for p in folder.iterdir())
+    def detect(self, source: Source) -> bool:
+        folder = shard_dir(source, source.root)
+        return source.is_dir(folder) and any(SHARD.match(n) for n in source.listdir(folder))
 
-    def scan(self, root: Path, options: Mapping[str, Any]) -> Scan:
-        folder = shard_dir(root)
-        paths = sorted(p for p in folder.iterdir() if SHARD.match(p.name))
+    def scan(self, source: Source, options: Mapping[str, Any]) -> Scan:
+        root = source.root
+        folder = shard_dir(source, root)
+        paths = [folder / n for n in source.listdir(folder) if SHARD.match(n)]
         extent: dict[str, list[int]] = {}
         for path in paths:
-            header = read_header(path)
+            header = read_header(source, path)
             for name, offsets in sharding_info(path, header).items():
                 ends = [o + n for o, n in zip(offsets, header.entries[name].shape, strict=True)]
                 extent[name] = [max(a, b) for a, b in zip(extent.get(name, ends), ends, strict=True)]
         names = model_names(sorted(extent), str(root))
         files = tuple(
-            input_file(root, i, str(p.relative_to(root)), rank=_rank(p))
+            input_file(source, root, i, str(p.relative_to(root)), rank=_rank(p))
             for i, p in enumerate(paths)
         )
         if not files:
             raise InputError(f"{root} has no shard-*-model-*.safetensors files")
-        return Scan(format=self.name, root=str(root), files=files, hf_dir=hf_dir_near(root), world_size=len(files),
+        return Scan(format=self.name, root=str(root), files=files, hf_dir=hf_dir_near(source, root),
+                    world_size=len(files),
                     state=_State(names=names, shapes={n: tuple(extent[n]) for n in names}))
 
-    def open(self, scan: Scan, file: InputFile) -> OpenedFile:
+    def open(self, source: Source, scan: Scan, file: InputFile) -> OpenedFile:
         path = Path(scan.root) / file.path
-        header = read_header(path)
+        header = read_header(source, path)
         names, shapes = scan.state.names, scan.state.shapes
         opened = OpenedFile(fragments=[], layout={"HF-writer shard": 0})
         for key, offsets in sharding_info(path, header).items():

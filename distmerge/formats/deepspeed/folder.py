@@ -27,6 +27,7 @@ from distmerge.formats.deepspeed.zero import Piece, flat_pieces, stage3_pieces
 from distmerge.formats.torch_private import archive_name, torch_save
 from distmerge.formats.torch_private.restricted import TensorRef
 from distmerge.input import tree
+from distmerge.input.source import Source
 
 INERT = (*torch_save.TRAINING_MODULES, "deepspeed")
 OPTIM_KEY = "optimizer_state_dict"
@@ -56,17 +57,18 @@ class DeepSpeedFormat(FormatDefaults):
     help = "DeepSpeed ZeRO 0-3 saves (latest + global_stepN/): HF Trainer, TRL, OpenRLHF"
     options = (ds.TAG, ds.WEIGHTS)
 
-    def detect(self, root: Path) -> bool:
-        return ds.looks_like(root)
+    def detect(self, source: Source) -> bool:
+        return ds.looks_like(source, source.root)
 
-    def explain(self, root: Path) -> str | None:
-        return ds.explain(root)
+    def explain(self, source: Source) -> str | None:
+        return ds.explain(source)
 
-    def scan(self, root: Path, options: Mapping[str, Any]) -> Scan:
-        save = ds.tag_dir(root, options)
-        models, optims = _rank_files(save)
-        ds.check_own_files(save, models, optims)  # before any is read: no link out, no copy of another rank's
-        first = _model_states(save / models[0])
+    def scan(self, source: Source, options: Mapping[str, Any]) -> Scan:
+        root = source.root
+        save = ds.tag_dir(source, root, options)
+        models, optims = _rank_files(source, save)
+        ds.check_own_files(source, save, models, optims)  # before any is read: no link out, no copy of another's
+        first = _model_states(source, save / models[0])
         stage3 = ds.MODEL_STATES.match(models[0])[1] is not None
         masters = _use_masters(save, options.get(ds.WEIGHTS.dest), stage3, first, optims)
         paths = models + (optims if masters else [])
@@ -78,22 +80,23 @@ class DeepSpeedFormat(FormatDefaults):
                        round_robin=_round_robin(first),
                        world=len(optims) or len(models), global_steps=first.get("global_steps"), roles=roles)
         world = first.get("dp_world_size")
-        return Scan(format=self.name, root=str(save), hf_dir=ds.hf_dir_near(save, root),
-                    files=tuple(_expected_reads(input_file(save, i, p, rank=roles[p][1]), state)
+        return Scan(format=self.name, root=str(save), hf_dir=ds.hf_dir_near(source, save, root),
+                    files=tuple(_expected_reads(input_file(source, save, i, p, rank=roles[p][1]), state)
                                 for i, p in enumerate(paths)),
                     world_size=world if isinstance(world, int) and world > 0 else state.world,
-                    notes=tuple(_notes(save, state)), state=state, hints=Hints(lora_meta=_lora_meta(root, save)),
+                    notes=tuple(_notes(save, state)), state=state,
+                    hints=Hints(lora_meta=_lora_meta(source, root, save)),
                     not_model_files=ds.TRAINER_FILES)
 
-    def open(self, scan: Scan, file: InputFile) -> OpenedFile:
+    def open(self, source: Source, scan: Scan, file: InputFile) -> OpenedFile:
         state: _State = scan.state
         path = Path(scan.root) / file.path
-        saved = torch_save.read(path, INERT)
+        saved = torch_save.read(source, path, INERT)
         role, rank = state.roles[file.path]
         if not isinstance(saved.value, dict):
             raise InputError(f"{file.path} is not a DeepSpeed checkpoint file (no state dict inside)")
         opened = _open_optim(saved, file, rank, state) if role == "optim" else _open_model(saved, file, rank, state)
-        archive_name.check_saved_name(path, state.roles)  # after the checks that name another run or partition
+        archive_name.check_saved_name(source, path, state.roles)  # after the checks that name another run or partition
         return opened
 
 
@@ -123,8 +126,8 @@ def _use_masters(save: Path, asked: str | None, stage3: bool, first: dict, optim
     return asked != "module"
 
 
-def _rank_files(save: Path) -> tuple[list[str], list[str]]:
-    names = sorted(p.name for p in save.iterdir())
+def _rank_files(src: Source, save: Path) -> tuple[list[str], list[str]]:
+    names = src.listdir(save)
     if any(ds.EXPERT_FILES.match(n) for n in names):
         raise InputError(f"{save} holds DeepSpeed-MoE expert-parallel files (expp_rank_*): not supported yet")
     models = [n for n in names if ds.MODEL_STATES.match(n)]
@@ -154,8 +157,8 @@ def _check_complete(save: Path, ranks: list[int], what: str) -> None:
                          "doubled; copy the whole save")
 
 
-def _model_states(path: Path) -> dict:
-    value = torch_save.read(path, INERT).value
+def _model_states(src: Source, path: Path) -> dict:
+    value = torch_save.read(src, path, INERT).value
     if not isinstance(value, dict) or "param_shapes" not in value:
         raise InputError(f"{path} is not a DeepSpeed model states file (no param_shapes)")
     return value
@@ -191,12 +194,12 @@ def _notes(save: Path, state: _State) -> list[str]:
     return notes
 
 
-def _lora_meta(root: Path, save: Path) -> dict | None:
+def _lora_meta(src: Source, root: Path, save: Path) -> dict | None:
     """A PEFT run under the HF Trainer saves adapter_config.json (r, lora_alpha) beside the save."""
     for folder in (root, save.parent):
         path = folder / "adapter_config.json"
-        if path.is_file():
-            meta = tree.read_json(path, tree.MARKER_CAP, "adapter_config.json")  # bounded, no link out
+        if src.is_file(path):
+            meta = src.read_json(path, tree.MARKER_CAP, "adapter_config.json")  # bounded, no link out
             return meta if isinstance(meta, dict) else None
     return None
 

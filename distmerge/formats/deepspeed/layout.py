@@ -24,6 +24,7 @@ from distmerge.errors import InputError, LayoutError
 from distmerge.formats import copies
 from distmerge.formats.base import FormatOption, config_dir
 from distmerge.input import tree
+from distmerge.input.source import Source
 
 LATEST = "latest"
 MODEL_STATES = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d{2})_model_states\.pt$")
@@ -50,44 +51,44 @@ WEIGHTS = FormatOption(flag="--weights", dest="weights", metavar="masters|module
                             "zero_to_fp32 gives) or the 16-bit module weights (stages 0-2, no optimizer file read)")
 
 
-def holds_save(folder: Path) -> bool:
-    return folder.is_dir() and any(MODEL_STATES.match(p.name) for p in folder.iterdir())
+def holds_save(src: Source, folder: Path) -> bool:
+    return src.is_dir(folder) and any(MODEL_STATES.match(n) for n in src.listdir(folder))
 
 
-def tags(root: Path) -> list[str]:
-    return sorted(p.name for p in root.iterdir() if holds_save(p))
+def tags(src: Source, root: Path) -> list[str]:
+    return [n for n in src.listdir(root) if holds_save(src, root / n)]
 
 
-def looks_like(root: Path) -> bool:
-    return holds_save(root) or (root / LATEST).is_file() or bool(tags(root))
+def looks_like(src: Source, root: Path) -> bool:
+    return holds_save(src, root) or src.is_file(root / LATEST) or bool(tags(src, root))
 
 
-def tag_dir(root: Path, options: Mapping[str, Any]) -> Path:
+def tag_dir(src: Source, root: Path, options: Mapping[str, Any]) -> Path:
     """The folder of the save to merge: the input itself, --tag's, or the one `latest` names."""
-    if holds_save(root):
+    if holds_save(src, root):
         return root
     tag = options.get(TAG.dest)
     if tag is None:
-        if not (root / LATEST).is_file():
-            found = ", ".join(tags(root)) or "none"
+        if not src.is_file(root / LATEST):
+            found = ", ".join(tags(src, root)) or "none"
             raise InputError(f"{root} has no `latest` file: pass --tag (tags found: {found})")
-        tag = tree.read_text(root / LATEST, tree.TRACKER_CAP, "DeepSpeed `latest` tag file").strip()
-    if "/" in tag or tag in ("", ".", "..") or not holds_save(root / tag):
-        found = ", ".join(tags(root)) or "none"
+        tag = src.read_text(root / LATEST, tree.TRACKER_CAP, "DeepSpeed `latest` tag file").strip()
+    if "/" in tag or tag in ("", ".", "..") or not holds_save(src, root / tag):
+        found = ", ".join(tags(src, root)) or "none"
         raise InputError(f"{root} has no save {tag!r} (tags found: {found}); pass --tag with one of them")
-    tree.tree_at(root).folder(root / tag)  # a tag folder that links out is refused before it is read
+    src.folder(root / tag)  # a tag folder that links out is refused before it is read
     return root / tag
 
 
-def check_own_files(save: Path, models: list[str], optims: list[str]) -> None:
+def check_own_files(src: Source, save: Path, models: list[str], optims: list[str]) -> None:
     """Each rank's file is its own, not a copy of or a link to another rank's (which would give that rank's
     partition twice and lose this one's). A renamed one is refused when opened (archive_name); one renamed
     and relabelled inside by its tensor bytes: the optimizer files hold each rank's own partition of the
     fp32 masters, never equal on two ranks (copies.payload_twin; model states may be: buffers only)."""
-    if copy := copies.first_copy([save / p for p in models + optims]):
+    if copy := copies.first_copy(src, [save / p for p in models + optims]):
         raise LayoutError(f"{save}: {copy[1].name} is the same file as {copy[0].name} (a copy or a link): each "
                           "data-parallel rank's file must be the one it saved; restore the original files")
-    if twin := copies.payload_twin([save / p for p in optims]):
+    if twin := copies.payload_twin(src, [save / p for p in optims]):
         raise LayoutError(f"{save}: {twin[1].name} holds the same tensor bytes as {twin[0].name}, record for record "
                           "(whatever its names say): a copy of another rank's file; each data-parallel rank's file "
                           "must be the one it saved; restore the original files")
@@ -99,14 +100,15 @@ def partition_owner(recorded: dict, layout_of: Callable[[int], dict], world: int
     return next((r for r in range(world) if layout_of(r) == recorded), None)
 
 
-def hf_dir_near(save: Path, root: Path) -> str | None:
+def hf_dir_near(src: Source, save: Path, root: Path) -> str | None:
     """config.json: in the folder passed (HF Trainer's checkpoint-N), a huggingface/ folder there, or beside."""
-    return config_dir(dict.fromkeys((root, save.parent, root.parent)), ("", *HF_DIRS))
+    return config_dir(src, dict.fromkeys((root, save.parent, root.parent)), ("", *HF_DIRS))
 
 
-def explain(root: Path) -> str | None:
+def explain(src: Source) -> str | None:
     """The Trainer's output folder (checkpoint-N inside), or a folder of DeepSpeed MoE files."""
-    found = sorted((p.name for p in root.iterdir() if TRAINER_CHECKPOINT.match(p.name) and looks_like(p)),
+    root = src.root
+    found = sorted((n for n in src.listdir(root) if TRAINER_CHECKPOINT.match(n) and looks_like(src, root / n)),
                    key=lambda n: int(n.split("-")[1]))
     if found:
         return f"{root} holds Hugging Face Trainer checkpoints: pass one of them, e.g. {root / found[-1]}"

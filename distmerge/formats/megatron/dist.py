@@ -30,6 +30,7 @@ from distmerge.formats.base import FormatDefaults, Fragment, Hints, InputFile, O
 from distmerge.formats.dcp.folder import DcpFormat
 from distmerge.formats.megatron import layout as mg
 from distmerge.input import tree
+from distmerge.input.source import Source
 
 # Stacked name prefix -> the per-layer (and per-expert) name; longest first. `{}` takes the axis index.
 STACKED = (
@@ -53,29 +54,30 @@ class MegatronDistFormat(FormatDefaults):
     help = "Megatron-core torch_dist folders"
     options = (mg.ITERATION,)
 
-    def detect(self, root: Path) -> bool:
-        save = mg.looks_like(root)
-        return save is not None and _is_torch_dist(save)
+    def detect(self, source: Source) -> bool:
+        save = mg.looks_like(source)
+        return save is not None and _is_torch_dist(source, save)
 
-    def scan(self, root: Path, options: Mapping[str, Any]) -> Scan:
-        save = mg.save_dir(root, options)
-        if not _is_torch_dist(save):
+    def scan(self, source: Source, options: Mapping[str, Any]) -> Scan:
+        root = source.root
+        save = mg.save_dir(source, root, options)
+        if not _is_torch_dist(source, save):
             raise InputError(f"{save} is not a Megatron torch_dist save (no metadata.json with that backend)")
-        inner = DcpFormat().scan(save, {})
+        inner = DcpFormat().scan(source.at(save), {})
         notes = (f"Megatron torch_dist checkpoint {save.name}", *inner.notes)
         # linear_fc1 is stored as the global [gate; up]: one shard for the family's split
-        return replace(inner, format=self.name, hf_dir=mg.hf_dir_near(save, root), notes=notes,
+        return replace(inner, format=self.name, hf_dir=mg.hf_dir_near(source, save, root), notes=notes,
                        hints=Hints(naming="megatron"))
 
-    def open(self, scan: Scan, file: InputFile) -> OpenedFile:
-        opened = DcpFormat().open(scan, file)
+    def open(self, source: Source, scan: Scan, file: InputFile) -> OpenedFile:
+        opened = DcpFormat().open(source, scan, file)
         opened.fragments = [piece for frag in opened.fragments for piece in unstack(frag)]
         return opened
 
 
-def _is_torch_dist(save: Path) -> bool:
+def _is_torch_dist(src: Source, save: Path) -> bool:
     try:
-        meta = tree.read_json(save / mg.DIST_MARKER, tree.MARKER_CAP, "torch_dist marker")
+        meta = src.read_json(save / mg.DIST_MARKER, tree.MARKER_CAP, "torch_dist marker")
     except (OSError, InputError):  # bounded, regular files only: a huge or special marker is not this layout
         return False
     return isinstance(meta, dict) and meta.get("sharded_backend") == "torch_dist"

@@ -19,6 +19,7 @@ from distmerge.formats.base import inside
 from distmerge.formats.megatron import layout as mg
 from distmerge.formats.torch_private import torch_save
 from distmerge.formats.torch_private.restricted import TensorRef
+from distmerge.input.source import Source
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,16 +48,16 @@ class Grid:
         return " x ".join(parts) + (f" (expert TP={self.etp})" if self.ep > 1 and self.etp != self.tp else "")
 
 
-def resolve_grid(save: Path) -> Grid:
-    folders = _rank_folders(save)
+def resolve_grid(src: Source, save: Path) -> Grid:
+    folders = _rank_folders(src, save)
     first = save / folders[min(folders)]
-    args = _args(torch_save.read(first).value)
+    args = _args(torch_save.read(src, first).value)
     spellings = {len(numbers) for numbers in folders}
     if len(spellings) > 1:
         shown = ", ".join(sorted(Path(p).parent.name for p in folders.values())[:6])
         raise InputError(f"{save} mixes mp_rank folder spellings ({shown}): files of several saves are "
                          "duplicated here; keep one set")
-    coords = {path: _coords(numbers, args, save, folders) for numbers, path in folders.items()}
+    coords = {path: _coords(src, numbers, args, save, folders) for numbers, path in folders.items()}
     tp, pp, ep = (max(c[i] for c in coords.values()) + 1 for i in range(3))
     _check_sizes(save, args, tp, pp, ep)
     _check_complete(save, coords, tp, pp, ep)
@@ -66,17 +67,17 @@ def resolve_grid(save: Path) -> Grid:
     return Grid(tp=tp, pp=pp, ep=ep, etp=etp, coords=coords)
 
 
-def _rank_folders(save: Path) -> dict[tuple[int, ...], str]:
+def _rank_folders(src: Source, save: Path) -> dict[tuple[int, ...], str]:
     found: dict[tuple[int, ...], str] = {}
-    for folder in sorted(p for p in save.iterdir() if p.is_dir() and mg.RANK_DIR.match(p.name)):
+    for folder in [save / n for n in src.listdir(save) if src.is_dir(save / n) and mg.RANK_DIR.match(n)]:
         numbers = tuple(int(n) for n in mg.RANK_DIR.match(folder.name).groups() if n is not None)
-        models = [f for f in mg.MODEL_FILES if (folder / f).is_file()]
+        models = [f for f in mg.MODEL_FILES if src.is_file(folder / f)]
         if not models:
             raise InputError(f"{folder} has no {' or '.join(mg.MODEL_FILES)}: the save is incomplete")
         if len(models) > 1:
             raise InputError(f"{folder} holds both {' and '.join(models)}: keep the one of this save")
         found[numbers] = f"{folder.name}/{models[0]}"
-        inside(save, found[numbers])  # a rank file that links out is refused before its pickle is read
+        inside(src, save, found[numbers])  # a rank file that links out is refused before its pickle is read
     if not found:
         raise InputError(f"{save} has no mp_rank_* folders")
     return found
@@ -91,15 +92,15 @@ def _arg(args: Any, name: str) -> int | None:
     return value if isinstance(value, int) else None
 
 
-def _coords(numbers: tuple[int, ...], args: Any, save: Path, folders: dict) -> tuple[int, int, int]:
+def _coords(src: Source, numbers: tuple[int, ...], args: Any, save: Path, folders: dict) -> tuple[int, int, int]:
     if len(numbers) == 1:
         return (numbers[0], 0, 0)
     if len(numbers) == 3:
         return numbers
-    return (numbers[0], numbers[1], 0) if _second_is_pp(args, save, folders) else (numbers[0], 0, numbers[1])
+    return (numbers[0], numbers[1], 0) if _second_is_pp(src, args, save, folders) else (numbers[0], 0, numbers[1])
 
 
-def _second_is_pp(args: Any, save: Path, folders: dict) -> bool:
+def _second_is_pp(src: Source, args: Any, save: Path, folders: dict) -> bool:
     """mp_rank_TT_NNN: a pipeline stage or an expert-parallel rank? `args` says; without it, a second
     stage has no word embeddings while every expert-parallel rank of stage 0 has them."""
     pp, ep = _arg(args, "pipeline_model_parallel_size"), _arg(args, "expert_model_parallel_size")
@@ -111,7 +112,7 @@ def _second_is_pp(args: Any, save: Path, folders: dict) -> bool:
     if other is None:
         raise InputError(f"{save}: cannot tell whether mp_rank_TT_NNN numbers pipeline stages or expert ranks "
                          "(no args in the files and no folder numbered 1)")
-    chunks = model_chunks(torch_save.read(save / other).value, save / other)
+    chunks = model_chunks(torch_save.read(src, save / other).value, save / other)
     return not any("embedding.word_embeddings.weight" in state for state in chunks)
 
 

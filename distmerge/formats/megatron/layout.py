@@ -20,6 +20,7 @@ from typing import Any
 from distmerge.errors import InputError
 from distmerge.formats.base import FormatOption, config_dir
 from distmerge.input import tree
+from distmerge.input.source import Source
 
 TRACKER = "latest_checkpointed_iteration.txt"
 ITERATION_DIR = re.compile(r"^iter_(\d{7})$")
@@ -78,15 +79,16 @@ ITERATION = FormatOption(
 )
 
 
-def save_dir(root: Path, options: Mapping[str, Any]) -> Path:
+def save_dir(src: Source, root: Path, options: Mapping[str, Any]) -> Path:
     """The folder of the save to merge: --iteration's, else the latest."""
     iteration = options.get(ITERATION.dest)
-    save = iteration_dir(root, iteration) if iteration is not None else latest_dir(root)
-    tree.tree_at(root).folder(save)  # a linked iter_N/ that leads out is refused before anything is read
+    save = iteration_dir(src, root, iteration) if iteration is not None else latest_dir(src, root)
+    src.folder(save)  # a linked iter_N/ that leads out is refused before anything is read
     return save
 
 
-def explain(root: Path) -> str | None:
+def explain(src: Source) -> str | None:
+    root = src.root
     if RANK_DIR.match(root.name):
         return (f"{root} is one rank's folder of a Megatron save: pass the folder that holds the mp_rank_* "
                 "folders (or the checkpoint folder above it)")
@@ -131,62 +133,63 @@ def layer_number(name: str) -> int | None:
     return None if m is None else int(m[2])
 
 
-def iteration_dir(root: Path, iteration: int | str) -> Path:
+def iteration_dir(src: Source, root: Path, iteration: int | str) -> Path:
     """`--iteration N` (or `release`): the folder of that save under a Megatron checkpoint folder."""
-    base = data_root(root)
+    base = data_root(src, root)
     name = "release" if str(iteration) == "release" else f"iter_{int(iteration):07d}"
-    if not (base / name).is_dir():
-        found = ", ".join(saved_iterations(base)) or "none"
+    if not src.is_dir(base / name):
+        found = ", ".join(saved_iterations(src, base)) or "none"
         raise InputError(f"{base} has no {name}/ (iterations found: {found})")
     return base / name
 
 
-def saved_iterations(base: Path) -> list[str]:
-    return sorted(p.name for p in base.iterdir() if p.is_dir() and (ITERATION_DIR.match(p.name) or p.name == "release"))
+def saved_iterations(src: Source, base: Path) -> list[str]:
+    return [n for n in src.listdir(base) if src.is_dir(base / n) and (ITERATION_DIR.match(n) or n == "release")]
 
 
-def data_root(root: Path) -> Path:
+def data_root(src: Source, root: Path) -> Path:
     """The folder that holds the checkpoint: the input itself, or verl's dist_ckpt/ inside it."""
     for nested in NESTED:
-        if (root / nested).is_dir():
+        if src.is_dir(root / nested):
             return root / nested
     return root
 
 
-def latest_dir(root: Path) -> Path:
+def latest_dir(src: Source, root: Path) -> Path:
     """The folder with the files of the save to merge: the input itself when it holds them, else the
     iteration named by latest_checkpointed_iteration.txt."""
-    base = data_root(root)
-    if holds_save(base):
+    base = data_root(src, root)
+    if holds_save(src, base):
         return base
     tracker = base / TRACKER
-    if not tracker.is_file():
-        found = saved_iterations(base)
+    if not src.is_file(tracker):
+        found = saved_iterations(src, base)
         hint = f"pass --iteration N (found {', '.join(found)})" if found else "pass the folder of one save"
         raise InputError(f"{base} has no {TRACKER}: {hint}")
-    text = tree.read_text(tracker, tree.TRACKER_CAP, "Megatron iteration tracker").strip()
+    text = src.read_text(tracker, tree.TRACKER_CAP, "Megatron iteration tracker").strip()
     if text != "release" and not text.isdigit():
         raise InputError(f"{tracker} holds {text[:40]!r}, not an iteration number or 'release'")
-    return iteration_dir(base, text)
+    return iteration_dir(src, base, text)
 
 
-def holds_save(folder: Path) -> bool:
-    return (folder / DIST_MARKER).is_file() or any(RANK_DIR.match(p.name) for p in folder.iterdir() if p.is_dir())
+def holds_save(src: Source, folder: Path) -> bool:
+    return src.is_file(folder / DIST_MARKER) or any(RANK_DIR.match(n) for n in src.listdir(folder)
+                                                    if src.is_dir(folder / n))
 
 
-def looks_like(root: Path) -> Path | None:
-    """A save folder that shows which Megatron layout `root` has (the one to merge when it can be told;
+def looks_like(src: Source) -> Path | None:
+    """A save folder that shows which Megatron layout the input has (the one to merge when it can be told;
     otherwise any saved iteration, and scan() then explains what is wrong), or None."""
     try:
-        return latest_dir(root)
+        return latest_dir(src, src.root)
     except (InputError, OSError):
-        base = data_root(root)
-        found = saved_iterations(base) if base.is_dir() else []
+        base = data_root(src, src.root)
+        found = saved_iterations(src, base) if src.is_dir(base) else []
         return base / found[-1] if found else None
 
 
-def hf_dir_near(save: Path, root: Path) -> str | None:
+def hf_dir_near(src: Source, save: Path, root: Path) -> str | None:
     """config.json's folder: next to the save, or up to the folder the user passed (and its parent)."""
     folders = [save, *save.parents]
     stop = folders.index(root.parent) + 1 if root.parent in folders else 3
-    return config_dir(folders[:stop], HF_DIRS)
+    return config_dir(src, folders[:stop], HF_DIRS)

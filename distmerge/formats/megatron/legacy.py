@@ -27,6 +27,7 @@ from distmerge.formats.megatron import layout as mg
 from distmerge.formats.megatron.grid import Grid, model_chunks, resolve_grid
 from distmerge.formats.torch_private import torch_save
 from distmerge.formats.torch_private.restricted import TensorRef
+from distmerge.input.source import Source
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,32 +47,33 @@ class MegatronLegacyFormat(FormatDefaults):
     help = "Megatron-LM mp_rank_* files"
     options = (mg.ITERATION,)
 
-    def detect(self, root: Path) -> bool:
-        save = mg.looks_like(root)
-        return save is not None and save.is_dir() and any(mg.RANK_DIR.match(p.name) for p in save.iterdir())
+    def detect(self, source: Source) -> bool:
+        save = mg.looks_like(source)
+        return save is not None and source.is_dir(save) and any(mg.RANK_DIR.match(n) for n in source.listdir(save))
 
-    def explain(self, root: Path) -> str | None:
-        return mg.explain(root)
+    def explain(self, source: Source) -> str | None:
+        return mg.explain(source)
 
-    def scan(self, root: Path, options: Mapping[str, Any]) -> Scan:
-        save = mg.save_dir(root, options)
-        grid = resolve_grid(save)
-        if copy := copies.first_copy([save / p for p in grid.paths]):  # each rank's own file, not another's
+    def scan(self, source: Source, options: Mapping[str, Any]) -> Scan:
+        root = source.root
+        save = mg.save_dir(source, root, options)
+        grid = resolve_grid(source, save)
+        if copy := copies.first_copy(source, [save / p for p in grid.paths]):  # each rank's own, not another's
             raise LayoutError(f"{save}: {copy[1].relative_to(save)} is the same file as {copy[0].relative_to(save)} "
                               "(a copy or a link): each rank folder must hold its own rank's file; restore them")
-        offsets, counts, stage_bytes = _layer_offsets(save, grid)
-        files = tuple(_expected_reads(input_file(save, i, path, rank=i), grid, stage_bytes)
+        offsets, counts, stage_bytes = _layer_offsets(source, save, grid)
+        files = tuple(_expected_reads(input_file(source, save, i, path, rank=i), grid, stage_bytes)
                       for i, path in enumerate(grid.paths))
         state = _State(grid=grid, layer_offsets=offsets, layer_counts=counts,
                        iteration=int(m[1]) if (m := mg.ITERATION_DIR.match(save.name)) else None)
         notes = [f"Megatron legacy checkpoint {save.name}: {grid.describe()}"]
-        return Scan(format=self.name, root=str(save), files=files, hf_dir=mg.hf_dir_near(save, root),
+        return Scan(format=self.name, root=str(save), files=files, hf_dir=mg.hf_dir_near(source, save, root),
                     world_size=len(files), notes=tuple(notes), state=state,
                     hints=Hints(naming="megatron", fc1_shards=grid.tp, expert_fc1_shards=grid.etp))
 
-    def open(self, scan: Scan, file: InputFile) -> OpenedFile:
+    def open(self, source: Source, scan: Scan, file: InputFile) -> OpenedFile:
         path = Path(scan.root) / file.path
-        saved = torch_save.read(path)
+        saved = torch_save.read(source, path)
         state: _State = scan.state
         tp, pp, ep = state.grid.coords[file.path]
         _check_same_save(saved.value, state, file.path)
@@ -168,7 +170,7 @@ def _local_expert_count(state: dict[str, Any]) -> int:
     return max(numbers) + 1 if numbers else 0
 
 
-def _layer_offsets(save: Path, grid: Grid) -> tuple[dict[tuple[int, int], int], dict[tuple[int, int], int],
+def _layer_offsets(src: Source, save: Path, grid: Grid) -> tuple[dict[tuple[int, int], int], dict[tuple[int, int], int],
                                                      dict[int, tuple[int, int, int]]]:
     """Global number of each (stage, chunk)'s first layer, from the layer counts in one file per stage; and
     each stage's tensor bytes per file as (expert, TP-split, replicated), for _expected_reads.
@@ -181,7 +183,7 @@ def _layer_offsets(save: Path, grid: Grid) -> tuple[dict[tuple[int, int], int], 
     for pp in range(grid.pp):
         path = save / grid.path_of(0, pp, 0)
         kinds = [0, 0, 0]
-        for chunk, state in enumerate(model_chunks(torch_save.read(path).value, path)):
+        for chunk, state in enumerate(model_chunks(torch_save.read(src, path).value, path)):
             counts[(chunk, pp)] = sorted({n for k in state if (n := mg.layer_number(k)) is not None})
             te_mla = any(k.endswith(mg.TE_MLA_MARK) for k in state)
             for key, ref in state.items():

@@ -13,16 +13,16 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from distmerge.errors import LayoutError
-from distmerge.input import tree
+from distmerge.input.source import Source
 
 LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # zip local file header: signature ... name length, extra length
 LOCAL_SIGNATURE = 0x04034B50
 NAME_READ = 256  # record names torch.save writes are far shorter (`<stem>/data.pkl`)
 
 
-def saved_stem(path: Path) -> str | None:
+def saved_stem(src: Source, path: Path) -> str | None:
     """The folder torch.save put the records under, or None (not a zip, or saved to a file object)."""
-    with tree.open_input(path) as f:
+    with src.open(path) as f:
         head = f.pread(LOCAL_HEADER.size + NAME_READ, 0)  # the name with the header: one read (a GET on a store)
         if len(head) < LOCAL_HEADER.size:
             return None
@@ -35,16 +35,16 @@ def saved_stem(path: Path) -> str | None:
     return name.split("/", 1)[0] if "/" in name else None
 
 
-def check_saved_name(path: Path, names: Iterable[str]) -> None:
+def check_saved_name(src: Source, path: Path, names: Iterable[str]) -> None:
     """Refuse a rank file whose records were saved under the name of another file of its set (`names`). A
     name that matches no file of the set (a save written under a temporary name, then renamed) is accepted."""
     stems = {Path(n).stem: Path(n).name for n in names}
-    saved = saved_stem(path)
+    saved = saved_stem(src, path)
     if saved is not None and saved != path.stem and saved in stems:
         raise LayoutError(f"{path.name} was saved as {stems[saved]} (the name inside its archive): a rank file "
                           "renamed to another rank's name; restore the original files")
 
 
-def check_saved_names(paths: list[Path]) -> None:
+def check_saved_names(src: Source, paths: list[Path]) -> None:
     for path in paths:
-        check_saved_name(path, [p.name for p in paths])
+        check_saved_name(src, path, [p.name for p in paths])

@@ -44,7 +44,7 @@ from distmerge.formats.torch_private.restricted import (
     rebuild_wrapper_subclass,
     record_class,
 )
-from distmerge.input import tree
+from distmerge.input.source import Source
 
 _DTENSOR_MODULES = ("torch.distributed.tensor", "torch.distributed.tensor._api", "torch.distributed._tensor.api",
                     "torch.distributed._tensor")
@@ -105,6 +105,7 @@ class RankFile:
     path: Path
     state: dict[str, Any]
     storage_offsets: dict[str, int]
+    source: Source  # the input's, which opened the file (read_ints reads through it again)
 
     def file_offset(self, ref: TensorRef) -> int:
         return self.storage_offsets[ref.storage.key] + ref.storage_offset * ref.storage.dtype.itemsize
@@ -114,23 +115,24 @@ class RankFile:
         if not ref.contiguous or ref.storage.dtype.is_floating_point or math.prod(ref.size) != count:
             raise LayoutError(f"{self.path}: a device mesh's rank list is not a contiguous int tensor of {count}")
         size = ref.storage.dtype.itemsize
-        with tree.open_input(self.path) as f:
+        with self.source.open(self.path) as f:
             data = f.pread(count * size, self.file_offset(ref))
         if len(data) != count * size:
             raise CorruptInputError(f"{self.path} ends inside a device mesh's rank list: the file is truncated")
         return torch.frombuffer(bytearray(data), dtype=ref.storage.dtype).tolist()
 
 
-def read_rank_file(path: Path) -> RankFile:
-    """The state dict of one rank file, with the zip and the pickle checked first (torch_save.read)."""
-    with tree.open_input(path) as f:
+def read_rank_file(src: Source, path: Path) -> RankFile:
+    """The state dict of one rank file (opened through the input's source), with the zip and the pickle checked
+    first (torch_save.read)."""
+    with src.open(path) as f:
         empty = f.size == 0
     if empty:
         raise CorruptInputError(f"{path} is empty (0 bytes): the save was interrupted; use another checkpoint")
-    saved = torch_save.read(path, inert_modules=(), allowed=RANK_FILE_GLOBALS, unknown=_unknown_class)
+    saved = torch_save.read(src, path, inert_modules=(), allowed=RANK_FILE_GLOBALS, unknown=_unknown_class)
     if not isinstance(saved.value, dict):
         raise CorruptInputError(f"{path} holds a {type(saved.value).__name__}, not a state dict")
-    return RankFile(path=path, state=saved.value, storage_offsets=saved.storage_offsets)
+    return RankFile(path=path, state=saved.value, storage_offsets=saved.storage_offsets, source=src)
 
 
 @dataclass(frozen=True)

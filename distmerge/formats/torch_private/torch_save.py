@@ -31,7 +31,7 @@ from distmerge.formats.torch_private.restricted import (
     TensorRef,
     loads,
 )
-from distmerge.input import tree
+from distmerge.input.source import Source
 
 # Training metadata a trainer pickles beside its tensors; read as inert records, never as live objects.
 TRAINING_MODULES = ("argparse", "numpy", "megatron", "transformer_engine", "enum", "_io", "io", "types", "apex")
@@ -54,15 +54,16 @@ class SavedObject:
     storage_offsets: dict[str, int]  # storage key -> file offset of its first byte
 
 
-def read(path: Path, inert_modules: tuple[str, ...] = TRAINING_MODULES,
+def read(src: Source, path: Path, inert_modules: tuple[str, ...] = TRAINING_MODULES,
          allowed: Mapping[tuple[str, str], Any] | None = None,
          unknown: Callable[[str, str], str] | None = None) -> SavedObject:
     """`inert_modules`: the trainer's own modules whose pickled objects become inert records; `allowed`: the
     globals the pickle may name and their stand-ins (default: tensors and a few builtins), `unknown` what a
     refusal of any other global adds (pickle_scan.check). The zip is
     checked first (zip_records), the pickle is checked against its budget (pickle_scan), and every tensor
-    must lie inside its storage record."""
-    fd = tree.open_input(path)  # a regular file inside the input, never a FIFO or a link out
+    must lie inside its storage record. The file is opened through `src`, the input's source (a regular file
+    inside the input, never a FIFO or a link out; or an object)."""
+    fd = src.open(path)
     try:
         found = zip_records.records(fd, str(path))
         pkl, prefix = zip_records.pickle_record(found, str(path))
@@ -115,24 +116,21 @@ def _check_view(path: Path, ref: TensorRef, storages: dict[str, int]) -> None:
                                 f"{max(have, 0)} bytes (limit: views stay inside their record)")
 
 
-def mapped_views(path: Path, storage_offsets: Mapping[str, int],
+def mapped_views(src: Source, path: Path, storage_offsets: Mapping[str, int],
                  refs: Mapping[Any, TensorRef]) -> dict[Any, torch.Tensor]:
     """The tensors `refs` describe, as views of one private mapping of the file: pages are read when a view is
-    used, nothing is copied whole. Each ref was checked to lie inside its record (read)."""
+    used, nothing is copied whole. A file that cannot be mapped (InFile.map: an object) has each view's bytes
+    read, and only those. Each ref was checked to lie inside its record (read)."""
     if not refs:
         return {}
-    f = tree.open_input(path)
-    try:  # private and writable: torch.frombuffer wants a writable buffer; the file is never written
-        mapped = mmap.mmap(f.fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE) if f.fd >= 0 \
-            else None  # an object of an object-store input: each view's bytes are read, and only those
-    finally:
-        f.close()
-    views = {}
-    for key, ref in refs.items():
-        dtype = ref.storage.dtype
-        count = ref.bytes_needed(dtype.itemsize) // dtype.itemsize
-        start = storage_offsets[ref.storage.key]
-        buffer, at = (mapped, start) if mapped is not None else (bytearray(f.pread(count * dtype.itemsize, start)), 0)
-        storage = torch.frombuffer(buffer, dtype=dtype, offset=at, count=count) if count else torch.empty(0, dtype)
-        views[key] = storage.as_strided(ref.size, ref.stride, ref.storage_offset)
-    return views
+    with src.open(path) as f:
+        mapped = f.map()
+        return {key: _view(f, mapped, storage_offsets[ref.storage.key], ref) for key, ref in refs.items()}
+
+
+def _view(f: Any, mapped: mmap.mmap | None, start: int, ref: TensorRef) -> torch.Tensor:
+    dtype = ref.storage.dtype
+    count = ref.bytes_needed(dtype.itemsize) // dtype.itemsize
+    buffer, at = (mapped, start) if mapped is not None else (bytearray(f.pread(count * dtype.itemsize, start)), 0)
+    storage = torch.frombuffer(buffer, dtype=dtype, offset=at, count=count) if count else torch.empty(0, dtype)
+    return storage.as_strided(ref.size, ref.stride, ref.storage_offset)

@@ -44,7 +44,7 @@ class ZipRecord:
 
 
 class Window(io.RawIOBase):
-    """A read-only view of bytes [start, start+length) of an open input file (tree.open_input), for zipfile."""
+    """A read-only view of bytes [start, start+length) of an open input file (source.InFile), for zipfile."""
 
     def __init__(self, f: Any, start: int, length: int) -> None:
         self.f, self.start, self.length, self.pos = f, start, length, 0
@@ -71,8 +71,8 @@ class Window(io.RawIOBase):
 
 
 def records(fd: Any, where: str, start: int = 0, length: int | None = None) -> dict[str, ZipRecord]:
-    """Every record of the archive by name, checked as the module docstring says. `fd`: the file, opened by
-    tree.open_input (a file or an object of an object-store input: positional reads either way)."""
+    """Every record of the archive by name, checked as the module docstring says. `fd`: the file as its source
+    opened it (source.InFile: positional reads, whatever the store; or a bare descriptor)."""
     fd = tree.readable(fd)
     length = fd.size - start if length is None else length
     directory_at = _check_end_record(fd, where, start, length)
@@ -88,7 +88,7 @@ def records(fd: Any, where: str, start: int = 0, length: int | None = None) -> d
         if info.header_offset < 0:  # zipfile shifts every offset by where it found the directory
             raise CorruptInputError(f"{where}: record {info.filename} is said to start before the archive: the "
                                     "file is damaged")
-    starts = _predicted(fd, where, start, infos, directory_at) if getattr(fd, "few_reads", False) else None
+    starts = _predicted(fd, where, start, infos, directory_at) if fd.by_request else None
     if starts is None:
         starts = [_data_start(fd, where, start, info) for info in infos]
     found: dict[str, ZipRecord] = {}
@@ -115,7 +115,7 @@ def directory_offset(fd: Any, where: str, start: int, length: int) -> int:
 
 def _check_end_record(fd: Any, where: str, start: int, length: int) -> int:
     """The record count and directory size the end record declares, bounded; returns the directory's offset."""
-    remote = getattr(fd, "few_reads", False)  # an object: zipfile's reads of the directory served from kept bytes
+    remote = fd.by_request  # a read is a request: read ahead, and serve zipfile's reads of the directory from it
     tail = fd.pread(OBJECT_TAIL, start + length - OBJECT_TAIL) if remote and length > OBJECT_TAIL else b""
     if END in tail:  # the end record lies in the last 22 bytes but for a comment: this tail holds it
         tail_len = OBJECT_TAIL

@@ -23,7 +23,6 @@ One part, its files by idea (`read_metadata` here is the way in):
 
 from __future__ import annotations
 
-import os
 import pickle
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,7 @@ from distmerge.formats.torch_private.dcp import decode, table
 from distmerge.formats.torch_private.dcp.blobs import Chunk, chunk_data_offset, locate  # noqa: F401 (readers' names)
 from distmerge.formats.torch_private.dcp.table import DcpMetadata
 from distmerge.formats.torch_private.restricted import Record, as_text, loads
-from distmerge.input import tree
+from distmerge.input.source import Source
 
 _METADATA_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch", "Size"): torch.Size,
@@ -64,28 +63,28 @@ _METADATA_GLOBALS: dict[tuple[str, str], Any] = {
 METADATA_FLOOR = 256 * pickle_scan.MiB
 
 
-def metadata_budget(path: Path) -> pickle_scan.Budget:
+def metadata_budget(src: Source, path: Path) -> pickle_scan.Budget:
+    """The budget of the `.metadata` at `path`: the regular `.distcp` files beside it (not links) count."""
     data = 0
-    with os.scandir(path.parent) as entries:
-        for entry in entries:
-            if entry.name.endswith(".distcp") and entry.is_file(follow_symlinks=False):
-                data += entry.stat(follow_symlinks=False).st_size
+    for name in src.listdir(path.parent):
+        if name.endswith(".distcp") and (st := src.stat(path.parent / name, follow=False)).kind == "file":
+            data += st.size
     return pickle_scan.Budget(max_bytes=METADATA_FLOOR + data)
 
 
-def read_metadata(path: Path) -> DcpMetadata:
-    """The chunk table of a DCP `.metadata` (table.py). Read by decode.py when the file is what torch's writer
-    writes (seconds for a million chunks), else by the general reader (pickle_scan + restricted.loads), which
-    refuses what it must with its own one-line reasons."""
-    budget = metadata_budget(path)
+def read_metadata(src: Source, path: Path) -> DcpMetadata:
+    """The chunk table of a DCP `.metadata` (table.py), read through the input's source. Read by decode.py when
+    the file is what torch's writer writes (seconds for a million chunks), else by the general reader
+    (pickle_scan + restricted.loads), which refuses what it must with its own one-line reasons."""
+    budget = metadata_budget(src, path)
     try:
-        skeleton, names = decode.decode(_read(path, budget), _METADATA_GLOBALS)
+        skeleton, names = decode.decode(_read(src, path, budget), _METADATA_GLOBALS)
         return table.table(skeleton, path, names)
     except CorruptInputError:
         raise
     except Exception:  # noqa: BLE001 - anything the fast reader does not take, the general one judges
         pass
-    raw = _read(path, budget)
+    raw = _read(src, path, budget)
     try:
         md = loads(raw, _METADATA_GLOBALS, where=str(path), storages={}, budget=budget)
         del raw
@@ -94,8 +93,8 @@ def read_metadata(path: Path) -> DcpMetadata:
         raise CorruptInputError(f"{path} is not a DCP metadata file distmerge can read safely ({err})") from None
 
 
-def _read(path: Path, budget: pickle_scan.Budget) -> bytes:
-    with tree.open_input(path) as f:
+def _read(src: Source, path: Path, budget: pickle_scan.Budget) -> bytes:
+    with src.open(path) as f:
         size = f.size
         if size > budget.max_bytes:
             raise CorruptInputError(f"{path} is {size} bytes, over the limit of {budget.max_bytes} (max_bytes: "

@@ -62,7 +62,7 @@ def chunk_data_offset(fd: Any, chunk: Chunk, itemsize: int) -> int:
     """Absolute file offset of the chunk's first element. Raw chunks start at the blob. torch.save blobs
     write data.pkl first, then a few tiny records, then the storage: walking the zip's local headers in
     one read of the blob's start finds it; anything unusual goes through zipfile's central directory. `fd`: the
-    file as tree.open_input opened it (a file, or an object of an object-store input)."""
+    file as its source opened it (source.InFile: a file, or an object of an object-store input)."""
     numel = math.prod(chunk.lengths)
     if chunk.length == numel * itemsize:
         return chunk.offset
