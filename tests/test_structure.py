@@ -181,3 +181,58 @@ def test_no_folder_imports_a_folder_above_it():
     upward = [(m, i) for m, p in mods.items() if folder(m) in FOLDERS for i in imports(p, set(mods))
               if folder(i) in FOLDERS and FOLDERS[folder(i)] > FOLDERS[folder(m)]]
     assert upward == []
+
+
+# The formats read the input only through the Source they are handed (input/source.py): no file system call of their
+# own, so a layout read from a folder is read the same from a bucket (#35). A file system method (`.open`, `.is_file`,
+# `.iterdir` ...) is called on the source (a name `source` or `src`, or an attribute `.source` / `.src`), or it is a
+# format's own `open`, whose first argument is the source.
+FS_METHODS = {"open", "read_bytes", "read_text", "write_bytes", "write_text", "exists", "is_file", "is_dir",
+              "is_symlink", "iterdir", "glob", "rglob", "stat", "lstat", "resolve", "readlink", "samefile",
+              "listdir", "scandir", "touch", "unlink", "mkdir", "FileIO"}
+FS_MODULES = {"os", "shutil", "glob", "tempfile", "mmap", "pathlib"}  # io: its BytesIO is memory (io.open: above)
+PURE_PATHS = {"join", "basename", "dirname", "normpath", "relpath", "splitext", "sep"}  # names, not lookups
+# Lookups of a source by path, past the one the format was handed; each exception with its reason.
+LOOKUPS = {"of", "find", "session", "looking_at", "open_source", "open_input", "open_any", "tree_for", "InputTree"}
+LOOKUPS_ALLOWED = {
+    "distmerge/formats/registry.py": {"looking_at"},  # detect/pick take a folder as well as a Source (verify, verl)
+    "distmerge/formats/base_model.py": {"open_source"},  # --base-model: the user's own folder, a source of its own
+}
+
+
+def _on_the_source(node: ast.expr) -> bool:
+    return (isinstance(node, ast.Name) and node.id in ("source", "src")) or (
+        isinstance(node, ast.Attribute) and node.attr in ("source", "src"))
+
+
+def _own_io(call: ast.Call, allowed: set[str]) -> str | None:
+    """What is wrong with a call in a format module, or None."""
+    fn = call.func
+    if isinstance(fn, ast.Name):
+        return f"{fn.id}()" if fn.id == "open" or (fn.id in LOOKUPS and fn.id not in allowed) else None
+    if not isinstance(fn, ast.Attribute):
+        return None
+    base = fn.value
+    while isinstance(base, ast.Attribute):  # os.path.isfile -> os
+        base = base.value
+    if isinstance(base, ast.Name) and base.id in FS_MODULES and fn.attr not in PURE_PATHS:
+        return ast.unparse(fn)
+    if fn.attr in LOOKUPS and fn.attr not in allowed:
+        return ast.unparse(fn)
+    if fn.attr in FS_METHODS and not _on_the_source(fn.value):
+        is_format_open = fn.attr == "open" and call.args and _on_the_source(call.args[0])
+        return None if is_format_open else ast.unparse(fn)
+    return None
+
+
+def test_formats_read_only_through_their_source():
+    """Shown to fail with a format reading a marker by its path (`json.loads(Path(p).read_text())`), listing a folder
+    with `os.listdir`, or opening a rank file with `tree.open_input` (which looks the source up by path)."""
+    found = []
+    for path in sorted((PACKAGE / "formats").rglob("*.py")):
+        rel = str(path.relative_to(PACKAGE.parent))
+        allowed = LOOKUPS_ALLOWED.get(rel, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and (wrong := _own_io(node, allowed)):
+                found.append(f"{rel}:{node.lineno} {wrong}")
+    assert found == []

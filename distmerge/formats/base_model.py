@@ -32,8 +32,8 @@ INDEX_CAP = 64 * 1024 * 1024  # the index names each tensor once (~100 bytes a t
 def attach(scan: Scan, folder: Path) -> Scan:
     """The scan with the base folder's weight files appended (indices after the checkpoint's own): the folder is a
     source of its own, as the user named it (nothing walked: its links are judged when each file is sized)."""
-    folder = Path(folder).resolve()
     src = source.open_source(folder)
+    folder = src.root  # resolved by the source: the name each file is opened by on every rank
     names = weight_files(src, folder)
     first = len(scan.files)
     files = tuple(replace(input_file(src, folder, first + i, name), root=str(folder)) for i, name in enumerate(names))

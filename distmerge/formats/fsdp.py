@@ -47,12 +47,13 @@ class FsdpFormat(FormatDefaults):
     def scan(self, source: Source, options: Mapping[str, Any]) -> Scan:
         root = source.root
         names = source.listdir(root)
-        found = {int(m[2]): (int(m[1]), n) for n in names if (m := RANK_FILE.match(n))}
+        matched = [(int(m[1]), int(m[2]), n) for n in names if (m := RANK_FILE.match(n))]
+        found = {rank: (world, n) for world, rank, n in matched}
         if not found:
             if any(OPTIM_FILE.match(n) for n in names):
                 raise InputError(f"{root} holds only optimizer files (optim_world_size_*): no model weights to merge")
             raise InputError(f"{root} has no model_world_size_*_rank_*.pt files")
-        sizes = {w for w, _ in found.values()}
+        sizes = {w for w, _, _ in matched}  # every file's, not only those `found` kept for a rank number
         if len(sizes) > 1:
             raise InputError(f"{root} mixes checkpoints of world sizes {sorted(sizes)}: keep one set of rank files")
         world = sizes.pop()
