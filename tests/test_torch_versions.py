@@ -160,3 +160,37 @@ def test_a_non_contiguous_local_tensor_is_read_through_its_strides(fsdp_ckpts, t
     torch.save(state, rank_file)
     assert merge_inproc("--input", ckpt, "--output", tmp_path / "out") == 0
     assert_exact(load_merged(tmp_path / "out"), load_reference(fsdp_ckpts["fsdp2_llama_w1"]))
+
+
+def test_strided_views_map_a_file_and_read_an_object(tmp_path):
+    """What torch_save.mapped_views does is asked of the opened file (source.InFile.map): a local file is mapped (no
+    byte read until a view is used; performance as before the Source seam), a file that cannot be mapped (an
+    object of an object store) has each view's bytes read. Shown to fail with LocalSource files mapping nothing
+    (every view read whole) and with mapped_views mapping whatever the file says."""
+    import torch
+
+    from distmerge.formats.torch_private import torch_save
+    from distmerge.input.local import LocalSource
+
+    value = torch.arange(12, dtype=torch.float32).reshape(3, 4).t()  # column-major: no single byte run
+    torch.save({"w": value}, tmp_path / "a.pt")
+    reads: list[int] = []
+
+    class Counted(LocalSource):
+        mappable = True
+
+        def open(self, path):
+            found = super().open(path)
+            real_pread, mapped = found.pread, found.map() if self.mappable else None
+            found.pread = lambda n, at: reads.append(n) or real_pread(n, at)
+            found.map = lambda: mapped
+            return found
+
+    src = Counted(tmp_path)
+    saved = torch_save.read(src, tmp_path / "a.pt")
+    reads.clear()
+    views = torch_save.mapped_views(src, tmp_path / "a.pt", saved.storage_offsets, {"w": saved.value["w"]})
+    assert torch.equal(views["w"], value) and reads == []
+    Counted.mappable = False
+    views = torch_save.mapped_views(src, tmp_path / "a.pt", saved.storage_offsets, {"w": saved.value["w"]})
+    assert torch.equal(views["w"], value) and reads == [48]

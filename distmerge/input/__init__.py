@@ -1,3 +1,3 @@
-"""The input side: the walk of the input tree (tree), positional reads (reader), each rank's discovery
-of its files (discover), object-store inputs (objects) and their batched ranged reads (reads).
+"""The input side: the Source protocol every read of a checkpoint goes through (source), a folder as a source (local,
+walked once: tree), an object store as a source (s3), and the read policies of a round's reads (reads).
 """

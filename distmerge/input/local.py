@@ -1,5 +1,7 @@
 """A local (or shared POSIX) folder as a Source (source.py): walked once at discovery (tree.py says how and why),
-every file opened through that walk or, on the other ranks, through the record of it that came with the scan."""
+every file opened through that walk or, on the other ranks, through the record of it that came with the scan. The
+formats' lookups (listdir, is_file, stat ...) are the folder's as it is, and those that judge links (resolve,
+folder) the walk's."""
 
 from __future__ import annotations
 
@@ -82,18 +84,18 @@ class LocalSource:
         return source.Stat(kind=kind, size=st.st_size, mtime_ns=st.st_mtime_ns)
 
     def resolve(self, path: Path | str) -> tuple[Path, str]:
-        walk = self._walk_of(path)
+        walk = self._walk_of()
         rel, entry = walk.lookup(path)
         return walk.root / rel, entry.why if entry is not None and entry.kind == "refused" else ""
 
     def folder(self, path: Path | str) -> Path:
-        return self._walk_of(path).folder(path)
+        return self._walk_of().folder(path)
 
-    def _walk_of(self, path: Path | str) -> InputTree:
-        """The walk that judges `path`: discovery's, or (a folder nothing walked: a format used on its own, the
-        --base-model folder) one made now, and not kept (a later walk() makes the input's own)."""
-        held = self.tree is not None and self.tree.contains(os.path.abspath(path))
-        return self.tree if held else InputTree(self.root)
+    def _walk_of(self) -> InputTree:
+        """The walk that judges paths (one outside it leads out of the input): discovery's, or (a folder nothing
+        walked: a format used on its own, the --base-model folder) one made now, and not kept (a later walk()
+        makes the input's own)."""
+        return self.tree if self.tree is not None else InputTree(self.root)
 
     def read_text(self, path: Path | str, cap: int, what: str) -> str:
         return tree.read_text(Path(path), cap, what, self.open)
