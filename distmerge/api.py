@@ -54,7 +54,7 @@ RUNNING = frozenset({"device", "timeout", "progress", "group", "quiet", "debug",
 COMPUTED = frozenset({"budget", "atol", "rtol", "min_cosine"})
 
 
-def merge(input: str | os.PathLike, output: str | os.PathLike, **kwargs: Any) -> MergeResult:
+def merge(input: str | os.PathLike | list, output: str | os.PathLike, **kwargs: Any) -> MergeResult:
     with api_spelling("merge"):
         values = options.from_keywords("merge", {"input": input, "output": output, **kwargs})
         opts = merge_request(values)
@@ -82,7 +82,8 @@ def verify(merged: str | os.PathLike, reference: str | os.PathLike, **kwargs: An
 
 merge.__signature__ = options.signature("merge", "MergeResult")  # type: ignore[attr-defined]
 merge.__doc__ = options.docstring("merge", """Merge the checkpoint `input` into a Hugging Face model in `output`, as
-`distmerge merge` does; the options are the command's (docs/api.md). Returns the run's figures (the same on every
+`distmerge merge` does; the options are the command's (docs/api.md). `input` may be a list of checkpoints of one
+model with `average=True`: their weighted average (docs/average.md). Returns the run's figures (the same on every
 rank). Errors: distmerge.errors' exceptions, on every rank.""")
 verify.__signature__ = options.signature("verify", "VerifyResult")  # type: ignore[attr-defined]
 verify.__doc__ = options.docstring("verify", """Compare `merged` (a merged model, or a checkpoint merged in memory)
@@ -111,8 +112,9 @@ def merge_request(values: Mapping[str, Any]) -> MergeOptions:
     """engine.run.MergeOptions from the parsed options (each option of its own name goes to its field)."""
     from distmerge.engine.run import MergeOptions
 
+    first, *more = values["input"] if isinstance(values["input"], (list, tuple)) else (values["input"],)
     return _fill(MergeOptions, values, format_options=format_options(values), settings=output_settings(values),
-                 base_model=base_model_dir(values))
+                 base_model=base_model_dir(values), input=first, more_inputs=tuple(more))
 
 
 def verify_request(values: Mapping[str, Any]) -> VerifyOptions:

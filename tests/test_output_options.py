@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from distmerge import api, options
+from distmerge.average.units import AverageOptions
 from distmerge.engine import prepare, resume
 from distmerge.engine.prepare import OutputSettings
 from distmerge.errors import InputError
@@ -48,18 +50,25 @@ def test_the_settings_made_with_no_arguments_hold_each_default(command):
     assert output_options.given(output_settings(values)) == []
 
 
-def another_value(opt: OutputOption):
-    """A value of the option other than its default, as the command line spells it."""
+SAMPLES = {"average_weights": "0.25,0.75"}  # a value of each option of kind "value" (its own parser's)
+
+
+def another_value(opt: OutputOption) -> list[str]:
+    """A value of the option other than its default, as the command line spells it (a switch: none)."""
+    if opt.kind == "switch":
+        return []
     if opt.choices:
-        return next(c for c in reversed(opt.choices) if c != opt.default)
-    return {"float": "2.5", "size": "1MB", "text": "somewhere"}[opt.kind]
+        return [next(c for c in reversed(opt.choices) if c != opt.default)]
+    if opt.kind == "value":
+        return [SAMPLES[opt.name]]
+    return [{"float": "2.5", "size": "1MB", "text": "somewhere"}[opt.kind]]
 
 
 @pytest.mark.parametrize("opt", output_options.OUTPUT_OPTIONS, ids=lambda o: o.name)
 def test_each_declaration_reaches_every_place(opt):
     """Given, each declared option sets its setting, is recorded by its flag, and verify of two finished models
     refuses it by its flag; its row is an option of its commands and a keyword of the API."""
-    argv = [*REQUIRED["merge"], opt.flag, another_value(opt)]
+    argv = [*REQUIRED["merge"], opt.flag, *another_value(opt)]
     values = options.from_namespace(subparser("merge").parse_args(argv), "merge")
     settings = api.merge_request(values).settings
     assert output_options.given(settings) == [opt]
@@ -141,47 +150,34 @@ def test_a_new_option_is_one_declaration(toy):
     assert request.settings.toy_scale == 2.0 and kinds._settings_given(request) == ["--toy-scale"]
 
 
-@dataclass(frozen=True, kw_only=True)
-class Averaging:
-    on: bool = False
-    weights: tuple[float, ...] | None = None
-
-
-@dataclass(frozen=True, kw_only=True)
-class AveragingSettings(OutputSettings):
-    average: Averaging = Averaging()
-
-
-def weights(text: str) -> tuple[float, ...]:
-    return tuple(float(w) for w in text.split(","))
-
-
-AVERAGING = (  # as issue 36's options may be declared: a switch, and a value of its own parser, into one setting
-    OutputOption(name="average", flag="--average", kind="switch", default=False, setting="average.on",
-                 commands=("merge", "inspect", "verify"), help="average the inputs"),
-    OutputOption(name="average_weights", flag="--average-weights", kind="value", parse=weights, metavar="W1,W2,...",
-                 setting="average.weights", record=list, help="each input's weight (default: 1/K each)"),
-)
-
-
-def test_averaging_as_declarations(monkeypatch):
-    """A switch and a parsed value setting two fields of one setting: both command lines and the API agree, a bad
-    weight is an InputError naming the keyword, and run.json records them only when given."""
-    monkeypatch.setattr(output_options, "OUTPUT_OPTIONS", (*output_options.OUTPUT_OPTIONS, *AVERAGING))
-    monkeypatch.setattr(prepare, "OutputSettings", AveragingSettings)
-    options.rows.cache_clear()
-    try:
-        args = subparser("merge").parse_args([*REQUIRED["merge"], "--average", "--average-weights", "0.25,0.75"])
-        cli = api.merge_request(options.from_namespace(args, "merge")).settings
+def test_averaging_as_declarations():
+    """--average (a switch) and --average-weights (a value of its own parser) set two fields of one setting: both
+    command lines and the API agree, a bad weight is an InputError naming the keyword, and run.json records them
+    only when given (an output merged before averaging existed keeps its fingerprint)."""
+    args = subparser("merge").parse_args([*REQUIRED["merge"], "--average", "--average-weights", "0.25,0.75"])
+    cli = api.merge_request(options.from_namespace(args, "merge")).settings
+    for weights in ("0.25,0.75", [0.25, 0.75], (0.25, 0.75)):
         keywords = options.from_keywords("merge", {"input": "x", "output": "y", "average": True,
-                                                   "average_weights": "0.25,0.75"})
+                                                   "average_weights": weights})
         assert api.merge_request(keywords).settings == cli
-        assert cli.average == Averaging(on=True, weights=(0.25, 0.75))
-        with pytest.raises(InputError, match="average_weights='a,b'"):
-            options.from_keywords("merge", {"input": "x", "output": "y", "average_weights": "a,b"})
-        recorded = resume.output_options(cli, "fsdp", {}, {})
-        assert [recorded[f] for f in ("--average", "--average-weights")] == [True, [0.25, 0.75]]
-        plain = api.merge_request(options.from_keywords("merge", {"input": "x", "output": "y"})).settings
-        assert not {"--average", "--average-weights"} & set(resume.output_options(plain, "fsdp", {}, {}))
-    finally:
-        options.rows.cache_clear()
+    assert cli.average == AverageOptions(on=True, weights=(0.25, 0.75))
+    for bad in ("a,b", "1,inf", "0.5,", [1, "x"]):
+        with pytest.raises(InputError, match="average_weights="):
+            options.from_keywords("merge", {"input": "x", "output": "y", "average_weights": bad})
+    recorded = resume.output_options(cli, "fsdp", {}, {})
+    assert [recorded[f] for f in ("--average", "--average-weights")] == [True, [0.25, 0.75]]
+    plain = api.merge_request(options.from_keywords("merge", {"input": "x", "output": "y"})).settings
+    assert not {"--average", "--average-weights"} & set(resume.output_options(plain, "fsdp", {}, {}))
+
+
+def test_input_is_repeated_for_an_average():
+    """One --input is what it always was (a path, no other input); several are the average's inputs, in order,
+    from the command line as from a list in the API."""
+    one = api.merge_request(options.from_namespace(subparser("merge").parse_args(REQUIRED["merge"]), "merge"))
+    assert one.input == Path(REQUIRED["merge"][1]) and one.more_inputs == ()
+    args = subparser("merge").parse_args([*REQUIRED["merge"], "--input", "b", "-i", "s3://c/d", "--average"])
+    many = api.merge_request(options.from_namespace(args, "merge"))
+    assert many.inputs == (one.input, Path("b"), "s3://c/d")
+    keywords = api.merge_request(options.from_keywords("merge", {"input": [one.input, "b", "s3://c/d"],
+                                                                 "output": REQUIRED["merge"][3], "average": True}))
+    assert keywords.inputs == many.inputs

@@ -33,11 +33,7 @@ def discover(root: Path | Source, fmt_name: str, hf_config: Path | None, options
     save's base); its config.json serves when the checkpoint has none."""
     src = source.looking_at(root)
     root = src.root
-    fmt = registry.pick(src, fmt_name)
-    registry.check_options(fmt, options)
-    scan = fmt.scan(src, options)
-    paths = [Path(scan.root) / f.path for f in scan.files]
-    scan = replace(scan, walked=src.record(scan.root, paths) if src.tree is not None else None)
+    scan = scan_input(src, fmt_name, options)
     hf_dir = Path(hf_config) if hf_config else (Path(scan.hf_dir) if scan.hf_dir else None)
     if base_model is not None:
         scan = registry.with_base_model(scan, base_model)
@@ -50,6 +46,15 @@ def discover(root: Path | Source, fmt_name: str, hf_config: Path | None, options
     if not hf_config and (walk := tree.tree_for(hf_dir)) is not None:
         _check_hf_dir(walk, hf_dir)
     return Discovery(scan=scan, config=read_config(src, hf_dir), hf_dir=str(hf_dir))
+
+
+def scan_input(src: Source, fmt_name: str, options: Mapping[str, Any]) -> Scan:
+    """The input's format (detected, or `fmt_name`) and its scan, with the walk's record of its files."""
+    fmt = registry.pick(src, fmt_name)
+    registry.check_options(fmt, options)
+    scan = fmt.scan(src, options)
+    paths = [Path(scan.root) / f.path for f in scan.files]
+    return replace(scan, walked=src.record(scan.root, paths) if src.tree is not None else None)
 
 
 def _check_hf_dir(walk: tree.InputTree, hf_dir: Path) -> None:

@@ -13,14 +13,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from distmerge.average import units as average
+from distmerge.average.units import AverageOptions
 from distmerge.dtypes import CAST_CHOICES
+from distmerge.engine import inputs, unwritten
 from distmerge.engine import plan as planning
-from distmerge.engine import unwritten
 from distmerge.engine.discover import Discovery
 from distmerge.engine.plan import Plan
 from distmerge.errors import InputError
-from distmerge.families.base import FamilyContext, LoraOptions, claim, quantize
-from distmerge.formats.base import BASE_MODEL_PREFIX, Fragment
+from distmerge.families.base import FamilyContext, LoraOptions, SourceMeta, claim, quantize
+from distmerge.formats.base import BASE_MODEL_PREFIX, Fragment, input_prefix
 from distmerge.output import is_store, is_url
 from distmerge.output.store import Sharing
 
@@ -36,6 +38,7 @@ class OutputSettings:
     lora: LoraOptions = field(default_factory=LoraOptions)
     output: Path | str = Path()  # a folder, or an object-store URL
     quantize: str | None = None  # a --quantize choice (fp8.SCHEMES): linear weights in FP8
+    average: AverageOptions = field(default_factory=AverageOptions)  # --average, --average-weights
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,15 +65,21 @@ def prepare_merge(found: Discovery, fragments: list[Fragment], world: int, setti
     scan = found.scan
     sources = planning.merge_inventories(fragments, scan.files)
     # The checkpoint's own tensors go to the family's claim; a second input root's (--base-model) ride along.
-    metas = {name: s.meta for name, s in sources.items() if not name.startswith(BASE_MODEL_PREFIX)}
     base = {name.removeprefix(BASE_MODEL_PREFIX): s.meta for name, s in sources.items()
             if name.startswith(BASE_MODEL_PREFIX)}
-    if not metas:
-        raise InputError(f"{scan.root}: the rank files hold no tensors")
-    family = claim(list(metas), found.config, scan.hints)
     ctx = FamilyContext(config=found.config, cast=CAST_CHOICES[settings.dtype], hints=scan.hints, lora=settings.lora,
                         output=_shown(settings.output), base_weights=base)
-    result = family.units(metas, ctx)
+    # An average's inputs (engine/inputs.py): each input's tensors to its own family, the results joined
+    results, families = [], []
+    for i, own in enumerate(inputs.scans(scan)):
+        metas = _own_tensors(sources, i, len(scan.parts))
+        if not metas:
+            raise InputError(f"{own.root}: the rank files hold no tensors")
+        families.append(claim(list(metas), found.config, own.hints))
+        results.append(average.prefixed(families[-1].units(metas, replace(ctx, hints=own.hints)), input_prefix(i)))
+    family, result = families[0], results[0]
+    if scan.parts:
+        result = average.combine(results, settings.average.of(len(results)), [s.root for s in inputs.scans(scan)])
     quantized = None
     if settings.quantize:  # after the family: its targets carry Hugging Face names, which the table matches
         result, quantized = quantize(result, settings.quantize, family.traits(found.config), found.config)
@@ -92,6 +101,14 @@ def prepare_merge(found: Discovery, fragments: list[Fragment], world: int, setti
     # finalize writes them into config.json, and the quantization_config when quantized
     plan = replace(plan, config_updates=dict(result.config_updates), quantized=quantized)
     return Prepared(plan=plan, left_out=dict(result.left_out), must_equal=tuple(result.must_equal))
+
+
+def _own_tensors(sources: dict[str, planning.SourceTensor], index: int, parts: int) -> dict[str, SourceMeta]:
+    """Input `index`'s tensors under their own names (without input_prefix), a --base-model folder's left out."""
+    prefix = input_prefix(index)
+    others = tuple(input_prefix(i) for i in range(1, parts + 1) if i != index) + (BASE_MODEL_PREFIX,)
+    return {name.removeprefix(prefix): replace(s.meta, name=name.removeprefix(prefix)) for name, s in sources.items()
+            if name.startswith(prefix) and not name.startswith(others)}
 
 
 def _shown(output: Path | str | object) -> str:

@@ -53,17 +53,26 @@ class Reader:
         self.kept_bytes = 0
         self._session = source.session()
         self._session.adopt(scan.walked, also=second)  # files are opened by the walk's record, on every rank
+        for part in scan.parts:  # an average's other inputs (engine/inputs.py): each opened by its own record
+            self._session.adopt(part.scan.walked, also=True)
         # the input's source (input/source.py) sets the read policy: what `batch` makes, and whether a round's
-        # reads plan ahead (an object store's merged GETs) or read each round's own (a file's spans: `fill`)
+        # reads plan ahead (an object store's merged GETs) or read each round's own (a file's spans: `fill`); an
+        # average's other inputs are opened through their own sources, under the first input's policy
         self.source = source.of(self.root)
+        self._parts = {part.index: source.of(Path(part.scan.root)) for part in scan.parts}
 
     def open(self, indices: list[int]) -> list[Fragment]:
         """Discover: open the assigned files, return their fragments (the rank's inventory)."""
         found: list[Fragment] = []
         for i in indices:
-            self.opened[i] = registry.open_file(self.fmt, self.source, self.scan, self.files[i])
+            self.opened[i] = registry.open_file(self.fmt, self._source_of(i), self.scan, self.files[i])
             found.extend(self.opened[i].fragments)
         return found
+
+    def _source_of(self, index: int) -> Any:
+        """The source that holds input file `index`: its input's (an average's other input), else the input's."""
+        part = registry.part_of(self.scan, index) if self._parts else None
+        return self.source if part is None else self._parts[part.index]
 
     def can_copy(self, frag: Fragment) -> bool:
         return frag.byte_offset >= 0
@@ -219,8 +228,8 @@ class Reader:
 
     def _file(self, index: int) -> Any:
         if index not in self._files:
-            file = self.files[index]  # a second input root's file (--base-model) names its own folder
-            self._files[index] = self.source.open(Path(file.root or self.root) / file.path)
+            file = self.files[index]  # a second input root's file (--base-model, an average's) names its folder
+            self._files[index] = self._source_of(index).open(Path(file.root or self.root) / file.path)
         return self._files[index]
 
     def close(self) -> None:

@@ -97,7 +97,13 @@ def fingerprint(plan: Plan, inputs: tuple[InputFile, ...], options: dict) -> str
 
 def describe(plan: Plan, inputs: tuple[InputFile, ...], options: dict) -> RunRecord:
     return RunRecord(fingerprint=fingerprint(plan, inputs, options), options=options,
-                     inputs={f.path: [f.size, f.mtime_ns] for f in inputs})
+                     inputs={_input_name(f): [f.size, f.mtime_ns] for f in inputs})
+
+
+def _input_name(file: InputFile) -> str:
+    """An input file as run.json names it: its path in the input, or in its own folder (--base-model, an
+    average's other inputs: two inputs may hold files of one name)."""
+    return f"{file.root}/{file.path}" if file.root else file.path
 
 
 def record_done(store: Store, file: OutputFile, run: RunRecord, checksum: bool) -> None:

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from distmerge.average import units as average
 from distmerge.distributed.comm import Comm
 from distmerge.engine import discover as disc
 from distmerge.engine import expect, inventory, replicas, resume, unwritten
@@ -46,6 +47,8 @@ from distmerge.engine.assemble import UnitBuild
 from distmerge.engine.exchange import Exchanger, Pending
 from distmerge.engine.expect import Claim
 from distmerge.engine.finalize import finalize
+from distmerge.engine.fold import FoldBuild, unit_build
+from distmerge.engine.inputs import check_inputs, discover_inputs
 from distmerge.engine.plan import Plan
 from distmerge.engine.prepare import OutputSettings, prepare_merge
 from distmerge.engine.reader import Reader
@@ -74,7 +77,8 @@ STALL = os.environ.get("DISTMERGE_TEST_STALL", "")
 
 @dataclass(frozen=True, kw_only=True)
 class MergeOptions:
-    input: Path | str  # a folder, or s3://bucket/prefix
+    input: Path | str  # a folder, or s3://bucket/prefix (or a Source)
+    more_inputs: tuple[Any, ...] = ()  # an average's other inputs (--input, repeated), in the order given
     output: Path | str
     format: str = "auto"
     hf_config: Path | None = None
@@ -85,6 +89,10 @@ class MergeOptions:
     resume: bool = False
     checksum: bool = False
     claims: tuple[Claim, ...] = ()  # what the user says the checkpoint is, checked with the plan (expect.py)
+
+    @property
+    def inputs(self) -> tuple[Any, ...]:
+        return (self.input, *self.more_inputs)
 
 
 def merge(opts: MergeOptions, comm: Comm, progress: Progress) -> MergeResult:
@@ -271,15 +279,17 @@ def _discover(opts: MergeOptions, store: Store, held: list[Lease], say: Callable
     """Rank 0: the input checked, the output's lock taken (before anything is written there: output/lock.py),
     the output checked again under the lock (a merge that ended meanwhile may have filled it), discovery, and
     the output prepared."""
-    root = disc.check_input(opts.input)
+    notes = average.check(opts.settings.average, len(opts.inputs))
+    roots = check_inputs(opts.inputs)
     named = name_of(opts.input)
-    store.check_place(named)
+    for each in opts.inputs:
+        store.check_place(name_of(each))
     held.append(lock.take(store.lock(), lock.this_process(named), store.url,
                           take_over=opts.overwrite or opts.resume, say=say))
     store.check(named, opts.overwrite or opts.resume)
-    found = disc.discover(root, opts.format, opts.hf_config, opts.format_options, opts.base_model)
+    found = discover_inputs(roots, opts.format, opts.hf_config, opts.format_options, opts.base_model)
     store.prepare(keep_finished=opts.resume)
-    return found
+    return replace(found, scan=replace(found.scan, notes=(*found.scan.notes, *notes))) if notes else found
 
 
 def _finished(store: Store, plan: Plan) -> int | None:
@@ -311,7 +321,8 @@ def _build(plan: Plan, units, pending: Pending, comm: Comm, reader: Reader, sink
     """Place this rank's fragments for the round's units (local ones while the exchange is in flight), hand the
     targets to the sink, let it complete what it can. Returns the bytes of target built."""
     me = comm.rank
-    builds = [UnitBuild(plan.units[i], plan, sink.output(i), comm.device) for i in units if plan.owner_of_unit[i] == me]
+    builds = [unit_build(plan.units[i], plan, sink.output(i), comm.device, reader) for i in units
+              if plan.owner_of_unit[i] == me]
     try:
         _place_local(builds, plan, me, reader, pending.held)
     finally:
@@ -328,7 +339,7 @@ def _build(plan: Plan, units, pending: Pending, comm: Comm, reader: Reader, sink
     return sum(t.nbytes for build in builds for t in build.unit.targets)
 
 
-def _place_local(builds: list[UnitBuild], plan: Plan, me: int, reader: Reader, held: dict) -> None:
+def _place_local(builds: list[UnitBuild | FoldBuild], plan: Plan, me: int, reader: Reader, held: dict) -> None:
     """The fragments this rank reads for its own units, less those read with the packing (`held`), handed to one
     batch of the source's read policy (input/reads.py: a folder's small fragments that lie close in one read, an
     object's neighbours in one GET), straight into their place where they have one (UnitBuild.take_local)."""

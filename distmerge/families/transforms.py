@@ -9,11 +9,20 @@ family is imported (families/__init__.py imports every family):
     families/lora/transforms.py        lora_fuse
     families/value_head.py             with_zero_bias
     quantize/table.py                  quantized (--quantize: another transform's targets, some in FP8)
+    average/fold.py                    average (a fold: --average's weighted sum of several inputs' tensors)
+
+A fold (`Fold`, registered with `fold`) is a transform made in steps: a unit's sources come in groups (an average's
+inputs), and each group, once assembled, is folded into a state that the last step turns into the targets. The
+engine assembles one group at a time, in the fold's order, and drops it before the next (engine/fold.py), so a
+unit of K groups holds one group's tensors and the state, not K groups at once; `apply` runs the same steps on
+sources assembled together, with the same result.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -54,3 +63,42 @@ def copies(sources: list[torch.Tensor], of: str, count: int, **params: object) -
 
 def apply(name: str, sources: list[torch.Tensor], params: tuple[tuple[str, object], ...]) -> list[torch.Tensor]:
     return TRANSFORMS[name](sources, **dict(params))
+
+
+@dataclass(frozen=True)
+class Fold:
+    """A transform in steps (the module docstring). Each callable takes the unit's params as keywords:
+
+        groups(**params) -> ((i, j, ...), ...)    the unit's sources (indices) each step takes, in step order;
+                                                  a source may serve several steps
+        step(state, k, tensors, **params) -> state   step k: the tensors of group k (state None at step 0)
+        end(state, **params) -> [targets]         the unit's targets (the engine casts each to its dtype)
+    """
+
+    groups: Callable[..., tuple[tuple[int, ...], ...]]
+    step: Callable[..., Any]
+    end: Callable[..., list[torch.Tensor]]
+
+
+FOLDS: dict[str, Fold] = {}
+
+
+def fold(name: str, made: Fold) -> Fold:
+    """Register a fold under `name`: a unit naming it is assembled group by group (engine/fold.py); as a transform
+    (`apply`, a wrapping transform's inner) its steps run over sources assembled together."""
+    assert name not in TRANSFORMS, f"two transforms named {name}"
+    FOLDS[name] = made
+
+    def whole(sources: list[torch.Tensor], **params: object) -> list[torch.Tensor]:
+        state = None
+        for k, group in enumerate(made.groups(**params)):
+            state = made.step(state, k, [sources[i] for i in group], **params)
+        return made.end(state, **params)
+
+    whole.__name__ = name
+    TRANSFORMS[name] = whole
+    return made
+
+
+def is_fold(name: str) -> bool:
+    return name in FOLDS

@@ -53,6 +53,14 @@ class InputFile:
 # Tensors of a second input root (the --base-model folder) carry this prefix, so their names never meet the
 # checkpoint's: the engine keeps them out of the family's claim and hands them over as FamilyContext.base_weights.
 BASE_MODEL_PREFIX = "base-model:"
+# The other inputs of an average (merge --input A --input B --average): the tensors of the input given n-th (n >= 2)
+# carry this prefix with n, `input-2:model.norm.weight`; the first input's keep their own names (engine/inputs.py).
+INPUT_PREFIX = "input-{}:"
+
+
+def input_prefix(index: int) -> str:
+    """The prefix of the tensor names of input `index` (0-based: the first input's are "") in an average."""
+    return INPUT_PREFIX.format(index + 1) if index else ""
 
 
 def input_file(src: Source, root: Path, index: int, path: str, rank: int = -1) -> InputFile:
@@ -103,6 +111,23 @@ class Scan:
     hints: Hints = field(default_factory=Hints)
     state: Any = None  # the format's own scan -> open() state (picklable); nothing else reads it
     walked: Any = None  # local.Walked: the walk's record of `files`, each rank opens them by (discover sets it)
+    # An average's other inputs, each read by its own format and source (engine/inputs.py): their files follow
+    # this scan's own in `files`, their tensors' names carry input_prefix(i)
+    parts: tuple[Part, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Part:
+    """Input `index` (0-based, >= 1) of an average: its own scan (format, root, state, walk record, hints), and
+    where its files begin in the combined scan's `files` (each there with `root` = its input's root, `index` shifted
+    by `first`)."""
+
+    index: int
+    scan: Scan
+    first: int
+
+    def holds(self, file_index: int) -> bool:
+        return self.first <= file_index < self.first + len(self.scan.files)
 
 
 _set = object.__setattr__  # a frozen dataclass's fields, set once (Fragment.make, the cached sizes)

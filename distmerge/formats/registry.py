@@ -6,13 +6,24 @@ A format registers itself (formats/base.register); distmerge/formats/__init__.py
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from distmerge import formats  # noqa: F401  (imports every format module, which registers itself)
 from distmerge.errors import InputError
 from distmerge.formats import base_model
-from distmerge.formats.base import REGISTERED, FormatOption, InputFile, InputFormat, OpenedFile, Scan
+from distmerge.formats.base import (
+    REGISTERED,
+    FormatOption,
+    Fragment,
+    InputFile,
+    InputFormat,
+    OpenedFile,
+    Part,
+    Scan,
+    input_prefix,
+)
 from distmerge.input import source
 from distmerge.input.source import Source
 
@@ -103,5 +114,25 @@ def with_base_model(scan: Scan, folder: Path) -> Scan:
 
 def open_file(fmt: InputFormat, src: Source, scan: Scan, file: InputFile) -> OpenedFile:
     """A file of the checkpoint through its format; a file of the second input root through its reader (both
-    opened through the input's source)."""
+    opened through the input's source); a file of an average's other input through that input's format, handed
+    that input's source (`src` then: the source holding it), its fragments named and numbered in the combined
+    scan (input_prefix, Part.first)."""
+    part = part_of(scan, file.index)
+    if part is not None:
+        return _open_part(part, src, file)
     return base_model.open_file(src, file) if file.root else fmt.open(src, scan, file)
+
+
+def part_of(scan: Scan, file_index: int) -> Part | None:
+    """The other input of an average a file of the combined scan belongs to (None: the first input's, or the
+    --base-model folder's)."""
+    return next((p for p in scan.parts if p.holds(file_index)), None)
+
+
+def _open_part(part: Part, src: Source, file: InputFile) -> OpenedFile:
+    own = replace(file, index=file.index - part.first, root="")
+    opened = get(part.scan.format).open(src, part.scan, own)
+    prefix = input_prefix(part.index)
+    opened.fragments = [Fragment.make(prefix + f.name, f.dtype, f.global_shape, f.offsets, f.lengths, file.index,
+                                      f.byte_offset, f.key, f.flat) for f in opened.fragments]
+    return opened

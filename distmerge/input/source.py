@@ -266,6 +266,11 @@ class Session:
         self.sources = [source]
         return source
 
+    def add(self, source: Source) -> Source:
+        """Another input of the same merge (an average's: engine/inputs.py), beside the first."""
+        self.sources.append(source)
+        return source
+
     def adopt(self, walked: Any, also: bool = False) -> None:
         """Open the scan's files by the record from now on (None: forget the records). `also`: keep those before
         (verify reads two inputs)."""

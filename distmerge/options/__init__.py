@@ -75,6 +75,7 @@ class Opt:
     required: bool = False  # the API takes it positionally
     api: bool = True  # False: the command line's only (CLI_ONLY says why)
     parse: Any = None  # kind "value": the format option's own parser (formats.base.FormatOption.parse)
+    repeat: bool = False  # may be given several times (merge's --input: an average's inputs); the API takes a list
 
 
 # The command line's options the API leaves out, and why (docs/api.md says the same).
@@ -120,7 +121,8 @@ OPTIONS: tuple[Opt | str, ...] = (
              "needs matplotlib: pip install 'distmerge[plot]'"),
     # the input and how to read it
     Opt(name="input", flags=("--input", "-i"), commands=MERGE, group="input", kind="location", required=True,
-        help="checkpoint folder (e.g. .../actor) or s3://bucket/prefix"),
+        repeat=True, help="checkpoint folder (e.g. .../actor) or s3://bucket/prefix; once per checkpoint with "
+                          "--average"),
     Opt(name="input", flags=("input",), commands=("inspect",), group="input", kind="location", required=True,
         help="checkpoint folder (e.g. .../actor) or s3://bucket/prefix"),
     FORMAT,
@@ -246,7 +248,8 @@ def signature(command: str, returns: str):
 
     params = []
     for row in sorted(api_rows(command), key=lambda r: not r.required):  # stable: --help's order otherwise
-        annotation = KINDS[row.kind] + (" | None" if row.default is None and not row.required else "")
+        annotation = KINDS[row.kind] + (f" | list[{KINDS[row.kind]}]" if row.repeat else "") + (
+            " | None" if row.default is None and not row.required else "")
         kind = inspect.Parameter.POSITIONAL_OR_KEYWORD if row.required else inspect.Parameter.KEYWORD_ONLY
         default = inspect.Parameter.empty if row.required else row.default
         params.append(inspect.Parameter(row.name, kind, default=default, annotation=annotation))
@@ -278,7 +281,8 @@ def _value(row: Opt, value: Any, *, given: bool) -> Any:
             raise InputError(f"{row.name}=None: give a value (default {row.default!r})")
         return None
     try:
-        parsed = _parsed(row, value)
+        parsed = _many(row, [_parsed(row, v) for v in value]) if row.repeat and isinstance(value, (list, tuple)) \
+            else _parsed(row, value)
     except (argparse.ArgumentTypeError, ValueError, TypeError) as err:
         raise InputError(f"{row.name}={value!r}: {err}") from None
     if row.choices is not None and parsed not in row.choices:
@@ -307,9 +311,18 @@ def _parsed(row: Opt, value: Any) -> Any:
         return value
     if row.kind == "float":
         return float(value)
+    if row.kind == "value" and isinstance(value, (list, tuple)):  # a list of numbers (--average-weights)
+        value = ",".join(repr(float(v)) for v in value)
     if row.kind == "text":
         return os.fspath(value) if isinstance(value, os.PathLike) else _text(value)
     return (parse_size if row.kind == "size" else row.parse)(str(value))
+
+
+def _many(row: Opt, values: list[Any]) -> Any:
+    """A repeated option's values: one as it is (so one --input is what it always was), several as a tuple."""
+    if not values:
+        raise ValueError("give at least one")
+    return values[0] if len(values) == 1 else tuple(values)
 
 
 def _text(value: Any) -> str:
@@ -319,8 +332,9 @@ def _text(value: Any) -> str:
 
 
 def from_namespace(args: argparse.Namespace, command: str) -> dict[str, Any]:
-    """The command line's parsed values of `command`'s options, by name."""
-    return {row.name: getattr(args, row.name) for row in cli_rows(command)}
+    """The command line's parsed values of `command`'s options, by name (a repeated option's as _many makes them)."""
+    return {row.name: _many(row, value) if row.repeat and isinstance(value := getattr(args, row.name), list)
+            else getattr(args, row.name) for row in cli_rows(command)}
 
 
 def parsed_default(row: Opt) -> Any:

@@ -38,7 +38,7 @@ def add_options(parser: argparse.ArgumentParser, command: str) -> None:
 def _argparse_keywords(row: options.Opt) -> dict[str, Any]:
     if row.kind == "switch":
         return {"dest": row.name, "action": "store_true", "help": row.help}
-    kw: dict[str, Any] = {"help": row.help}
+    kw: dict[str, Any] = {"help": row.help, **({"action": "append"} if row.repeat else {})}
     if row.flags[0].startswith("-"):  # a positional's dest is its name
         kw["dest"] = row.name
         if row.required:

@@ -37,6 +37,20 @@ def _same(value: Any) -> Any:
     return value
 
 
+def average_weights(text: str) -> tuple[float, ...]:
+    """--average-weights: numbers, comma-separated (`0.25,0.75`, `1,1,2`): any finite ones (docs/average.md)."""
+    import argparse
+    import math
+
+    try:
+        weights = tuple(float(w) for w in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not numbers separated by commas: {text!r} (e.g. 0.25,0.75)") from None
+    if not all(math.isfinite(w) for w in weights):
+        raise argparse.ArgumentTypeError(f"every weight must be a finite number: {text!r}")
+    return weights
+
+
 @dataclass(frozen=True, kw_only=True)
 class OutputOption:
     """One option that shapes the output: its row of the options table, the setting it makes, what the resume
@@ -104,6 +118,13 @@ OUTPUT_OPTIONS: tuple[OutputOption, ...] = (
                  help="LoRA: the base model. A Hugging Face folder (config.json + safetensors): its weights complete a "
                       "LoRA-only save (base model + adapter, or fused with --lora merge). Any value: "
                       "base_model_name_or_path in adapter_config.json (default: the config's)"),
+    OutputOption(name="average", flag="--average", kind="switch", default=False, setting="average.on",
+                 commands=("merge",), help="write the weighted average of the inputs (--input, once per checkpoint "
+                 "of one model): each floating tensor summed in float64 in the order given, then cast "
+                 "(docs/average.md)"),
+    OutputOption(name="average_weights", flag="--average-weights", kind="value", parse=average_weights,
+                 metavar="W1,W2,...", setting="average.weights", record=list, commands=("merge",),
+                 help="--average: each input's weight, in --input order (default: 1/K each; any finite numbers)"),
 )
 
 

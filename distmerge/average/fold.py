@@ -1,0 +1,67 @@
+"""The `average` fold: every floating tensor of the output is, exactly,
+
+    acc = 0 (float64)
+    for each input i, in the order given:  acc += float64(w_i) * float64(x_i)
+    the output = acc.to(the output dtype)          (the inputs' dtype, or --dtype; torch's cast)
+
+where x_i is the tensor a merge of input i alone would build before its cast (the checkpoint's values, through its
+family's transform: a QKV split, a fused LoRA weight). Each product is rounded once to float64 and added in input
+order, so the bytes depend on neither the number of processes nor the device. An integer or bool tensor must hold
+the same values in every input: it is written as it is, and a difference is an error naming it.
+
+A unit's params (average/units.py makes them):
+
+    inputs    per input, in order: (its transform, its params, the indices of its sources in the unit's)
+    weights   per input: w_i
+    floating  per target: averaged (True) or checked equal (False)
+    names     per target: its name, for messages
+"""
+
+from __future__ import annotations
+
+import torch
+
+from distmerge.errors import LayoutError
+from distmerge.families.transforms import Fold, apply, fold
+
+CHUNK = 1 << 20  # elements made float64 at a time: a tensor's float64 copy is never held whole beside the sum
+
+
+def _groups(inputs: tuple, **_: object) -> tuple[tuple[int, ...], ...]:
+    return tuple(indices for _, _, indices in inputs)
+
+
+def _step(state: list | None, k: int, tensors: list[torch.Tensor], inputs: tuple, weights: tuple[float, ...],
+          floating: tuple[bool, ...], names: tuple[str, ...]) -> list:
+    transform, params, _ = inputs[k]
+    made = apply(transform, tensors, params)
+    if state is None:
+        state = [torch.zeros(t.shape, dtype=torch.float64, device=t.device) if f else None
+                 for t, f in zip(made, floating, strict=True)]
+    for j, (tensor, averaged) in enumerate(zip(made, floating, strict=True)):
+        if averaged:
+            add_weighted(state[j], tensor, weights[k], names[j])
+        elif state[j] is None:
+            state[j] = tensor
+        elif state[j].shape != tensor.shape or not torch.equal(state[j], tensor.to(state[j].device)):
+            raise LayoutError(f"{names[j]} ({str(tensor.dtype).removeprefix('torch.')}) differs between input 1 and "
+                              f"input {k + 1}: an average keeps integer and bool tensors only when every input holds "
+                              "the same values; average checkpoints of one run")
+    return state
+
+
+def add_weighted(acc: torch.Tensor, tensor: torch.Tensor, weight: float, name: str) -> None:
+    """acc += float64(weight) * float64(tensor), element by element, a chunk at a time."""
+    if tuple(tensor.shape) != tuple(acc.shape):
+        raise LayoutError(f"{name}: an input built shape {list(tensor.shape)}, another {list(acc.shape)}")
+    flat, into = tensor.reshape(-1), acc.view(-1)
+    for start in range(0, flat.numel(), CHUNK):
+        part = flat[start : start + CHUNK].to(device=acc.device, dtype=torch.float64)
+        into[start : start + CHUNK].add_(torch.mul(part, weight))  # out of place: `part` may be the input itself
+
+
+def _end(state: list, **_: object) -> list[torch.Tensor]:
+    return state
+
+
+AVERAGE = fold("average", Fold(groups=_groups, step=_step, end=_end))
