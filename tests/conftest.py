@@ -279,7 +279,8 @@ def merge_inputs(args) -> list[Path]:
     config = named.get("--hf-config")
     if config is not None and out is not None and out.resolve().is_relative_to(config.resolve()):
         config = None
-    return [p for p in (named.get("--input"), config) if p is not None]
+    inputs = [Path(args[i + 1]) for i, flag in enumerate(args[:-1]) if flag in ("--input", "-i")]  # an average's
+    return [*inputs, *([config] if config is not None else [])]
 
 
 def assert_refused(ckpt: Path, out: Path, words: str, capsys, *args: str) -> None:

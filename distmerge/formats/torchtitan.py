@@ -33,7 +33,7 @@ from distmerge.formats import base
 from distmerge.formats.base import FormatDefaults, FormatOption, Fragment, Hints, InputFile, OpenedFile, Scan, register
 from distmerge.formats.dcp import folder as dcp_folder
 from distmerge.formats.dcp.folder import METADATA, DcpFormat
-from distmerge.formats.dcp.keys import WRAPPER, model_names
+from distmerge.formats.dcp.keys import EMA_KEY, WRAPPER, model_names
 from distmerge.input.source import Source
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -61,7 +61,7 @@ class TorchtitanFormat(FormatDefaults):
     name = "torchtitan"
     order = 35  # before dcp: a torchtitan step is a DCP folder too
     help = "torchtitan dump/checkpoint/step-N DCP folders"
-    options = (STEP,)
+    options = (STEP, EMA_KEY)
 
     def detect(self, source: Source) -> bool:
         try:  # what cannot be read is not claimed: the DCP format, asked next, reports it
@@ -76,7 +76,7 @@ class TorchtitanFormat(FormatDefaults):
             raise InputError(f"{step} is already a Hugging Face model ({HF_INDEX}, torchtitan's last_save_in_hf): "
                              "load it with from_pretrained; there is nothing to merge")
         wrapped = own_names(source, step)[1]
-        inner = DcpFormat().scan(source.at(step), {})
+        inner = DcpFormat().scan(source.at(step), {k: v for k, v in options.items() if k == EMA_KEY.dest})
         notes = (f"torchtitan checkpoint {step.name}", *inner.notes)
         chunks = inner.state
         if wrapped:  # a model-only save under a `model.` wrapper

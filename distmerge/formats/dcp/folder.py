@@ -25,7 +25,7 @@ from distmerge import dtypes
 from distmerge.errors import CorruptInputError, InputError
 from distmerge.formats import base
 from distmerge.formats.base import FormatDefaults, Fragment, InputFile, OpenedFile, Scan, input_file, inside, register
-from distmerge.formats.dcp.keys import model_names
+from distmerge.formats.dcp.keys import EMA_KEY, ema_copies, model_names, with_ema
 from distmerge.formats.torch_private import dcp as private
 from distmerge.input.source import Source
 
@@ -125,10 +125,12 @@ class DcpFormat(FormatDefaults):
         root = source.root
         return source.is_file(root / METADATA) and any(Path(n).suffix == ".distcp" for n in source.listdir(root))
 
+    options = (EMA_KEY,)
+
     def scan(self, source: Source, options: Mapping[str, Any]) -> Scan:
         root = source.root
         md = load_metadata(source, root)
-        names = model_names(sorted(md.fqns), str(root))
+        names, ema_notes, ema = _names(md, str(root), options.get(EMA_KEY.dest))
         model = torch.tensor([fqn in names for fqn in md.fqns] or [False])
         rows = model[md.tensor].nonzero()[:, 0]
         used = md.file[rows].unique().tolist()
@@ -143,9 +145,9 @@ class DcpFormat(FormatDefaults):
                            md.length[rows, None], md.offsets[rows], md.lengths[rows]], 1)
         _check_chunks(root, md, table, files)
         ranks = {int(m[1]) for p in source.listdir(root) if (m := RANK_OF.match(p))}
-        skipped = len(md.fqns) - len(names) + len(md.non_tensors)
+        skipped = len(md.fqns) - len(names) - ema + len(md.non_tensors)
         what = "optimizer, train state, extra state, ..."
-        notes = [f"skipped {skipped} entries that are not model weights ({what})"] * bool(skipped)
+        notes = [f"skipped {skipped} entries that are not model weights ({what})"] * bool(skipped) + ema_notes
         state = ModelChunks.pack(table, names=tuple(names.get(f, f) for f in md.fqns), keys=md.fqns,
                                  codes=tuple(dtypes.code_of(d) for d in md.dtypes), shapes=md.shapes,
                                  width=md.offsets.shape[1])
@@ -168,6 +170,28 @@ class DcpFormat(FormatDefaults):
         opened.fragments = [Fragment.make(names[r[0]], codes[r[0]], shapes[r[0]], o, n, index, b, keys[r[0]])
                             for r, (o, n), b in zip(rows, boxes, at, strict=True)]
         return opened
+
+
+def _names(md: private.DcpMetadata, where: str, ema_key: str | None) -> tuple[dict[str, str], list[str], int]:
+    """The model's entries and their output names (keys.py), the EMA copy `ema_key`'s where it has them; the notes,
+    and how many entries that are not written the EMA explains (its copies, the live tensors one replaces)."""
+    names = model_names(sorted(md.fqns), where)
+    copies = ema_copies(md.fqns)
+    entries = sum(map(len, copies.values()))
+    if ema_key is None:
+        return names, [f"holds EMA copies ({', '.join(sorted(copies))}), not merged: the live weights are; "
+                       "--ema-key KEY merges a copy instead"] * bool(copies), entries
+    names, replaced, untracked = with_ema(names, md.fqns, where, ema_key)
+    at = {fqn: i for i, fqn in enumerate(md.fqns)}
+    for entry, live in replaced.items():
+        if (md.shapes[at[entry]], md.dtypes[at[entry]]) != (md.shapes[at[live]], md.dtypes[at[live]]):
+            raise InputError(f"--ema-key {ema_key}: {where}: the EMA copy of {live} is "
+                             f"{list(md.shapes[at[entry]])} {md.dtypes[at[entry]]}, the weight "
+                             f"{list(md.shapes[at[live]])} {md.dtypes[at[live]]}: a corrupt save")
+    shown = ", ".join(untracked[:4]) + (", ..." if len(untracked) > 4 else "")
+    return names, [f"--ema-key {ema_key}: {len(replaced)} tensors from the EMA copy"
+                   + (f"; {len(untracked)} it does not track from the live weights ({shown})" if untracked else "")
+                   ], entries
 
 
 def _chunk(chunks: ModelChunks, row: list[int], box: tuple, path: str) -> private.Chunk:
