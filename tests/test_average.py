@@ -303,3 +303,25 @@ def test_an_average_of_ema_copies(dcp_ckpts, fsdp_ckpts, tmp_path, capsys):
     line = refused(capsys, *inputs(save, fsdp_ckpts["fsdp2_llama_w4"]), "--output", tmp_path / "no", "--average",
                    "--ema-key", "decay_0p9")
     assert "--ema-key applies to torchtitan, dcp input; fsdp has no such choice" in line, line
+
+
+def test_quantize_quantizes_the_average(fsdp_ckpts, tmp_path, monkeypatch):
+    """--quantize after --average: each FP8 weight is the quantization (fp8.py's recipe, tested in test_quantize.py)
+    of the formula's average; the other tensors are the average. The units are still built an input at a time."""
+    from distmerge.quantize import fp8
+
+    ckpts = [fsdp_ckpts["fsdp2_llama_w2"], fsdp_ckpts["fsdp2_llama_w4"]]
+    folds = []
+    monkeypatch.setattr(engine_fold.FoldBuild, "finish", lambda self, finish=engine_fold.FoldBuild.finish: (
+        folds.append(self.unit.transform), finish(self))[1])
+    assert merge_inproc(*inputs(*ckpts), "--output", tmp_path / "fp8", "--average", "--quantize", "fp8-block") == 0
+    merged, expected = load_merged(tmp_path / "fp8"), average([expected_tensors(c) for c in ckpts])
+    grid = fp8.SCHEMES["fp8-block"]
+    for name, value in expected.items():
+        if name in merged and merged[name].dtype == torch.float8_e4m3fn:
+            weight, scale = grid.quantize(value)
+            assert torch.equal(merged[name].view(torch.uint8), weight.view(torch.uint8)), name
+            assert torch.equal(merged[grid.scale_name(name)], scale), name
+        else:
+            assert torch.equal(merged[name], value), name
+    assert folds.count("quantized") == 14 and len(folds) == 21

@@ -9,8 +9,8 @@ in the fold's order, once the round's fragments are all there:
     place_local      a fragment this rank reads: noted, read only when its group's turn comes
     finish           for each group k in order: its sources allocated and filled (received bytes copied in, local
                      ones read straight into them), fold.step(state, k, tensors), the group's tensors dropped
-                     (those a later group shares kept until then); then fold.end(state) -> the targets, each cast
-                     to its dtype and handed to the output
+                     (those a later group shares kept until then); then fold.end(state) -> the targets (changed
+                     by a wrapping transform: --quantize's FP8), each cast to its dtype and handed to the output
 
 So an owner holds one input's tensors of a unit, the fold's state (an average: a float64 sum per target) and the
 round's received bytes, instead of all K inputs' tensors at once. Each fragment is still read once, by its reader.
@@ -34,8 +34,9 @@ from distmerge.formats.base import Fragment
 
 def unit_build(unit: Unit, plan: Plan, writer: TargetOut, device: torch.device,
                reader: Reader) -> UnitBuild | FoldBuild:
-    """The build of one unit on its owner: a fold's group by group, any other's as assemble.UnitBuild."""
-    if transforms.is_fold(unit.transform):
+    """The build of one unit on its owner: a fold's group by group (a fold wrapped by --quantize's transform too),
+    any other's as assemble.UnitBuild."""
+    if transforms.folded(unit.transform, unit.params) is not None:
         return FoldBuild(unit, plan, writer, device, reader)
     return UnitBuild(unit, plan, writer, device)
 
@@ -48,8 +49,7 @@ class FoldBuild:
     def __init__(self, unit: Unit, plan: Plan, writer: TargetOut, device: torch.device, reader: Reader) -> None:
         self.unit, self.plan, self.writer, self.device, self.reader = unit, plan, writer, device, reader
         self.sources = [plan.sources[s] for s in unit.sources]
-        self.fold = transforms.FOLDS[unit.transform]
-        self.params = dict(unit.params)
+        self.fold, self.params, self.then = transforms.folded(unit.transform, unit.params)
         self.received: dict[str, list[tuple[Fragment, torch.Tensor | memoryview]]] = defaultdict(list)
         self.local: dict[str, list[Fragment]] = defaultdict(list)
 
@@ -78,6 +78,8 @@ class FoldBuild:
                 if last[i] == k:
                     held.pop(i, None)
         produced = self.fold.end(state, **self.params)
+        if self.then is not None:
+            produced = self.then(produced)
         for target, tensor in zip(self.unit.targets, produced, strict=True):
             if tuple(tensor.shape) != target.shape:
                 raise LayoutError(f"{target.name}: built shape {list(tensor.shape)}, expected {list(target.shape)}")

@@ -102,3 +102,25 @@ def fold(name: str, made: Fold) -> Fold:
 
 def is_fold(name: str) -> bool:
     return name in FOLDS
+
+
+# Transforms that apply an inner transform (params `inner`, `inner_params`) and then change its targets: name -> that
+# change, (targets, **their other params) -> targets. A fold wrapped by one is still assembled group by group
+# (engine/fold.py), the change applied to the fold's targets.
+AFTER: dict[str, Callable[..., list[torch.Tensor]]] = {}
+
+
+def after(name: str, change: Callable[..., list[torch.Tensor]]) -> None:
+    AFTER[name] = change
+
+
+def folded(name: str, params: tuple[tuple[str, object], ...]) -> tuple[Fold, dict[str, Any], Callable | None] | None:
+    """A unit's fold, its params and the change a wrapping transform makes to its targets (None: no fold)."""
+    if name in FOLDS:
+        return FOLDS[name], dict(params), None
+    given = dict(params)
+    inner = given.get("inner")
+    if name in AFTER and isinstance(inner, str) and inner in FOLDS:
+        rest = {k: v for k, v in given.items() if k not in ("inner", "inner_params")}
+        return FOLDS[inner], dict(given["inner_params"]), lambda targets: AFTER[name](targets, **rest)
+    return None

@@ -22,7 +22,7 @@ import torch
 from distmerge import dtypes
 from distmerge.errors import InputError
 from distmerge.families.base import FamilyResult, ModelTraits, Target, Unit, register_quantizer
-from distmerge.families.transforms import TRANSFORMS, transform
+from distmerge.families.transforms import TRANSFORMS, after, transform
 from distmerge.quantize import fp8, fp8_compressed
 
 # A decoder layer of the text model, under the names save_pretrained writes (hub_names.py: a Qwen2-VL language
@@ -111,7 +111,11 @@ def quantized(sources: list[torch.Tensor], inner: str, inner_params: tuple[tuple
     A weight is first cast to the dtype it would have had unquantized (the merge's --dtype), so the FP8 output is
     the quantization of the model the same merge writes without --quantize. On the device the unit was assembled on.
     """
-    out = TRANSFORMS[inner](sources, **dict(inner_params))
+    return quantize_targets(TRANSFORMS[inner](sources, **dict(inner_params)), scheme, weights)
+
+
+def quantize_targets(out: list[torch.Tensor], scheme: str, weights: tuple[tuple[int, str], ...]) -> list[torch.Tensor]:
+    """The inner transform's targets, the weights among them in FP8, each followed by its scales."""
     dtype_of = dict(weights)
     result: list[torch.Tensor] = []
     for i, tensor in enumerate(out):
@@ -120,3 +124,6 @@ def quantized(sources: list[torch.Tensor], inner: str, inner_params: tuple[tuple
         else:
             result.append(tensor)
     return result
+
+
+after("quantized", quantize_targets)  # a fold's unit wrapped by it (an average) is still built an input at a time
