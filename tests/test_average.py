@@ -325,3 +325,16 @@ def test_quantize_quantizes_the_average(fsdp_ckpts, tmp_path, monkeypatch):
         else:
             assert torch.equal(merged[name], value), name
     assert folds.count("quantized") == 14 and len(folds) == 21
+
+
+def test_a_megatron_save_and_an_fsdp_save_of_one_model(megatron_ckpts, twin_ckpts, tmp_path):
+    """Megatron legacy TP2 x PP2 (one unit splits the fused QKV into q, k, v), an FSDP2 save (q, k, v apart) and a
+    torch_dist save, of one set of weights (the fixtures save the same model three ways): the units of one layer's
+    q, k, v are averaged as one, each input through its own transform."""
+    ckpts = [megatron_ckpts["megatron_tp2pp2"], twin_ckpts["fsdp2_from_megatron_w2"],
+             megatron_ckpts["megatron_dist_tp2pp2"]]
+    hf = reference_dir(ckpts[0]) / "huggingface"
+    assert merge_inproc(*inputs(*ckpts), "--output", tmp_path / "avg", "--average", "--hf-config", hf,
+                        "--average-weights", "0.2,0.3,0.5") == 0
+    refs = [load_file(reference_dir(c) / "model.safetensors") for c in ckpts]
+    assert_exact(load_merged(tmp_path / "avg"), average(refs, [0.2, 0.3, 0.5]))

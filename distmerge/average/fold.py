@@ -11,7 +11,9 @@ the same values in every input: it is written as it is, and a difference is an e
 
 A unit's params (average/units.py makes them):
 
-    inputs    per input, in order: (its transform, its params, the indices of its sources in the unit's)
+    inputs    per input, in order: (the indices of its sources among the unit's, its units: per unit of its
+              family (transform, params, its sources' places among the input's, its targets' places among the
+              averaged unit's))
     weights   per input: w_i
     floating  per target: averaged (True) or checked equal (False)
     names     per target: its name, for messages
@@ -28,13 +30,22 @@ CHUNK = 1 << 20  # elements made float64 at a time: a tensor's float64 copy is n
 
 
 def _groups(inputs: tuple, **_: object) -> tuple[tuple[int, ...], ...]:
-    return tuple(indices for _, _, indices in inputs)
+    return tuple(group for group, _ in inputs)
+
+
+def built(parts: tuple, tensors: list[torch.Tensor], count: int) -> list[torch.Tensor]:
+    """One input's targets: each of its units' transform applied to its sources (`at`: their places in the
+    input's group), its targets put at their places (`where`) among the averaged unit's."""
+    made: list[torch.Tensor] = [torch.empty(0)] * count
+    for transform, params, at, where in parts:
+        for j, tensor in zip(where, apply(transform, [tensors[a] for a in at], params), strict=True):
+            made[j] = tensor
+    return made
 
 
 def _step(state: list | None, k: int, tensors: list[torch.Tensor], inputs: tuple, weights: tuple[float, ...],
           floating: tuple[bool, ...], names: tuple[str, ...]) -> list:
-    transform, params, _ = inputs[k]
-    made = apply(transform, tensors, params)
+    made = built(inputs[k][1], tensors, len(floating))
     if state is None:
         state = [torch.zeros(t.shape, dtype=torch.float64, device=t.device) if f else None
                  for t, f in zip(made, floating, strict=True)]

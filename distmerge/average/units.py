@@ -1,10 +1,11 @@
 """An average's units: each input's family result (its units, under its own names) joined into one.
 
-    input 1   units [q, k, v] <- split_qkv(decoder...linear_qkv)       (say a Megatron save)
-    input 2   units [q], [k], [v] <- identity(model...q_proj) ...        (an FSDP save: other units, refused)
-    input 2   units [q, k, v] <- split_qkv(input-2:decoder...)          (another Megatron save: the same targets)
-      ->      [q, k, v] <- average(inputs: (split_qkv, its params, its sources), (split_qkv, ...); weights)
+    input 1   unit [q, k, v] <- split_qkv(decoder.layers.0.self_attention.linear_qkv.weight)   (a Megatron save)
+    input 2   units [q] <- identity(input-2:model...q_proj.weight), [k] <- ..., [v] <- ...     (an FSDP save)
+      ->      unit [q, k, v] <- average(inputs: ((its sources), ((split_qkv, params, at, (0, 1, 2)),)),
+                                                ((its sources), ((identity, (), at, (0,)), ... (2,)))); weights)
 
+Targets that any input builds in one unit are one averaged unit, each input's own units inside it (`_components`).
 Before any byte is read (prepare.py calls `combine` in the plan): every input's targets must have the same names,
 shapes and dtypes as the first's; the first that differs is named in one line. A source several inputs' units share
 (a --base-model folder's weight) is one source of the averaged unit, read once.
@@ -20,7 +21,7 @@ from dataclasses import dataclass, replace
 from distmerge import dtypes
 from distmerge.average import fold  # noqa: F401  (registers the `average` fold)
 from distmerge.errors import InputError
-from distmerge.families.base import FamilyResult, Unit
+from distmerge.families.base import FamilyResult, Target, Unit
 from distmerge.formats.base import BASE_MODEL_PREFIX
 
 
@@ -62,33 +63,56 @@ def combine(results: Sequence[FamilyResult], weights: Sequence[float], labels: S
     """One result whose units average the inputs' (each input's result under its prefixed source names)."""
     _refuse_adapters(results)
     _check_alike(results, labels)
-    first = results[0]
-    others = [{_key(u): u for u in r.units} for r in results[1:]]
-    units = []
-    for unit in first.units:
-        matched = [found.get(_key(unit)) for found in others]
-        if missing := [i + 2 for i, u in enumerate(matched) if u is None]:
-            raise InputError(f"--average: input {missing[0]} ({labels[missing[0] - 1]}) builds "
-                             f"{', '.join(_key(unit))} otherwise than input 1 ({labels[0]}): average saves of one "
-                             "layout, or merge each and average the merged models' checkpoints of one layout")
-        units.append(averaged(unit, matched, tuple(weights)))
-    return replace(first, units=units, left_out={k: v for r in results for k, v in r.left_out.items()},
+    units = [averaged(targets, parts, tuple(weights)) for targets, parts in _components(results)]
+    return replace(results[0], units=units, left_out={k: v for r in results for k, v in r.left_out.items()},
                    must_equal=tuple(pair for r in results for pair in r.must_equal))
 
 
-def averaged(unit: Unit, others: Sequence[Unit], weights: tuple[float, ...]) -> Unit:
-    """`unit` and the other inputs' units of the same targets as one `average` unit (fold.py's params)."""
+def _components(results: Sequence[FamilyResult]) -> list[tuple[tuple[Target, ...], list[list[Unit]]]]:
+    """The targets that some input's unit builds together, joined across the inputs (a Megatron save builds q, k and
+    v in one unit, an FSDP save in three: one averaged unit of the three), in the first input's order: per group
+    its targets and, per input, its units that build them."""
+    parent: dict[str, str] = {}
+
+    def root(name: str) -> str:
+        while parent.setdefault(name, name) != name:
+            name = parent[name]
+        return name
+
+    for result in results:
+        for unit in result.units:
+            for t in unit.targets[1:]:
+                parent[root(t.name)] = root(unit.targets[0].name)
+    groups: dict[str, tuple[list[Target], list[list[Unit]]]] = {}
+    for i, result in enumerate(results):
+        for unit in result.units:
+            targets, parts = groups.setdefault(root(unit.targets[0].name), ([], [[] for _ in results]))
+            parts[i].append(unit)
+            targets.extend(unit.targets if i == 0 else ())
+    return [(tuple(targets), parts) for targets, parts in groups.values()]
+
+
+def averaged(targets: tuple[Target, ...], parts: Sequence[Sequence[Unit]], weights: tuple[float, ...]) -> Unit:
+    """One `average` unit of `targets` from each input's units that build them (fold.py's params)."""
     names: list[str] = []
+    where = {t.name: j for j, t in enumerate(targets)}
     inputs = []
-    for one in (unit, *others):
-        for source in one.sources:
-            if source not in names:
-                names.append(source)
-        inputs.append((one.transform, one.params, tuple(names.index(s) for s in one.sources)))
+    for units in parts:
+        group: list[int] = []
+        made = []
+        for unit in units:
+            at = []
+            for source in unit.sources:
+                if source not in names:
+                    names.append(source)
+                if names.index(source) not in group:
+                    group.append(names.index(source))
+                at.append(group.index(names.index(source)))
+            made.append((unit.transform, unit.params, tuple(at), tuple(where[t.name] for t in unit.targets)))
+        inputs.append((tuple(group), tuple(made)))
     params = (("inputs", tuple(inputs)), ("weights", weights),
-              ("floating", tuple(dtypes.is_float(t.dtype) for t in unit.targets)),
-              ("names", tuple(t.name for t in unit.targets)))
-    return Unit(sources=tuple(names), targets=unit.targets, transform="average", params=params)
+              ("floating", tuple(dtypes.is_float(t.dtype) for t in targets)), ("names", tuple(where)))
+    return Unit(sources=tuple(names), targets=targets, transform="average", params=params)
 
 
 def prefixed(result: FamilyResult, prefix: str) -> FamilyResult:
@@ -102,10 +126,6 @@ def prefixed(result: FamilyResult, prefix: str) -> FamilyResult:
     units = [replace(u, sources=tuple(map(name, u.sources))) for u in result.units]
     return replace(result, units=units, left_out={name(k): v for k, v in result.left_out.items()},
                    must_equal=tuple((name(a), name(b)) for a, b in result.must_equal))
-
-
-def _key(unit: Unit) -> tuple[str, ...]:
-    return tuple(t.name for t in unit.targets)
 
 
 def _refuse_adapters(results: Sequence[FamilyResult]) -> None:
