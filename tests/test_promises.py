@@ -140,9 +140,11 @@ def rchar() -> int:
         return int(next(line for line in f if line.startswith("rchar:")).split()[1])
 
 
-def discovery_reads(ckpt: Path, hf: Path | None, world: int) -> tuple[int, object, list]:
-    """What discovery reads (measured: rchar of this process around it) and the plan it leads to."""
-    from distmerge.engine import discover as disc
+def discovery_reads(ckpts: list[Path], hf: Path | None, world: int) -> tuple[int, object, list]:
+    """What discovery reads (measured: rchar of this process around it) and the plan it leads to (several
+    checkpoints: their average's)."""
+    from distmerge.average.units import AverageOptions
+    from distmerge.engine.inputs import discover_inputs
     from distmerge.engine.prepare import OutputSettings, prepare_merge
     from distmerge.engine.reader import Reader
     from distmerge.formats import registry
@@ -152,12 +154,13 @@ def discovery_reads(ckpt: Path, hf: Path | None, world: int) -> tuple[int, objec
     dcp._metadata.cache_clear()  # read it as a fresh process does
     dcp_blobs._LAYOUTS.clear()  # and check each chunk blob layout in full again, as a fresh process does
     before = rchar()
-    found = disc.discover(ckpt, "auto", hf, {})
+    found = discover_inputs(ckpts, "auto", hf, {})
     reader = Reader(found.scan, registry.get(found.scan.format))
     fragments = reader.open(list(range(len(found.scan.files))))
     reader.close()
     read = rchar() - before
-    return read, prepare_merge(found, fragments, world, OutputSettings()), found.scan.files
+    settings = OutputSettings(average=AverageOptions(on=len(ckpts) > 1))
+    return read, prepare_merge(found, fragments, world, settings), found.scan.files
 
 
 def checked_bytes(prepared) -> int:
@@ -186,8 +189,20 @@ def test_each_input_byte_is_read_once(case, request, tmp_path):
     family, beside = READ_CASES[case]
     ckpt = request.getfixturevalue(family)[case]
     hf = reference_dir(ckpt) / "huggingface" if beside else None
-    discovery_reads(ckpt, hf, 2)  # this process's own first-time costs (imports) out of the measurement
-    discovered, prepared, files = discovery_reads(ckpt, hf, 2)
+    read_once(case, [ckpt], hf, tmp_path)
+
+
+@pytest.mark.torchrun
+def test_each_input_byte_of_an_average_is_read_once(fsdp_ckpts, dcp_ckpts, tmp_path):
+    """The same promise for an average (docs/average.md) of an FSDP2 W=4 save and a DCP save of W=2: each byte of
+    either input once, by one of the 2 processes."""
+    read_once("average", [fsdp_ckpts["fsdp2_llama_w4"], dcp_ckpts["dcp_llama_w2"]], None, tmp_path, "--average")
+
+
+def read_once(case: str, ckpts: list[Path], hf: Path | None, tmp_path: Path, *more: str) -> None:
+    """A 2-process merge of `ckpts` (several: their average) reads what test_each_input_byte_is_read_once says."""
+    discovery_reads(ckpts, hf, 2)  # this process's own first-time costs (imports) out of the measurement
+    discovered, prepared, files = discovery_reads(ckpts, hf, 2)
     plan = prepared.plan
     used = {name for unit in plan.units for name in unit.sources}
     payload = sum(f.nbytes for name in used for f in plan.sources[name].fragments)
@@ -198,19 +213,20 @@ def test_each_input_byte_is_read_once(case, request, tmp_path):
     record = tmp_path / "record"
     record.mkdir()
     out = tmp_path / "out"
-    args = ["--input", ckpt, "--output", out, "--quiet"] + (["--hf-config", hf] if hf else [])
-    with input_untouched(ckpt):
+    args = [*(a for c in ckpts for a in ("--input", c)), "--output", out, "--quiet", *more]
+    args += ["--hf-config", hf] if hf else []
+    with input_untouched(*ckpts):
         run = probe(2, record, *args)
     assert run.returncode == 0, run.stderr[-3000:]
     ranks = [json.loads(p.read_text()) for p in sorted(record.glob("rank*.json"))]
     assert [r["rank"] for r in ranks] == [0, 1] and all(r["rc"] == 0 for r in ranks)
     total = sum(r["rchar"] for r in ranks)
 
-    hf_dir = hf or ckpt / "huggingface"
+    hf_dir = hf or ckpts[0] / "huggingface"
     copied = sum(p.stat().st_size for p in hf_dir.iterdir() if p.is_file())
     own = sum(p.stat().st_size for p in out.rglob("*") if p.is_file() and not p.name.endswith(".safetensors"))
-    every_rank = ckpt / ".metadata"  # DCP: each rank reads the index of chunks to find its own
-    shared = every_rank.stat().st_size if every_rank.is_file() else 0
+    # DCP: each rank reads the index of chunks to find its own
+    shared = sum(m.stat().st_size for c in ckpts if (m := c / ".metadata").is_file())
     upper = discovered + shared + payload + checked_bytes(prepared) + copied + own + 2 * SLACK_PER_PROCESS
     written = json.loads((out / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
     print(f"{case}: read {total:,} of {upper:,} allowed (output {written:,}, discovery {discovered:,})")  # -s shows
