@@ -22,6 +22,8 @@ EPILOG = """examples:
   torchrun --nproc-per-node 8 -m distmerge merge --input ckpts/global_step_1000/actor --output merged/
   python -m distmerge merge --input ckpts/global_step_1000/actor --output merged/ --dtype bf16
   torchrun --nproc-per-node 8 -m distmerge merge --input megatron_ckpts/ --output merged/ --hf-config hf_model/
+  torchrun --nproc-per-node 8 -m distmerge merge --input ckpts/global_step_900/actor \\
+      --input ckpts/global_step_1000/actor --output averaged/ --average      (docs/average.md)
   distmerge inspect ckpts/global_step_1000/actor
 
 Under torchrun each process reads a share of the rank files, assembles and writes its own output

@@ -26,8 +26,8 @@ NOT_MODEL = ("optimizer", "optim", "optimizers", "lr_scheduler", "lr_schedulers"
 WRAPPER = "model."
 EMA_ENTRY = re.compile(r"^ema\.state\.(?P<fqn>.+)\.ema_params\.(?P<key>[^.]+)$")
 EMA_KEY = FormatOption(flag="--ema-key", dest="ema_key", metavar="KEY",
-                       help="merge the EMA copy KEY saved beside the live weights (torchtitan's ema_params key, "
-                            "e.g. decay_0p999) instead of them; a KEY the save lacks is an error")
+                       help="DCP, torchtitan: merge the EMA copy KEY saved beside the live weights (torchtitan's "
+                            "ema_params key, e.g. decay_0p999) instead of them; a KEY the save lacks is an error")
 
 
 def model_names(fqns: list[str], where: str) -> dict[str, str]:
