@@ -46,12 +46,13 @@ def built(parts: tuple, tensors: list[torch.Tensor], count: int) -> list[torch.T
 def _step(state: list | None, k: int, tensors: list[torch.Tensor], inputs: tuple, weights: tuple[float, ...],
           floating: tuple[bool, ...], names: tuple[str, ...]) -> list:
     made = built(inputs[k][1], tensors, len(floating))
-    if state is None:
-        state = [torch.zeros(t.shape, dtype=torch.float64, device=t.device) if f else None
+    first = state is None
+    if first:  # acc = 0 is made by the first sum itself (add_weighted), not by a pass of zeros
+        state = [torch.empty(t.shape, dtype=torch.float64, device=t.device) if f else None
                  for t, f in zip(made, floating, strict=True)]
     for j, (tensor, averaged) in enumerate(zip(made, floating, strict=True)):
         if averaged:
-            add_weighted(state[j], tensor, weights[k], names[j])
+            add_weighted(state[j], tensor, weights[k], names[j], first=first)
         elif state[j] is None:
             state[j] = tensor
         elif state[j].shape != tensor.shape or not torch.equal(state[j], tensor.to(state[j].device)):
@@ -61,14 +62,21 @@ def _step(state: list | None, k: int, tensors: list[torch.Tensor], inputs: tuple
     return state
 
 
-def add_weighted(acc: torch.Tensor, tensor: torch.Tensor, weight: float, name: str) -> None:
-    """acc += float64(weight) * float64(tensor), element by element, a chunk at a time."""
+def add_weighted(acc: torch.Tensor, tensor: torch.Tensor, weight: float, name: str, first: bool = False) -> None:
+    """acc += float64(weight) * float64(tensor), element by element, a chunk at a time. `first`: acc is not made
+    yet (its memory holds anything): acc = 0 + w * x, which is w * x + 0.0 (the same bits: -0.0 + 0.0 is 0.0, and
+    y + 0.0 is y for every other y), written without reading acc."""
     if tuple(tensor.shape) != tuple(acc.shape):
         raise LayoutError(f"{name}: an input built shape {list(tensor.shape)}, another {list(acc.shape)}")
     flat, into = tensor.reshape(-1), acc.view(-1)
+    scratch = torch.empty(min(CHUNK, flat.numel()), dtype=torch.float64, device=acc.device)  # one, reused
     for start in range(0, flat.numel(), CHUNK):
-        part = flat[start : start + CHUNK].to(device=acc.device, dtype=torch.float64)
-        into[start : start + CHUNK].add_(torch.mul(part, weight))  # out of place: `part` may be the input itself
+        part = scratch[: min(CHUNK, flat.numel() - start)]
+        part.copy_(flat[start : start + CHUNK]).mul_(weight)  # float64(x) exactly, times w rounded once
+        if first:
+            into[start : start + CHUNK].copy_(part.add_(0.0))
+        else:
+            into[start : start + CHUNK].add_(part)  # a separate rounding: never fused with the product
 
 
 def _end(state: list, **_: object) -> list[torch.Tensor]:
