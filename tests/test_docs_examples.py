@@ -135,6 +135,42 @@ def to_bf16(t: dict[str, torch.Tensor]) -> None:
     t.update({k: v.bfloat16() for k, v in t.items()})
 
 
+def averaged(*specs: str, options: tuple[str, ...] = ()):
+    """A folder merge --average writes from the fixtures `specs`, as a page's earlier command made it."""
+    def make(dst: Path, request) -> None:
+        ins = [a for spec in specs for a in ("--input", fixture(spec, request))]
+        assert merge_inproc(*ins, "--output", dst, "--average", *options) == 0
+    return make
+
+
+def reference_average(*specs: str):
+    """docs/average.md's reference: the formula over the fixtures' full state dicts, as a finished model."""
+    def make(dst: Path, request) -> None:
+        refs = [load_file(fixture(spec + ":ref/model.safetensors", request)) for spec in specs]
+        out = {}
+        for name, first in refs[0].items():
+            acc = torch.zeros(first.shape, dtype=torch.float64)
+            for ref in refs:
+                acc += (1 / len(refs)) * ref[name].double()
+            out[name] = acc.to(first.dtype)
+        dst.mkdir()
+        save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+        shutil.copy(fixture(specs[0] + "/huggingface/config.json", request), dst / "config.json")
+    return make
+
+
+def ema_ckpt(dst: Path, request) -> None:
+    from tests.test_average import ema_save
+
+    ema_save(request.getfixturevalue("dcp_ckpts"), dst)
+
+
+def copied(spec: str):
+    def make(dst: Path, request) -> None:
+        shutil.copytree(fixture(spec, request), dst)
+    return make
+
+
 def unfinished(dst: Path, request) -> None:
     merged(LLAMA, "--max-shard-size", "300KB")(dst, request)
     (dst / "model.safetensors.index.json").unlink()
@@ -277,7 +313,30 @@ BENCHMARK = "a benchmark: minutes and gigabytes (tests/bench), run by hand and r
 SLURM = ("needs a SLURM cluster, which slurm/ci/setup.sh installs and starts as root: tests/test_slurm.py runs "
          "merge.sbatch on it in CI")
 
+AVERAGED = ("fsdp:fsdp2_llama_w1", "fsdp:fsdp2_llama_w4", "dcp:dcp_llama_w2")  # docs/average.md's three saves
+
 RUN: dict[tuple[str, str], Run] = {
+    ("average.md", "--input ckpts/global_step_800/actor --input ckpts/global_step_900/actor"): Run(
+        layout={"ckpts/global_step_800/actor": "fsdp:fsdp2_llama_w1",
+                "ckpts/global_step_900/actor": "fsdp:fsdp2_llama_w2", "ckpts/global_step_1000/actor": LLAMA,
+                "run/global_step_900/actor": "fsdp:fsdp2_llama_w2", "dcp_save/step-1000": "dcp:dcp_llama_w2"}),
+    ("average.md", 'distmerge.merge(["fsdp2_llama_w2", "dcp_llama_w2"]'): Run(
+        layout={"fsdp2_llama_w2": "fsdp:fsdp2_llama_w2", "dcp_llama_w2": "dcp:dcp_llama_w2"},
+        check=lambda namespace, out: assert_equal(out, "21 average of 2 inputs, weights 0.75, 0.25\n")),
+    ("average.md", "--input fsdp2_llama_w1 --input fsdp2_llama_w4 --input dcp_llama_w2 --output averaged --average"):
+        Run(layout={spec.split(":")[1]: spec for spec in AVERAGED}),
+    ("average.md", "refs = [load_file("): Run(
+        layout={**{spec.split(":")[1] + "_reference": spec + ":ref" for spec in AVERAGED},
+                "averaged": averaged(*AVERAGED)},
+        check=lambda namespace, out: assert_equal(out, "21 tensors equal to the formula\n")),
+    ("average.md", "--input fsdp2_llama_w4 --input fsdp2_llama_bf16_w4 --output mixed --average"): Run(
+        layout={"fsdp2_llama_w4": LLAMA, "fsdp2_llama_bf16_w4": "fsdp:fsdp2_llama_bf16_w4",
+                "fsdp2_llama_w1": "fsdp:fsdp2_llama_w1"}),
+    ("average.md", "python -m distmerge verify --merged averaged --reference reference_average"): Run(
+        layout={"averaged": averaged(*AVERAGED), "reference_average": reference_average(*AVERAGED)}),
+    ("average.md", "python -m distmerge merge --input ema_ckpt --output live"): Run(layout={"ema_ckpt": ema_ckpt}),
+    ("average.md", "python -m distmerge merge --input lora_a --input lora_b"): Run(
+        layout={"lora_a": "fsdp:fsdp2_llama_lora_w2", "lora_b": copied("fsdp:fsdp2_llama_lora_w2")}),
     ("api.md", "try:"): Run(
         layout={"ckpts/global_step_1000/actor": LLAMA, "hf_model": REF}, check=merged_and_printed),
     ("api.md", 'dist.init_process_group("gloo")'): Run(
