@@ -126,6 +126,18 @@ def test_object_store_merge_equals_the_disk_merge(s3, cases, case, route, tmp_pa
     assert not (REPO / "s3:").exists()  # the old Path("s3://...") folder, never again
 
 
+def test_an_average_reads_its_inputs_from_a_bucket(s3, cases, tmp_path):
+    """--average (docs/average.md) of two inputs in a bucket, and of one there beside one on disk (each opened by
+    its own source): the bytes of the average of the same saves on disk."""
+    (fsdp, _), (dcp, _) = cases["fsdp"], cases["dcp"]
+    assert merge_inproc("--input", fsdp, "--input", dcp, "--output", tmp_path / "disk", "--average") == 0
+    want = without_records(files_of(tmp_path / "disk"))
+    for name, (first, second) in {"s3": ("s3://ckpt/fsdp", "s3://ckpt/dcp"), "mixed": (str(fsdp), "s3://ckpt/dcp"),
+                                  "mixed-s3-first": ("s3://ckpt/fsdp", str(dcp))}.items():
+        assert merge_inproc("--input", first, "--input", second, "--output", tmp_path / name, "--average") == 0, name
+        assert without_records(files_of(tmp_path / name)) == want, name
+
+
 def parts_of(s3c, prefix: str) -> dict[str, int]:
     """Each model file under s3://models/prefix and the parts it was uploaded in, read from its ETag: a multipart
     upload's is `"<md5 of the parts' md5s>-N"`, a single PUT's has no `-N`."""
