@@ -343,3 +343,13 @@ def steps_signature(folder: Path):
     from distmerge.watcher.steps import signature
 
     return signature(folder)
+
+
+def test_an_output_inside_the_run_is_not_taken_for_steps(trained, tmp_path, capsys):
+    run, _, out, _, _ = trained
+    inner = linked(run, tmp_path / "run")
+    assert watch("--input", inner, "--output", inner / "merged", "--once") == 0
+    assert watch("--input", inner, "--output", inner / "merged", "--once") == 0
+    said = capsys.readouterr().out.split("distmerge watch: 3 step(s) merged in 1 pass(es)")[1]
+    assert rows(said) == {f"global_step_{s}/actor": DONE for s in STEPS}
+    assert tree_bytes(inner / "merged" / "global_step_6" / "actor") == tree_bytes(out / "global_step_6" / "actor")
