@@ -18,6 +18,7 @@ from distmerge.options import CAST_NAMES, output_options, parse_size  # noqa: F4
 TITLES: dict[str, dict[str, str | None]] = {
     "merge": {"": None, "input": "input", "output": "output", "run": "run"},
     "inspect": {"": None, "input": "input", "output": "output", "run": None},
+    "watch": {"": None, "input": "input", "output": "output: each step's merge", "run": "run"},
     "verify": {"": None, "input": "when --merged is a checkpoint: how to read it",
                "reference": "when --reference is a checkpoint: how to read it",
                "output": "when either side is a checkpoint: the merge to check", "run": "run"},
