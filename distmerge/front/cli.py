@@ -16,7 +16,6 @@ from pathlib import Path
 from distmerge import __version__, options
 from distmerge.errors import DistmergeError, InputError
 from distmerge.front import verl_cli
-from distmerge.options import parse_size  # noqa: F401  (re-exported: distmerge.front.cli.parse_size, as before)
 from distmerge.options.cli_options import add_options
 
 EPILOG = """examples:

@@ -28,7 +28,6 @@ from typing import Any
 from distmerge.errors import InputError
 from distmerge.input.source import is_source
 from distmerge.options import output_options
-from distmerge.options.output_options import CAST_NAMES, QUANTIZE_CHOICES  # noqa: F401  (re-exported, as before)
 from distmerge.output import is_store
 from distmerge.watcher.choose import parse_steps
 
@@ -97,10 +96,6 @@ REFERENCE = "reference_"  # a twin's name: this + the row's (its flag: --referen
 MERGE, ALL = ("merge",), COMMANDS
 RUN = ("merge", "verify", "watch")
 WATCH = ("watch",)
-# The format options that pick one save among several in a folder (Megatron's --iteration, DeepSpeed's --tag,
-# torchtitan's --step): watch finds the saves itself (--steps chooses), so it takes every format option but these.
-# (What the registry could say instead: a FormatOption field `picks_save`.)
-PICKS_A_SAVE = frozenset({"iteration", "tag", "step"})
 
 OPTIONS: tuple[Opt | str, ...] = (
     # verify's own (ungrouped), in --help's order
@@ -221,7 +216,7 @@ def _format_option_rows() -> list[Opt]:
     from distmerge.formats import registry
 
     return [Opt(name=opt.dest, flags=(opt.flag,), group="input", kind="value", parse=opt.parse, metavar=opt.metavar,
-                commands=tuple(c for c in ALL if c != "watch" or opt.dest not in PICKS_A_SAVE),
+                commands=tuple(c for c in ALL if c != "watch" or not opt.picks_save),  # watch finds saves itself
                 help=f"{opt.help} [{', '.join(names)}]") for opt, names in registry.options()]
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from distmerge import options
-from distmerge.options import CAST_NAMES, output_options, parse_size  # noqa: F401  (re-exported: the parsers' names, as before)
+from distmerge.options import output_options, parse_size
 
 # command -> the section each group of options is shown under (None: the command's own "options:" section)
 TITLES: dict[str, dict[str, str | None]] = {
