@@ -1,4 +1,4 @@
-"""`distmerge watch --once` over a run of 10 steps, side by side with 10 `distmerge merge` runs and cp of the same bytes.
+"""`distmerge watch --once` over a run of 10 steps, beside 10 `distmerge merge` runs and cp of those bytes.
 
     python tests/bench/bench_watch.py [--size 0.2GB] [--world 4] [--steps 10] [--nproc 2] [--repeats 3] [--work DIR]
 
@@ -138,7 +138,8 @@ def main() -> int:
     except Failed as err:
         print(f"FAILED: {err}")
         return 1
-    outputs = [(bench.out / "watch" / s.relative_to(run_dir), bench.out / "merges" / s.relative_to(run_dir)) for s in steps]
+    rels = [s.relative_to(run_dir) for s in steps]
+    outputs = [(bench.out / "watch" / rel, bench.out / "merges" / rel) for rel in rels]
     same = all(digest(a) and digest(a) == digest(b) for a, b in outputs)
     med = {row: statistics.median(v) for row, v in bench.times.items() if v}
     size = sum(p.stat().st_size for p in ckpt.glob("model_world_size_*")) * len(steps)
