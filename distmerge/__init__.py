@@ -2,13 +2,15 @@
 
     distmerge.merge(input, output, **options) -> MergeResult
     distmerge.verify(merged, reference, **options) -> VerifyResult
+    distmerge.watch(run, output, **options) -> WatchResult
 
 (distmerge/api.py, docs/api.md). Imported on first use: `import distmerge` alone loads no torch. The package that
-does the verifying is distmerge.verifier, so this name is only ever the function.
+does the verifying is distmerge.verifier, the one that watches distmerge.watcher, so these names are only ever the
+functions.
 """
 
 __version__ = "0.1.0"
-__all__ = ["merge", "verify"]
+__all__ = ["merge", "verify", "watch"]
 
 
 def __getattr__(name: str):

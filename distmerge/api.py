@@ -1,7 +1,9 @@
-"""The library API, `distmerge.merge()` and `distmerge.verify()`, and what the command line shares with it.
+"""The library API, `distmerge.merge()`, `distmerge.verify()` and `distmerge.watch()`, and what the command line
+shares with it.
 
     keywords --options.from_keywords--> values --merge_request--> engine.run.MergeOptions --run_merge--> MergeResult
     argv     --argparse (cli.py)------> values --verify_request-> verify.VerifyOptions --verify_and_write--> ...
+                                        values --watch_request--> watcher.passes.WatchOptions --run_watch--> WatchResult
 
 `values` are the options by name, parsed the same way on both paths (options.py: the one table of options, from
 which argparse, these functions' signatures and the README's table come). The command line (cli.py) is a layer
@@ -43,6 +45,8 @@ if TYPE_CHECKING:
     from distmerge.results import MergeResult
     from distmerge.verifier.listing import VerifyOptions
     from distmerge.verifier.run import VerifyResult
+    from distmerge.watcher.outcome import WatchResult
+    from distmerge.watcher.passes import WatchOptions
 
 log = logging.getLogger("distmerge")
 
@@ -52,6 +56,7 @@ RUNNING = frozenset({"device", "timeout", "progress", "group", "quiet", "debug",
                      "plot"})
 # (and each option that shapes the output, output_options.py: they are made into the request's `settings`)
 COMPUTED = frozenset({"budget", "atol", "rtol", "min_cosine"})
+WATCHING = frozenset({"once", "poll", "steps", "hf_upload_path"})  # watch's own: the WatchOptions around the merge
 
 
 def merge(input: str | os.PathLike | list, output: str | os.PathLike, **kwargs: Any) -> MergeResult:
@@ -80,11 +85,25 @@ def verify(merged: str | os.PathLike, reference: str | os.PathLike, **kwargs: An
     return result
 
 
+def watch(input: str | os.PathLike, output: str | os.PathLike, **kwargs: Any) -> WatchResult:
+    with api_spelling("watch"):
+        values = options.from_keywords("watch", {"input": input, "output": output, **kwargs})
+        request = watch_request(values)
+        with as_found(), job_group(values) as comm:
+            result = run_watch(request, comm, show=values["progress"])
+    return result
+
+
 merge.__signature__ = options.signature("merge", "MergeResult")  # type: ignore[attr-defined]
 merge.__doc__ = options.docstring("merge", """Merge the checkpoint `input` into a Hugging Face model in `output`, as
 `distmerge merge` does; the options are the command's (docs/api.md). `input` may be a list of checkpoints of one
 model with `average=True`: their weighted average (docs/average.md). Returns the run's figures (the same on every
 rank). Errors: distmerge.errors' exceptions, on every rank.""")
+watch.__signature__ = options.signature("watch", "WatchResult")  # type: ignore[attr-defined]
+watch.__doc__ = options.docstring("watch", """Merge each finished checkpoint under the run folder `input` into `output`,
+as `distmerge watch` does (docs/watch.md): `once=True` merges what is finished and returns; otherwise it watches,
+every `poll` seconds, until interrupted (KeyboardInterrupt), and returns what it did. Returns the WatchResult (the
+same on every rank): each step's outcome. A step that fails is an outcome, not an error.""")
 verify.__signature__ = options.signature("verify", "VerifyResult")  # type: ignore[attr-defined]
 verify.__doc__ = options.docstring("verify", """Compare `merged` (a merged model, or a checkpoint merged in memory)
 with `reference` (a Hugging Face model, or a checkpoint merged in memory, read with the reference_ options), as
@@ -115,6 +134,25 @@ def merge_request(values: Mapping[str, Any]) -> MergeOptions:
     first, *more = values["input"] if isinstance(values["input"], (list, tuple)) else (values["input"],)
     return _fill(MergeOptions, values, format_options=format_options(values), settings=output_settings(values),
                  base_model=base_model_dir(values), input=first, more_inputs=tuple(more))
+
+
+def watch_request(values: Mapping[str, Any]) -> WatchOptions:
+    """watch.passes.WatchOptions from the parsed options: the merge of every step (merge_request's, with the run's
+    folder as its input for now), and watch's own. A run folder that is not one is refused here, before a group."""
+    from distmerge.watcher.passes import WatchOptions, check_places
+
+    run, output = values["input"], values["output"]
+    check_places(run, output, values["hf_upload_path"])
+    template = merge_request({k: v for k, v in values.items() if k not in WATCHING})
+    return WatchOptions(run=run, output=output, template=template, once=values["once"], poll=values["poll"],
+                        steps=values["steps"], upload=values["hf_upload_path"])
+
+
+def run_watch(opts: WatchOptions, comm: Comm, *, show: bool) -> WatchResult:
+    """Collective: the watch; with `show`, rank 0 prints each pass's table and the merges' progress."""
+    from distmerge.watcher.passes import watch as watch_passes
+
+    return watch_passes(opts, comm, show)
 
 
 def verify_request(values: Mapping[str, Any]) -> VerifyOptions:

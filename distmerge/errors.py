@@ -21,6 +21,11 @@ class OutputError(DistmergeError):
     """The output folder cannot be used or written."""
 
 
+class OutputLocked(OutputError):
+    """The output is being written by another merge that is alive (its lock, output/lock.py): not this run's to
+    write now. `distmerge watch` leaves such a step to the watcher that holds it."""
+
+
 class ConfigError(DistmergeError):
     """The Hugging Face config is missing or invalid."""
 

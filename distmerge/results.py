@@ -54,3 +54,4 @@ class MergeResult:
     resumed_files: int = 0  # kept by --resume from the interrupted run, not written again
     bytes_written: int = 0  # tensor bytes this run wrote (total_bytes less the kept files')
     resume: str = ""  # what --resume found and did, one line
+    already_complete: bool = False  # --resume found this very merge finished: nothing was written

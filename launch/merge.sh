@@ -11,6 +11,7 @@
 #   MASTER_PORT  rendezvous port (several nodes: default 15000 + SLURM_JOB_ID % 15000, else 29533;
 #                one node: default a free port picked by torchrun --standalone)
 #   PYTHON       interpreter with distmerge installed (default: .venv/bin/python if present, else python3)
+#   DISTMERGE_COMMAND  the distmerge command to run (default merge; slurm/watch.sbatch: watch)
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 PYTHON=${PYTHON:-$([ -x "$here/.venv/bin/python" ] && echo "$here/.venv/bin/python" || echo python3)}
@@ -52,12 +53,12 @@ fi
 log=$(mktemp "${TMPDIR:-/tmp}/distmerge-merge.XXXXXX")
 trap 'rm -f "$log"' EXIT
 set +e
-{ "$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC" "${rdzv[@]}" -m distmerge merge "$@" 2>&1 1>&3 3>&- |
+{ "$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC" "${rdzv[@]}" -m distmerge "${DISTMERGE_COMMAND:-merge}" "$@" 2>&1 1>&3 3>&- |
     tee "$log" >&2 3>&-; } 3>&1
 status=${PIPESTATUS[0]}
 set -e
 if [ "$status" -ne 0 ]; then
-  line=$(grep -E '^distmerge( merge)?: error:' "$log" | tail -n 1 || true)
+  line=$(grep -E '^distmerge( merge| watch)?: error:' "$log" | tail -n 1 || true)
   if [ -n "$line" ]; then echo "$line" >&2; fi
 fi
 exit "$status"

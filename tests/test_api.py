@@ -284,11 +284,12 @@ def test_the_api_in_a_one_process_job(job_group, fsdp_ckpts, tmp_path):
 # The functions that may write to stdout/stderr: the command line's, and the progress, summary and report that
 # the API shows only with progress=True.
 PRINTERS = {
-    "distmerge/front/cli.py": {"main", "_report_error", "report_silence"},
+    "distmerge/front/cli.py": {"main", "_report_error", "report_silence", "_run_watch"},
     "distmerge/front/verl_cli.py": {"say_notes", "after_merge"},
     "distmerge/front/inspect.py": {"run_inspect"},
     "distmerge/report.py": {"Progress.say", "Progress.start", "Progress.advance", "print_summary"},
     "distmerge/verifier/report.py": {"print_report"},
+    "distmerge/watcher/summary.py": {"say_merging", "print_pass", "print_end"},
 }
 
 

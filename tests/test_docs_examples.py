@@ -24,6 +24,7 @@ fixtures, or folders made from them), with `replace` applied to its code (a save
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import shutil
@@ -181,6 +182,20 @@ def verl_megatron_actor(dst: Path, request) -> None:
     ckpt = fixture("megatron:megatron_dist_tp2pp2", request)
     shutil.copytree(ckpt / "iter_0000001", dst / "dist_ckpt")
     shutil.copytree(reference_dir(ckpt) / "huggingface", dst / "huggingface")
+
+
+def verl_run(dst: Path, request) -> None:
+    """docs/watch.md's run: verl's global_step_{100,200,300}/actor (the 4-rank FSDP2 save, files linked), the
+    marker naming 200."""
+    for step in (100, 200, 300):
+        shutil.copytree(fixture(LLAMA, request), dst / f"global_step_{step}" / "actor", copy_function=os.link)
+    (dst / "latest_checkpointed_iteration.txt").write_text("200")
+
+
+def watched(namespace: dict, out: str) -> None:
+    result = namespace["result"]
+    assert result.merged == ["global_step_100/actor", "global_step_200/actor"] and not result.failed
+    assert "global_step_300/actor still being written" in out
 
 
 def build(layout: dict[str, str | Callable], root: Path, request) -> None:
@@ -410,6 +425,8 @@ RUN: dict[tuple[str, str], Run] = {
         layout={**ACTOR, "bumped": edited_copy(REF, bump("model.layers.1.mlp.down_proj.weight"))}),
     ("verify.md", "python -m distmerge verify --merged unfinished"): Run(
         layout={**VERIFY_PAGE, "unfinished": unfinished}),
+    ("watch.md", "python -m distmerge watch --input ckpts --output merged --once"): Run(layout={"ckpts": verl_run}),
+    ("watch.md", 'distmerge.watch("ckpts", "merged", once=True)'): Run(layout={"ckpts": verl_run}, check=watched),
     ("verl.md", "python -m distmerge test --backend fsdp --local_dir actor --test_hf_dir original_hf_model"): Run(
         layout={"actor": LLAMA, "original_hf_model": REF}),
     ("verl.md", "torchrun --nproc-per-node 2 -m distmerge test --backend fsdp --local_dir actor --test_hf_dir bumped"):
@@ -417,6 +434,11 @@ RUN: dict[tuple[str, str], Run] = {
 }
 
 ELSEWHERE: dict[tuple[str, str], str] = {
+    ("watch.md", "torchrun --nproc-per-node 2 -m distmerge watch --input ckpts --output merged --poll 1"):
+        "tests/test_watch.py::test_live_watcher_beside_training_merges_each_step_exactly_once_finished",
+    ("watch.md", "sbatch --nodes=1 slurm/watch.sbatch"): "tests/test_slurm.py::test_watch_once_after_training",
+    ("watch.md", "slurm/watch_example.sh train.sbatch"):
+        "tests/test_slurm.py::test_watcher_beside_training_then_the_last_pass",
     ("api.md", "result = distmerge.merge(input, output, *,"):
         "tests/test_options_agree.py::test_docs_api_shows_each_keyword_with_its_default",
     ("api.md", "tests/jobs/api_in_job.py"):

@@ -18,7 +18,7 @@ from tests.conftest import REPO
 from tests.test_readme_options import documented, readme_rows
 
 REQUIRED = {"merge": ["--input", "x", "--output", "y"], "inspect": ["x"],
-            "verify": ["--merged", "x", "--reference", "y"]}
+            "verify": ["--merged", "x", "--reference", "y"], "watch": ["--input", "x", "--output", "y"]}
 
 
 def subparser(command: str) -> argparse.ArgumentParser:
@@ -60,7 +60,8 @@ def test_the_api_takes_every_option_with_the_same_default(command):
     assert cli - set(params) == {r.name for r in options.rows(command) if not r.api}
     assert cli - set(params) <= set(options.CLI_ONLY)
     positional = [n for n, p in params.items() if p.kind is not p.KEYWORD_ONLY]
-    assert positional == {"merge": ["input", "output"], "verify": ["merged", "reference"]}[command]
+    assert positional == {"merge": ["input", "output"], "verify": ["merged", "reference"],
+                          "watch": ["input", "output"]}[command]
     for row in options.api_rows(command):
         if not row.required:
             assert params[row.name].default == row.default, row.name

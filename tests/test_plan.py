@@ -10,7 +10,7 @@ from distmerge.errors import LayoutError
 from distmerge.families.base import FamilyContext, SourceMeta
 from distmerge.families.hf import HF
 from distmerge.formats.base import Fragment, InputFile
-from distmerge.front.cli import parse_size
+from distmerge.options import parse_size
 from distmerge.output.names import model_file_names as file_names
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -31,6 +32,7 @@ pytestmark = pytest.mark.slurm
 SETUP = REPO / "slurm" / "ci" / "setup.sh"
 TEARDOWN = REPO / "slurm" / "ci" / "teardown.sh"
 SBATCH = REPO / "slurm" / "merge.sbatch"
+WATCH_SBATCH = REPO / "slurm" / "watch.sbatch"
 CASE = "fsdp2_llama_w4"
 SLURM_BINARIES = ("slurmctld", "slurmd", "sbatch", "scontrol", "munged")
 
@@ -134,16 +136,21 @@ def job_record(job_id: str) -> dict[str, str]:
     return record
 
 
-def submit(tmp_path: Path, *args: str, sbatch_opts: tuple[str, ...] = (), **env: str) -> Job:
-    """`sbatch --wait slurm/merge.sbatch ARGS` with DISTMERGE_* settings from **env, as root."""
+def submit(tmp_path: Path, *args: str, sbatch_opts: tuple[str, ...] = (), script: Path = SBATCH, wait: bool = True,
+           **env: str) -> Job:
+    """`sbatch --wait slurm/merge.sbatch ARGS` (or `script`) with DISTMERGE_* settings from **env, as root; without
+    `wait`, the job id alone (its record and log empty: it runs on)."""
     base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DISTMERGE_"))}
     # The job does not inherit a PATH that finds this venv (it runs as root from slurmd): name it.
     base.update(PYTHON=sys.executable, PYTHONWARNINGS="ignore", **env)
     log_pattern = tmp_path / "job-%j.out"
-    cmd = ["sbatch", "--wait", "--parsable", f"--output={log_pattern}", "--time=5", *sbatch_opts, str(SBATCH), *args]
+    cmd = ["sbatch", *(["--wait"] if wait else []), "--parsable", f"--output={log_pattern}", "--time=5", *sbatch_opts,
+           str(script), *args]
     proc = subprocess.run(cmd, env=base, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     job_id = proc.stdout.strip().split(";")[0]
     assert job_id.isdigit(), f"sbatch gave no job id: {proc.stdout!r} {proc.stderr!r}"
+    if not wait:
+        return Job(proc.returncode, job_id, {}, "")
     record = job_record(job_id)
     log_file = tmp_path / f"job-{job_id}.out"
     log = log_file.read_text() if log_file.is_file() else "(no log: the job never started)"
@@ -212,3 +219,52 @@ def test_missing_input_is_refused_before_any_step(slurm_cluster, tmp_path):
     last = assert_failed(job, 2)
     assert last.startswith("merge.sbatch: error: no checkpoint to merge: set DISTMERGE_INPUT or pass --input")
     assert "srun" not in job.log and not out.exists()
+
+
+# -- slurm/watch.sbatch: distmerge watch as a job after training (--once) and beside it ---------------------------
+def verl_run(ckpt: Path, root: Path) -> Path:
+    """A run folder as verl leaves it mid-training: global_step_1/actor finished (the marker names it),
+    global_step_2/actor still being written."""
+    run = root / "run"
+    for step in (1, 2):
+        shutil.copytree(ckpt, run / f"global_step_{step}" / "actor")
+    (run / "latest_checkpointed_iteration.txt").write_text("1")
+    return run
+
+
+def assert_watch_succeeded(job: Job) -> None:
+    assert job.sbatch_rc == 0, job.describe()
+    assert job.log.rstrip().splitlines()[-1] == "watch.sbatch: exit status 0", job.describe()
+
+
+def test_watch_once_after_training(ckpt, slurm_cluster, tmp_path):
+    run, out = verl_run(ckpt, tmp_path), tmp_path / "merged"
+    job = submit(tmp_path, "--once", script=WATCH_SBATCH, sbatch_opts=("--nodes=1", "--cpus-per-task=2"),
+                 DISTMERGE_INPUT=str(run), DISTMERGE_OUTPUT=str(out), DISTMERGE_NPROC="2")
+    assert_watch_succeeded(job)
+    assert "watch.sbatch: distmerge watch --input" in job.log, job.describe()
+    assert_exact(load_merged(out / "global_step_1" / "actor"), expected_tensors(ckpt))
+    assert re.search(r"global_step_2/actor\s+│ still being written", job.log), job.describe()
+    assert not (out / "global_step_2").exists()
+
+
+def test_watcher_beside_training_then_the_last_pass(ckpt, slurm_cluster, tmp_path):
+    """slurm/watch_example.sh's two jobs: a watcher that runs until cancelled, and a last pass (--once) that cancels
+    it first (DISTMERGE_STOP_JOB) and merges what is left."""
+    run, out = verl_run(ckpt, tmp_path), tmp_path / "merged"
+    env = dict(DISTMERGE_INPUT=str(run), DISTMERGE_OUTPUT=str(out), DISTMERGE_NPROC="1")
+    watcher = submit(tmp_path, "--poll", "1", script=WATCH_SBATCH, wait=False, sbatch_opts=("--nodes=1",), **env)
+    first = out / "global_step_1" / "actor" / "model.safetensors.index.json"
+    end = time.monotonic() + 240
+    while not first.exists():
+        assert time.monotonic() < end, f"the watcher merged nothing: {job_record(watcher.job_id)}"
+        time.sleep(1)
+    (run / "latest_checkpointed_iteration.txt").write_text("2")  # training saved its last step, and ended
+    last = submit(tmp_path, "--once", script=WATCH_SBATCH, sbatch_opts=("--nodes=1",),
+                  DISTMERGE_STOP_JOB=watcher.job_id, **env)
+    assert_watch_succeeded(last)
+    assert f"watch.sbatch: stopping job {watcher.job_id}" in last.log, last.describe()
+    state = job_record(watcher.job_id).get("JobState")
+    assert state in (None, "CANCELLED"), state
+    for step in (1, 2):
+        assert_exact(load_merged(out / f"global_step_{step}" / "actor"), expected_tensors(ckpt))

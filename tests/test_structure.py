@@ -17,7 +17,7 @@ LAYERS = {
     2: ("families", "quantize.table", "average"),
     3: ("engine.plan", "engine.spread", "engine.inventory", "output"),
     4: ("engine", "report"),
-    5: ("engine.run", "front.inspect", "verifier", "options", "front.hub", "api"),
+    5: ("engine.run", "front.inspect", "verifier", "watcher", "options", "front.hub", "api"),
     6: ("front", "__main__", "hooks"),
 }
 # The modules at the top of distmerge/: what every part uses, and the API. A new module belongs to a part.
@@ -32,6 +32,13 @@ SUBLAYERS = {
         4: ("compare", "checkpoint"),
         5: ("two_checkpoints",),
         6: ("run",),
+    },
+    "watcher": {
+        0: ("choose", "markers", "outcome"),
+        1: ("steps", "summary"),
+        2: ("done",),
+        3: ("step",),
+        4: ("passes",),
     },
 }
 # The modules that reach formats and families only through their registries (a package: all its modules).

@@ -176,6 +176,7 @@ def _merge(opts: MergeOptions, comm: Comm, progress: Progress, store: Store, hel
         resumed_files=len(begun.kept),
         bytes_written=sum(r.bytes_written for r in ranks),
         resume=begun.line,
+        already_complete=begun.complete,
     )
 
 

@@ -262,6 +262,7 @@ class FormatOption:
     help: str
     metavar: str = "VALUE"
     parse: Callable[[str], Any] = str  # raises argparse.ArgumentTypeError on a bad value
+    picks_save: bool = False  # names one save of several in a folder (Megatron's iteration): `watch` finds saves itself
 
 
 class InputFormat(Protocol):

@@ -52,7 +52,7 @@ def _step(text: str) -> int:
     return int(m[1])
 
 
-STEP = FormatOption(flag="--step", dest="step", metavar="N", parse=_step,
+STEP = FormatOption(picks_save=True, flag="--step", dest="step", metavar="N", parse=_step,
                     help="torchtitan: the checkpoint/step-N to merge (default: the highest)")
 
 

@@ -1,4 +1,5 @@
-"""Command line: `distmerge merge` and `distmerge verify` (under torchrun or alone), `distmerge inspect`."""
+"""Command line: `distmerge merge`, `distmerge verify` and `distmerge watch` (under torchrun or alone), `distmerge
+inspect`."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from pathlib import Path
 from distmerge import __version__, options
 from distmerge.errors import DistmergeError, InputError
 from distmerge.front import verl_cli
-from distmerge.options import parse_size  # noqa: F401  (re-exported: distmerge.front.cli.parse_size, as before)
 from distmerge.options.cli_options import add_options
 
 EPILOG = """examples:
@@ -109,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
                                          "would write; nothing is written.")
     add_options(inspect, "inspect")
     add_verify_parser(sub)
+    watch = sub.add_parser("watch", help="merge each checkpoint of a training run once its trainer has finished "
+                           "saving it", description=WATCH_DESCRIPTION, epilog=WATCH_EPILOG,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_options(watch, "watch")
     # verl's spelling, listed here only: verl_cli.translate turns `test ...` into `verify ...` before parsing
     sub.add_parser("test", add_help=False, help="verify in verl's spelling: the flags of `python -m "
                    "verl.model_merger test` (docs/verl.md)")
@@ -148,6 +152,25 @@ verdict line. Exit 0 only when every tensor passes.
 """
 
 
+WATCH_DESCRIPTION = """\
+Merge each checkpoint a training run saves, once its trainer has finished saving it (its own marker: verl's and
+Megatron-LM's latest_checkpointed_iteration.txt, DeepSpeed's latest, the HF Trainer's trainer_state.json, DCP's
+and torchtitan's .metadata). RUN/<rel> is merged into OUT/<rel> exactly as `distmerge merge` would, once: a step
+still being written waits for a later pass, a step already merged is left untouched, an interrupted one is finished
+(--resume), and a step another watcher is merging is left to it. Without --once it looks again every --poll seconds
+until SIGTERM or Ctrl-C, then exits 0 (a merge in flight stops as merge's Ctrl-C stops it; the next watch resumes
+it). Exit 1 when a step failed (named in the summary)."""
+
+WATCH_EPILOG = """examples:
+  python -m distmerge watch --input ckpts/ --output merged/ --once
+  torchrun --nproc-per-node 8 -m distmerge watch --input ckpts/ --output merged/ --poll 60 --dtype bf16
+  python -m distmerge watch --input ckpts/ --output merged/ --steps every:1000 --hf_upload_path me/model
+
+Under torchrun rank 0 finds the steps each pass and every process takes part in each merge; rank 0 prints a table
+per pass that has news (step, status, size, time). docs/watch.md: the markers, the statuses, SLURM.
+"""
+
+
 def add_verify_parser(sub) -> None:
     verify = sub.add_parser(
         "verify", help="compare a merged model with a reference, tensor by tensor", epilog=VERIFY_EPILOG,
@@ -160,6 +183,7 @@ def add_verify_parser(sub) -> None:
 INTERRUPTED = {
     "merge": "distmerge: interrupted: {done}; run the same command with --resume to finish",
     "verify": "distmerge: interrupted: nothing was changed; run verify again",
+    "watch": "distmerge watch: interrupted; run it again to finish",
     "inspect": "distmerge: interrupted",
 }
 
@@ -207,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_inspect(args)
         if args.command == "verify":
             return _run_verify(args)
+        if args.command == "watch":
+            return _run_watch(args)
         return _run_merge(args)
     except DistmergeError as err:
         _report_error(err, args.debug)
@@ -278,6 +304,42 @@ def _run_verify(args: argparse.Namespace) -> int:
     with api.job_group(values, on_silence=report_silence) as comm:
         verl_cli.check_claims(args.verl, opts, comm)
         return 0 if verify_and_write(opts, comm, plot=args.plot, show=True).passed else 1
+
+
+def _run_watch(args: argparse.Namespace) -> int:
+    """`distmerge watch`: the API's watch (api.run_watch) in the group api.job_group gives, SIGTERM taken as Ctrl-C;
+    the last line, and the status: 1 when a step failed, 130 when --once was interrupted, else 0."""
+    from distmerge import api
+    from distmerge.watcher.summary import print_end
+
+    values = options.from_namespace(args, "watch")
+    request = api.watch_request(values)
+    try:
+        with _sigterm_interrupts(), api.job_group(values, on_silence=report_silence) as comm:
+            result = api.run_watch(request, comm, show=not args.quiet)
+    except KeyboardInterrupt as stop:  # --once only: a watch without it returns, stopped
+        outcome = getattr(stop, "outcome", None)
+        if _rank() == 0:
+            where = f" in {outcome.name} ({outcome.detail})" if outcome is not None else ""
+            print(f"distmerge watch: interrupted{where}; run it again to finish", file=sys.stderr, flush=True)
+        return 130
+    if _rank() == 0 and not args.quiet:
+        print_end(result, " (stopped by a signal)" if result.stopped else "")
+    return 1 if result.failed else 0
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts():
+    """watch: SIGTERM (scancel, a time limit, kill) stops it as Ctrl-C does, with any number of processes; the
+    handler found is put back after (a caller's process keeps its own)."""
+    def stop(*_):
+        raise KeyboardInterrupt
+
+    before = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def _verify_after_merge(args: argparse.Namespace, comm) -> int:

@@ -21,8 +21,9 @@ class HubError(DistmergeError):
     """The upload to the Hugging Face Hub failed; the merged model is complete on disk."""
 
 
-def upload(folder: Path, repo: str, private: bool) -> str:
-    """Create the model repository `repo` if needed (private when asked) and commit the folder to it. Returns
+def upload(folder: Path, repo: str, private: bool, revision: str | None = None) -> str:
+    """Create the model repository `repo` if needed (private when asked) and commit the folder to it: to its main
+    branch, or to the branch `revision`, made from main if needed (`distmerge watch`: a branch per step). Returns
     the commit's URL."""
     try:
         from huggingface_hub import HfApi
@@ -35,7 +36,9 @@ def upload(folder: Path, repo: str, private: bool) -> str:
     api = HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None)
     try:
         api.create_repo(repo, private=private, exist_ok=True, repo_type="model")
-        commit = api.upload_folder(folder_path=folder, repo_id=repo, repo_type="model",
+        if revision is not None:
+            api.create_branch(repo, branch=revision, repo_type="model", exist_ok=True)
+        commit = api.upload_folder(folder_path=folder, repo_id=repo, repo_type="model", revision=revision,
                                    commit_message="Upload model merged by distmerge", ignore_patterns=NOT_UPLOADED)
     except HFValidationError:
         raise HubError(f"--hf_upload_path {repo!r} is not a Hugging Face repository id: pass NAME or USER/NAME"

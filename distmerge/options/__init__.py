@@ -28,12 +28,12 @@ from typing import Any
 from distmerge.errors import InputError
 from distmerge.input.source import is_source
 from distmerge.options import output_options
-from distmerge.options.output_options import CAST_NAMES, QUANTIZE_CHOICES  # noqa: F401  (re-exported, as before)
 from distmerge.output import is_store
+from distmerge.watcher.choose import parse_steps
 
 SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
-COMMANDS = ("merge", "inspect", "verify")
-API = ("merge", "verify")  # the commands distmerge.api offers
+COMMANDS = ("merge", "inspect", "verify", "watch")
+API = ("merge", "verify", "watch")  # the commands distmerge.api offers
 # How each kind of value is parsed on the command line, and how the API's signature spells it.
 # "location": a folder, or an object-store URL (docs/storage.md) kept as typed (location()).
 KINDS = {"path": "str | os.PathLike", "location": "str | os.PathLike", "size": "int | str", "float": "float",
@@ -95,7 +95,8 @@ REFERENCE_TWINS = {"format": " (default: detected)",
                    "hf_config": ": folder with its config.json (default: its own)"}
 REFERENCE = "reference_"  # a twin's name: this + the row's (its flag: --reference- + the row's, less its dashes)
 MERGE, ALL = ("merge",), COMMANDS
-RUN = ("merge", "verify")
+RUN = ("merge", "verify", "watch")
+WATCH = ("watch",)
 
 OPTIONS: tuple[Opt | str, ...] = (
     # verify's own (ungrouped), in --help's order
@@ -119,10 +120,24 @@ OPTIONS: tuple[Opt | str, ...] = (
     Opt(name="plot", flags=("--plot",), commands=("verify",), kind="path", metavar="PATH",
         help="write a PNG of max rel diff and cosine by layer and kind (attention, MLP, norms, embeddings/head); "
              "needs matplotlib: pip install 'distmerge[plot]'"),
+    # watch's own (ungrouped), in --help's order
+    Opt(name="once", flags=("--once",), commands=WATCH, kind="switch", default=False,
+        help="merge the finished steps once, show the summary and exit (without it: watch until SIGTERM or Ctrl-C)"),
+    Opt(name="poll", flags=("--poll",), commands=WATCH, kind="float", default=30.0, metavar="SECONDS",
+        help="seconds between two looks at the run (default 30)"),
+    Opt(name="steps", flags=("--steps",), commands=WATCH, kind="value", default="all", parse=parse_steps,
+        metavar="WHICH", help="the steps to merge: all (default), latest, every:K (numbers that K divides), or "
+                              "N,M (those numbers)"),
+    Opt(name="hf_upload_path", flags=("--hf-upload-path", "--hf_upload_path"), commands=WATCH, metavar="REPO",
+        help="upload each merged step to this Hugging Face Hub repository, on a branch named after the step "
+             "(global_step_200/actor: branch global_step_200-actor); needs huggingface_hub"),
     # the input and how to read it
     Opt(name="input", flags=("--input", "-i"), commands=MERGE, group="input", kind="location", required=True,
         repeat=True, help="checkpoint folder (e.g. .../actor) or s3://bucket/prefix; once per checkpoint with "
                           "--average"),
+    Opt(name="input", flags=("--input", "-i"), commands=WATCH, group="input", kind="path", required=True,
+        metavar="RUN", help="the run folder the trainer saves its checkpoints in (global_step_N/, iter_N/, "
+                            "checkpoint-N/, checkpoint/step-N/ ...), a local folder"),
     Opt(name="input", flags=("input",), commands=("inspect",), group="input", kind="location", required=True,
         help="checkpoint folder (e.g. .../actor) or s3://bucket/prefix"),
     FORMAT,
@@ -134,12 +149,15 @@ OPTIONS: tuple[Opt | str, ...] = (
     # what the merged model looks like
     Opt(name="output", flags=("--output", "-o"), commands=MERGE, group="output", kind="location", required=True,
         help="folder for the merged model, or s3://bucket/prefix"),
+    Opt(name="output", flags=("--output", "-o"), commands=WATCH, group="output", kind="location", required=True,
+        metavar="OUT", help="each step's checkpoint RUN/<rel> is merged into OUT/<rel> (a folder or "
+                            "s3://bucket/prefix)"),
     OUTPUT_OPTIONS,  # --dtype, --quantize, --max-shard-size, --lora ...: output_options.OUTPUT_OPTIONS
     Opt(name="overwrite", flags=("--overwrite",), commands=MERGE, group="output", kind="switch", default=False,
         help="replace model files in a non-empty output"),
     Opt(name="resume", flags=("--resume",), commands=MERGE, group="output", kind="switch", default=False,
         help="finish an interrupted merge: keep its completed files, redo the rest"),
-    Opt(name="checksum", flags=("--checksum",), commands=MERGE, group="output", kind="switch", default=False,
+    Opt(name="checksum", flags=("--checksum",), commands=(*MERGE, *WATCH), group="output", kind="switch", default=False,
         help="record each file's sha256 in distmerge.manifest.json (about 1 s per GB per process)"),
     Opt(name="verify_against", flags=("--verify-against",), commands=MERGE, group="output", kind="path",
         metavar="HF_DIR", api=False,
@@ -199,8 +217,9 @@ def _format_row() -> Opt:
 def _format_option_rows() -> list[Opt]:
     from distmerge.formats import registry
 
-    return [Opt(name=opt.dest, flags=(opt.flag,), commands=ALL, group="input", kind="value", parse=opt.parse,
-                metavar=opt.metavar, help=f"{opt.help} [{', '.join(names)}]") for opt, names in registry.options()]
+    return [Opt(name=opt.dest, flags=(opt.flag,), group="input", kind="value", parse=opt.parse, metavar=opt.metavar,
+                commands=tuple(c for c in ALL if c != "watch" or not opt.picks_save),  # watch finds saves itself
+                help=f"{opt.help} [{', '.join(names)}]") for opt, names in registry.options()]
 
 
 def output_row(opt: output_options.OutputOption) -> Opt:

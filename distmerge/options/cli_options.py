@@ -12,12 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from distmerge import options
-from distmerge.options import CAST_NAMES, output_options, parse_size  # noqa: F401  (re-exported: the parsers' names, as before)
+from distmerge.options import output_options, parse_size
 
 # command -> the section each group of options is shown under (None: the command's own "options:" section)
 TITLES: dict[str, dict[str, str | None]] = {
     "merge": {"": None, "input": "input", "output": "output", "run": "run"},
     "inspect": {"": None, "input": "input", "output": "output", "run": None},
+    "watch": {"": None, "input": "input", "output": "output: each step's merge", "run": "run"},
     "verify": {"": None, "input": "when --merged is a checkpoint: how to read it",
                "reference": "when --reference is a checkpoint: how to read it",
                "output": "when either side is a checkpoint: the merge to check", "run": "run"},

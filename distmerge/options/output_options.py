@@ -25,7 +25,7 @@ CAST_NAMES = ("keep", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32")
 QUANTIZE_CHOICES = {"fp8-block": "DeepSeek-V3/Qwen3-FP8 layout, float32 scale per 128x128 block (quant_method fp8)",
                     "fp8-channel": "compressed-tensors layout, float32 scale per output channel (needs "
                                    "compressed-tensors)"}
-EVERY = ("merge", "inspect", "verify")
+EVERY = ("merge", "inspect", "verify", "watch")
 # How verify treats an option given (verify.kinds): its merges in memory are shaped by it, and where none is, it is
 # refused in one line.
 VERIFY = {"every": "shapes the merge in memory of each side that is a checkpoint (refused when neither is)",

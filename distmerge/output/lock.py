@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
-from distmerge.errors import OutputError
+from distmerge.errors import OutputError, OutputLocked
 from distmerge.input import tree
 
 LEASE_S = 300.0  # a holder on another machine that has not renewed for this long is gone (the lock's docstring)
@@ -138,7 +138,7 @@ def take(lock: LockFile, me: Holder, url: str, take_over: bool, say: Callable[[s
                 raise OutputError(f"output {url} is locked ({lock.where} holds no record distmerge can read, and "
                                   f"is recent): another program may be writing it; choose another --output")
         elif not gone(other, found.renewed):
-            raise OutputError(f"output {url} is being written by another merge ({other.describe()}): wait for it "
+            raise OutputLocked(f"output {url} is being written by another merge ({other.describe()}): wait for it "
                               "to end, or choose another --output")
         if not take_over:
             holder = other.describe() if other else "unknown"

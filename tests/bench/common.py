@@ -47,7 +47,7 @@ class Failed(Exception):
 
 
 def parse_size(text: str) -> int:
-    # distmerge.front.cli.parse_size accepts the same forms; it is not imported so the parent stays distmerge-free.
+    # distmerge.options.parse_size accepts the same forms; it is not imported so the parent stays distmerge-free.
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", text, re.IGNORECASE)
     if not m:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 0.8GB, 500MB)")

@@ -43,7 +43,7 @@ def _choice(value: str) -> str:
     return value
 
 
-TAG = FormatOption(flag="--tag", dest="tag", metavar="TAG",
+TAG = FormatOption(picks_save=True, flag="--tag", dest="tag", metavar="TAG",
                    help="DeepSpeed: the save to merge, a tag folder such as global_step1000 (default: the one "
                         "named in `latest`)")
 WEIGHTS = FormatOption(flag="--weights", dest="weights", metavar="masters|module", parse=_choice,

@@ -73,6 +73,7 @@ def _iteration(text: str) -> str:
 
 
 ITERATION = FormatOption(
+    picks_save=True,
     flag="--iteration", dest="iteration", metavar="N", parse=_iteration,
     help="Megatron: the save to merge, a number or 'release' (default: the one named in "
          "latest_checkpointed_iteration.txt)",
