@@ -195,7 +195,7 @@ def test_lora_fuse_runs_on_the_cpu():
     """The fused LoRA weight is W + (B @ A) * scale in float32, cast back, and comes back on the CPU (where it
     is computed for every --device: cuBLAS sums in another order; the GPU side is checked by gpu_check.sh's
     --lora merge case)."""
-    from distmerge.families.transforms import lora_fuse
+    from distmerge.families.lora.transforms import lora_fuse
 
     gen = torch.Generator().manual_seed(0)
     w, a, b = (torch.randn(shape, generator=gen, dtype=torch.bfloat16) for shape in ((6, 5), (2, 5), (6, 2)))

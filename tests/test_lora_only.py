@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from distmerge.families.transforms import lora_fuse
+from distmerge.families.lora.transforms import lora_fuse
 from distmerge.front.cli import main as distmerge_main
 from tests.conftest import assert_exact, assert_refused, load_merged, merge_inproc, reference_dir, torchrun
 
