@@ -277,9 +277,9 @@ def _test_stall(k: int, rank: int) -> None:
 
 
 def _discover(opts: MergeOptions, store: Store, held: list[Lease], say: Callable[[str], None]) -> disc.Discovery:
-    """Rank 0: the input checked, the output's lock taken (before anything is written there: output/lock.py),
-    the output checked again under the lock (a merge that ended meanwhile may have filled it), discovery, and
-    the output prepared."""
+    """Rank 0: the input checked (an average's inputs each, and against its options: engine/inputs.py), the
+    output's lock taken (before anything is written there: output/lock.py), the output checked again under the
+    lock (a merge that ended meanwhile may have filled it), discovery, and the output prepared."""
     notes = average.check(opts.settings.average, len(opts.inputs))
     roots = check_inputs(opts.inputs)
     named = name_of(opts.input)
