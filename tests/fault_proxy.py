@@ -4,7 +4,9 @@ without an answer, bodies cut midway (the real headers, the full Content-Length,
 closes) and bodies dribbled slowly.
 
 Deterministic and transient: each kind of fault strikes every Nth request it may strike (counted per kind, in
-arrival order), and the request that follows a fault on the same operation (method, path and query: a retry, or
+arrival order; a turn that falls on a request another kind already strikes passes to the next request this kind may
+strike, so how many faults of each kind a run gets does not depend on how two ranks' requests interleave), and the
+request that follows a fault on the same operation (method, path and query: a retry, or
 the GET that continues a cut body) always passes. `cut_always` makes one fault permanent instead: every GET of an
 object whose key holds that text is cut. The counters (`faults`, and `injected`: each fault's kind, path and
 range) say what was injected, so a test can check that the faults it asked for happened.
@@ -78,6 +80,7 @@ class FaultProxy:
         self.upstream = (split.hostname, split.port)
         self.plan = plan
         self.seen: Counter[str] = Counter()  # requests each kind could strike
+        self.due: set[str] = set()  # kinds whose turn came on a request another kind struck: the next one is theirs
         self.faults: Counter[str] = Counter()  # faults injected, by kind: slowdown, dropped, cut, slow
         self.requests = 0
         self.injected: list[tuple[str, str, str]] = []  # (kind, path, range) of each fault, in order
@@ -115,7 +118,10 @@ class FaultProxy:
         for kind, every in kinds:
             if every:
                 self.seen[kind] += 1
-                if not chosen and self.seen[kind] % every == 0:
+                if self.seen[kind] % every == 0:
+                    self.due.add(kind)
+                if not chosen and kind in self.due:
+                    self.due.discard(kind)
                     chosen = kind
         return chosen
 
