@@ -53,6 +53,11 @@ class Scheme:
     global_scale: bool  # NVFP4: a float32 per-tensor scale, shared across a fused set
     layout: str  # what it is, for notes and the docs
 
+    @property
+    def fused(self) -> bool:
+        """The weights vLLM fuses (fused.py) share one scale: NVFP4's global scale."""
+        return self.global_scale
+
     def takes(self, shape: tuple[int, ...]) -> bool:
         """A 2-D weight whose rows split into whole groups (compressed-tensors refuses any other)."""
         return len(shape) == 2 and shape[1] % self.group == 0
