@@ -14,7 +14,7 @@ LAYERS = {
     0: ("errors", "dtypes", "results", "threads", "input", "s3_client", "distributed.watchdog",
         "options.output_options"),
     1: ("formats", "distributed.comm", "families.transforms", "quantize"),
-    2: ("families", "quantize.table"),
+    2: ("families", "quantize.table", "quantize.fused"),
     3: ("engine.plan", "engine.spread", "engine.inventory", "output"),
     4: ("engine", "report"),
     5: ("engine.run", "front.inspect", "verifier", "options", "front.hub", "api"),
