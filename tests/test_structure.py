@@ -28,7 +28,7 @@ SUBLAYERS = {
         0: ("report", "sides", "components"),
         1: ("listing", "totals"),
         2: ("blocks", "kinds", "plot"),
-        3: ("stream", "fp8_compare", "logits"),
+        3: ("stream", "fp8_compare", "fp4_compare", "logits"),
         4: ("compare", "checkpoint"),
         5: ("two_checkpoints",),
         6: ("run",),
