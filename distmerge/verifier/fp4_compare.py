@@ -41,8 +41,9 @@ class Fp4Running(Fp8Running):
 
     def _dequantized(self, k: int, q: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The groups tile each row (its columns are a whole number of groups): element e's group is e // group."""
-        start = k * self.step
-        scale = self.scale[start // self.group : (start + n) // self.group].repeat_interleave(self.group)
+        at = torch.arange(k * self.step, k * self.step + n, out=self._take("at", n, torch.int64))
+        group = at.div_(self.group, rounding_mode="floor")
+        scale = torch.index_select(self.scale, 0, group, out=self._take("scale", n))
         values = fp4.unpack(q.to(self.device).reshape(1, -1)).reshape(-1)
         return values.mul_(scale), scale
 

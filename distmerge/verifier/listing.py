@@ -108,7 +108,7 @@ def pair_sides(merged: Side, reference: Side, config: dict | None, quantized: st
     # stored weight -> its pair's quantized fields (its scales, compared dequantized), and the stored weight of each
     # weight the reference names (a 4-bit one is stored as <module>.weight_packed)
     quant, stored = _quantized(merged, scheme) if scheme else ({}, {})
-    scale_names = {n for q in quant.values() for n in (q["scale"], q["shared"]) if n}
+    scale_names = {n for q in quant.values() for n in (q["scale"], q.get("shared")) if n}
     on_merged = {hub_names.to_hub(stored.get(n, n), rules): n for n in merged.tensors if n not in scale_names}
     on_reference = {hub_names.to_hub(n, rules): n for n in reference.tensors}
     tied = _tied(traits, rules, {*on_merged, *on_reference}) if ties else {}

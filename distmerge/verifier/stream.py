@@ -137,8 +137,9 @@ class StreamSink:
         return self._quantized_running(pair, scale, shared[0] if shared else None, device)
 
     def _read_whole(self, name: str) -> torch.Tensor:
+        """A copy: the next read reuses the buffer a file's tensor comes in (sides.TensorFiles.read)."""
         shape = self.listing.merged.tensors[name].shape
-        return self.other.read(name, 0, math.prod(shape)).reshape(shape)
+        return self.other.read(name, 0, math.prod(shape)).reshape(shape).clone()
 
     def _quantized_running(self, pair: Pair, scale: torch.Tensor, shared: torch.Tensor | None,
                            device: torch.device) -> Fp8Running:
