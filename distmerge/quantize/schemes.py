@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from distmerge.quantize import fp4, fp8
 
-SCHEMES: dict[str, fp8.Scheme | fp4.Scheme] = {**fp8.SCHEMES, **fp4.SCHEMES}
+Scheme = fp8.Scheme | fp4.Scheme
+SCHEMES: dict[str, Scheme] = {**fp8.SCHEMES, **fp4.SCHEMES}
 # The schemes whose config.json is compressed-tensors' (its classes write it: the `fp8` extra)
 COMPRESSED_TENSORS = ("fp8-channel", *fp4.SCHEMES)
 
@@ -43,6 +44,6 @@ class Quantized:
         return fp8_compressed.config(list(self.unconverted))
 
 
-def scheme_of(config: dict) -> fp8.Scheme | fp4.Scheme | None:
+def scheme_of(config: dict) -> Scheme | None:
     """The scheme of a folder's config.json quantization_config, when it is one distmerge writes."""
     return fp8.scheme_of(config) or fp4.scheme_of(config)

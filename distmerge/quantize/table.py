@@ -59,7 +59,7 @@ def quantize(result: FamilyResult, scheme: str, traits: ModelTraits, config: dic
     units = [_quantize_unit(u, scheme, row, sets) for u in units]
     targets = [t for u in units for t in u.targets if t.group == "model"]
     written = {t.name for t in targets}
-    count = sum(1 for u in units if u.transform == "quantized" for _ in dict(u.params)["weights"])
+    count = sum(len(dict(u.params)["weights"]) for u in units if u.transform == "quantized")
     if not count:
         raise InputError(f"--quantize {scheme}: no tensor of this model is a linear layer of an attention or MLP "
                          "block (distmerge/quantize/table.py lists them) that the scheme can take; merge without "
@@ -71,7 +71,7 @@ def quantize(result: FamilyResult, scheme: str, traits: ModelTraits, config: dic
     return replace(result, units=units, notes=[*result.notes, note]), quantized
 
 
-def _quantize_unit(unit: Unit, scheme: str, row: Any, sets: dict[str, str]) -> Unit:
+def _quantize_unit(unit: Unit, scheme: str, row: schemes.Scheme, sets: dict[str, str]) -> Unit:
     which = [i for i, t in enumerate(unit.targets) if _quantizes(t, row)]
     if not which:
         return unit
@@ -89,7 +89,7 @@ def _quantize_unit(unit: Unit, scheme: str, row: Any, sets: dict[str, str]) -> U
     return Unit(sources=unit.sources, targets=tuple(targets), transform="quantized", params=params)
 
 
-def _quantizes(target: Target, row: Any) -> bool:
+def _quantizes(target: Target, row: schemes.Scheme) -> bool:
     return (target.group == "model" and len(target.shape) == 2 and dtypes.is_float(target.dtype)
             and QUANTIZED.fullmatch(target.name) is not None and row.takes(target.shape))
 
