@@ -15,8 +15,9 @@
 # checkpoint itself (merged in memory on the GPU, nothing written) against the CPU output. Prints each
 # step's time and nvidia-smi (before, and GPU memory at its peak). Also the API inside a running job (step 2b):
 # distmerge.merge / verify on the job's own NCCL group with a gloo side group, compared with the CPU merge.
-# FP8 cases (--quantize) check that the quantized bytes are the same on the GPU as on the CPU; when vLLM is
-# installed, the benchmark checkpoint merged with --quantize (both layouts) is loaded by vLLM (launch/vllm_fp8.py).
+# --quantize cases (FP8, and 4-bit nvfp4 / mxfp4) check that the quantized bytes are the same on the GPU as on the CPU;
+# when vLLM is installed, the benchmark checkpoint merged with --quantize (each layout) is loaded by vLLM
+# (launch/vllm_fp8.py).
 # Exit 0 when everything is identical and passes, 1 on any difference or failed step, 2 when it cannot run
 # (no CUDA, bad arguments).
 #
@@ -185,7 +186,8 @@ else
          "fsdp fsdp2_qwen2_tied_w4 --dtype bf16" "fsdp fsdp2_llama_lora_w2 --lora merge"
          "dcp dcp_llama_wrapped_w4" "dcp dcp_llama_hfwriter_w4"
          "megatron megatron_tp2pp2" "megatron megatron_moe_tp2ep2" "megatron megatron_dist_qwen3_tp2"
-         "fsdp fsdp2_llama_bf16_w4 --quantize fp8-block" "megatron megatron_moe_tp2ep2 --quantize fp8-channel")
+         "fsdp fsdp2_llama_bf16_w4 --quantize fp8-block" "megatron megatron_moe_tp2ep2 --quantize fp8-channel"
+         "fsdp fsdp2_llama_bf16_w4 --quantize nvfp4" "megatron megatron_moe_tp2ep2 --quantize mxfp4")
 fi
 
 gpu_path() {  # NAME OUT NPROC ARGS...: torchrun on the path under test
@@ -304,7 +306,7 @@ if [ "$DRY" = 1 ]; then
 elif ! "$PY" -c 'import vllm' >/dev/null 2>&1; then
   say "vllm     not installed in $PY: the vLLM load of the FP8 outputs is skipped (pip install vllm to add it)"
 else
-  for spec in "fp8-block fp8" "fp8-channel compressed-tensors"; do
+  for spec in "fp8-block fp8" "fp8-channel compressed-tensors" "nvfp4 compressed-tensors" "mxfp4 compressed-tensors"; do
     read -r scheme method <<<"$spec"
     FP8_OUT=$WORK/out/bench.$scheme
     if gpu_path "bench.$scheme" "$FP8_OUT" "$NPROC" merge -i "$BENCH" -o "$FP8_OUT" --dtype bf16 --quantize "$scheme" &&

@@ -1,6 +1,7 @@
-"""Load an FP8 folder written by `distmerge merge --quantize` with vLLM and generate a few tokens (launch/gpu_check.sh
-runs it when vLLM is installed on the GPU machine). Prints one line: the quantization vLLM loaded the folder with and
-the greedy tokens; exit 0 when vLLM loaded it as the expected method and generated, 1 otherwise.
+"""Load a quantized folder (FP8 or 4-bit) written by `distmerge merge --quantize` with vLLM and generate a few tokens
+(launch/gpu_check.sh runs it when vLLM is installed on the GPU machine). Prints one line: the quantization vLLM
+loaded the folder with and the greedy tokens; exit 0 when vLLM loaded it as the expected method and generated,
+1 otherwise.
 
     python launch/vllm_fp8.py FOLDER fp8|compressed-tensors
 

@@ -382,6 +382,8 @@ RUN: dict[tuple[str, str], Run] = {
                 "megatron_tp2pp2_reference": "megatron:megatron_tp2pp2:ref"}),
     ("quantize.md", "python -m distmerge merge --input CKPT --output OUT --quantize fp8-block"): Run(
         layout={"CKPT": "fsdp:fsdp2_llama_w2"}),
+    ("quantize.md", "torchrun --nproc-per-node 2 -m distmerge merge --input CKPT --output OUT --dtype bf16"): Run(
+        layout={"CKPT": "fsdp:fsdp2_llama_w2"}),
     ("reliability.md", "torchrun --nproc-per-node 8 -m distmerge merge --input CKPT --output OUT --resume"): Run(
         layout={"CKPT": LLAMA}, replace={"[--checksum]": "--checksum"}),
     ("reliability.md", "torchrun --nproc-per-node 2 -m distmerge merge --input /nope --output out"): Run(),
@@ -466,6 +468,8 @@ ELSEWHERE: dict[tuple[str, str], str] = {
         "tests/test_lora_only.py::test_fused_with_the_base_model_folder",
     ("quantize.md", "python -m distmerge merge --input fsdp2_llama_w2 --output fp8-block"):
         "tests/test_quantize_verify.py::test_fp8_folder_passes_within_the_bound",
+    ("quantize.md", "python -m distmerge merge --input fsdp2_llama_w2 --output nvfp4"):
+        "tests/test_quantize_fp4_verify.py::test_4_bit_folder_passes_within_the_bound",
     ("reliability.md", "python -m distmerge merge --input ckpts/global_step_200/actor"):
         "tests/test_output_lock.py::test_a_requeued_merge_fails_at_once_and_the_first_keeps_its_model",
     ("storage.md", "torchrun --nproc-per-node 2 -m distmerge merge --input s3://"):
@@ -496,7 +500,8 @@ NOT_RUN: dict[tuple[str, str], str] = {
     ("benchmarks-history.md", "python tests/bench/bench_megatron.py"): BENCHMARK,
     ("benchmarks-history.md", "python tests/bench/bench_deepspeed.py"): BENCHMARK,
     ("benchmarks-history.md", "torchrun --standalone --nproc-per-node 16 tests/bench/make_ckpt.py"): BENCHMARK,
-    ("quantize.md", "flock /tmp/distmerge-bench.lock python tests/bench/bench_quantize.py"): BENCHMARK,
+    ("quantize.md", "python tests/bench/bench_quantize.py --size 0.8GB"): BENCHMARK,
+    ("quantize.md", "python tests/bench/bench_quantize.py --scheme nvfp4"): BENCHMARK,
     ("extending.md", "@register"): "a skeleton with `...` bodies, the shape of a format; what a registered format "
                                    "must do is tests/test_contract_formats.py",
     ("extending.md", "class MyFamily:"): "a skeleton with `...` bodies, the shape of a family; what a registered "

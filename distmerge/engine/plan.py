@@ -25,7 +25,7 @@ from distmerge.families.base import SourceMeta, Target, Unit
 from distmerge.formats.base import Fragment, InputFile
 from distmerge.output.names import GROUP_FILES, model_file_names
 from distmerge.output.store import Sharing
-from distmerge.quantize import fp8
+from distmerge.quantize import schemes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,7 +66,7 @@ class Plan:
     extra_files: dict[str, dict] = field(default_factory=dict)  # relative path -> JSON, written by finalize
     notes: tuple[str, ...] = ()  # what the family decided (e.g. where a LoRA adapter went)
     config_updates: dict = field(default_factory=dict)  # config.json keys the family sets (written by finalize)
-    quantized: fp8.Quantized | None = None  # --quantize: the scheme, for config.json's quantization_config
+    quantized: schemes.Quantized | None = None  # --quantize: the scheme, for config.json's quantization_config
 
     @property
     def total_bytes(self) -> int:

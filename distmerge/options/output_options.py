@@ -21,10 +21,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 CAST_NAMES = ("keep", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32")
-# --quantize: each choice and what it writes (fp8.SCHEMES)
+# --quantize: each choice and what it writes (quantize/schemes.py)
 QUANTIZE_CHOICES = {"fp8-block": "DeepSeek-V3/Qwen3-FP8 layout, float32 scale per 128x128 block (quant_method fp8)",
                     "fp8-channel": "compressed-tensors layout, float32 scale per output channel (needs "
-                                   "compressed-tensors)"}
+                                   "compressed-tensors)",
+                    "nvfp4": "compressed-tensors nvfp4-pack-quantized, e2m1 with a float8 scale per 16 inputs and a "
+                             "float32 global scale (as llm-compressor's NVFP4A16; needs compressed-tensors)",
+                    "mxfp4": "compressed-tensors mxfp4-pack-quantized, e2m1 with an e8m0 scale per 32 inputs (as "
+                             "llm-compressor's MXFP4A16; needs compressed-tensors)"}
 EVERY = ("merge", "inspect", "verify", "watch")
 # How verify treats an option given (verify.kinds): its merges in memory are shaped by it, and where none is, it is
 # refused in one line.
@@ -102,7 +106,7 @@ OUTPUT_OPTIONS: tuple[OutputOption, ...] = (
                      "model": "--quantize: --merged {merged} is a finished model (its FP8 weights, if any, are "
                               "compared as written) and --reference {reference} a checkpoint, merged in full "
                               "precision; leave --quantize out"},
-                 help="write the linear weights of attention and MLP blocks in FP8, quantized from the "
+                 help="write the linear weights of attention and MLP blocks in FP8 or 4 bits, quantized from the "
                  "merged tensors: " + "; ".join(f"{k}: {v}" for k, v in QUANTIZE_CHOICES.items()) +
                  " (docs/quantize.md)"),
     OutputOption(name="max_shard_size", flag="--max-shard-size", kind="size", default="5GB", metavar="SIZE",

@@ -49,7 +49,19 @@ class Scheme:
     def scale_name(self, name: str) -> str:
         return name + self.scale_suffix
 
-    def quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    fused = False  # no scale shared across weights (schemes.py: what table.py asks of every scheme)
+
+    def takes(self, shape: tuple[int, ...]) -> bool:
+        return len(shape) == 2
+
+    def parts(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...], str]]:
+        """What weight `name` of `shape` is written as: (name, shape, safetensors code) each."""
+        return [(name, shape, FP8), (self.scale_name(name), self.scale_shape(shape), SCALE)]
+
+    def shared(self, weights: list[torch.Tensor]) -> None:
+        return None
+
+    def quantize(self, weight: torch.Tensor, shared: None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(float8_e4m3fn weight, float32 scales), on the weight's device."""
         w = weight.to(torch.float32)
         if self.block is None:
@@ -120,24 +132,6 @@ SCHEMES: dict[str, Scheme] = {
     "fp8-channel": Scheme(name="fp8-channel", scale_suffix="_scale", block=None,
                           layout="compressed-tensors float-quantized: one float32 weight_scale per output row"),
 }
-
-
-@dataclass(frozen=True, kw_only=True)
-class Quantized:
-    """What the plan says about a quantized output: the scheme, and the modules whose weights stay in the merge's
-    dtype (2-D weights the family table leaves alone, and heads the model re-creates from a tied embedding)."""
-
-    scheme: str
-    unconverted: tuple[str, ...]
-
-    def config(self) -> dict:
-        """config.json's quantization_config (compressed-tensors' through its own classes: imported only here)."""
-        if self.scheme == "fp8-block":
-            return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                    "weight_block_size": list(BLOCK), "modules_to_not_convert": list(self.unconverted)}
-        from distmerge.quantize import fp8_compressed
-
-        return fp8_compressed.config(list(self.unconverted))
 
 
 def scheme_of(config: dict) -> Scheme | None:

@@ -1,10 +1,12 @@
-"""config.json's quantization_config of `--quantize fp8-channel`, made by the compressed-tensors library's own
-classes (an optional extra: `pip install distmerge[fp8]`). Imported only by fp8.Quantized.config, on rank 0 when
-finalize writes config.json: the import alone costs seconds (it imports transformers).
+"""config.json's quantization_config of `--quantize fp8-channel`, `nvfp4` and `mxfp4`, made by the compressed-tensors
+library's own classes (an optional extra: `pip install distmerge[fp8]`). Imported only by schemes.Quantized.config, on
+rank 0 when finalize writes config.json: the import alone costs seconds (it imports transformers).
 
-The scheme is compressed-tensors' FP8_DYNAMIC preset (what llm-compressor writes for it): per-channel float8 weights,
+fp8-channel is compressed-tensors' FP8_DYNAMIC preset (what llm-compressor writes for it): per-channel float8 weights,
 static, symmetric, and per-token float8 activations quantized at run time, stored in the float-quantized format.
 The wrapper keys are the ones its ModelCompressor.update_config writes (tests/test_quantize.py checks the two agree).
+nvfp4 and mxfp4 are its NVFP4A16 and MXFP4A16 presets, in one config group named after the preset and with the
+format set on it, as llm-compressor's model_free_ptq writes them (tests/test_quantize_fp4.py compares the two).
 """
 
 from __future__ import annotations
@@ -56,10 +58,31 @@ def config(ignore: list[str]) -> dict[str, Any]:
     }
 
 
-def require() -> None:
+def preset_config(preset: str, format: str, ignore: list[str]) -> dict[str, Any]:
+    """A weight-only preset (NVFP4A16, MXFP4A16) on every Linear but `ignore`, compressed in `format`."""
+    try:
+        import compressed_tensors
+        from compressed_tensors.base import COMPRESSION_VERSION_NAME, QUANTIZATION_METHOD_NAME, TRANSFORM_CONFIG_NAME
+        from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus, preset_name_to_scheme
+    except ImportError:
+        raise DistmergeError(f"--quantize writes compressed-tensors' {format} layout and needs the library: "
+                             f"{INSTALL}") from None
+    scheme = preset_name_to_scheme(preset, ["Linear"])
+    scheme.format = format
+    quant = QuantizationConfig(config_groups={preset: scheme}, format=format,
+                               quantization_status=QuantizationStatus.COMPRESSED, ignore=ignore)
+    return {
+        COMPRESSION_VERSION_NAME: compressed_tensors.__version__,
+        QUANTIZATION_METHOD_NAME: "compressed-tensors",
+        TRANSFORM_CONFIG_NAME: {},
+        **quant.model_dump(),
+    }
+
+
+def require(scheme: str = "fp8-channel") -> None:
     """Fails early (at planning, on every rank) when the library is missing, before anything is written."""
     import importlib.util
 
     if importlib.util.find_spec("compressed_tensors") is None:
-        raise DistmergeError(f"--quantize fp8-channel writes compressed-tensors' layout and needs the library: "
+        raise DistmergeError(f"--quantize {scheme} writes compressed-tensors' layout and needs the library: "
                              f"{INSTALL}")

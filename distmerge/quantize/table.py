@@ -1,14 +1,17 @@
-"""`--quantize`: which Hugging Face tensors are written in FP8, as a table, and the units that write them.
+"""`--quantize`: which Hugging Face tensors are quantized, as a table, and the units that write them.
 
 Applied to any family's units (their targets carry Hugging Face names by then), in prepare.py:
 
     unit  sources -> transform -> [t0, t1]          t1 in the table
-      ->  sources -> quantized(transform) -> [t0, fp8(t1), scale(t1)]
+      ->  sources -> quantized(transform) -> [t0, fp8(t1), scale(t1)]                     (fp8-block, fp8-channel)
+      ->  sources -> quantized(transform) -> [t0, packed(t1), scale(t1), global(t1)]      (nvfp4; mxfp4: no global)
 
-so the safetensors headers (dtype F8_E4M3, the added scale tensors) are known from the plan before any byte is read,
-and the FP8 bytes are made where the unit is assembled (transforms.quantized, fp8.py). What the table leaves alone
-keeps the merge's dtype; the Linear modules among those are named in config.json (modules_to_not_convert, or
-compressed-tensors' ignore) so that loaders do not expect FP8 weights for them.
+so the safetensors headers (the quantized dtypes, the added scale tensors) are known from the plan before any byte
+is read, and the quantized bytes are made where the unit is assembled (quantized below; the math: schemes.py's rows).
+A scheme whose fused weights share a scale (nvfp4) first joins the units of each fused set into one (fused.py). What
+the table leaves alone, or the scheme cannot take (4-bit: inputs not a whole number of groups), keeps the merge's
+dtype; the Linear modules among those are named in config.json (modules_to_not_convert, or compressed-tensors'
+ignore) so that loaders do not expect quantized weights for them.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from distmerge import dtypes
 from distmerge.errors import InputError
 from distmerge.families.base import FamilyResult, ModelTraits, Target, Unit, register_quantizer
 from distmerge.families.transforms import TRANSFORMS, after, transform
-from distmerge.quantize import fp8, fp8_compressed
+from distmerge.quantize import fp8_compressed, fused, schemes
 
 # A decoder layer of the text model, under the names save_pretrained writes (hub_names.py: a Qwen2-VL language
 # model's layers are `model.layers`, LLaVA's `language_model.model.layers`; vision towers never match).
@@ -45,52 +48,59 @@ QUANTIZED = re.compile(LAYER + "(?:" + "|".join(QUANTIZED_MODULES) + r")\.weight
 
 @register_quantizer
 def quantize(result: FamilyResult, scheme: str, traits: ModelTraits, config: dict[str, Any]) -> tuple[
-        FamilyResult, fp8.Quantized]:
-    """The family's result with the table's weights in FP8, and what config.json must say about it."""
-    if scheme == "fp8-channel":
-        fp8_compressed.require()
-    units = [_quantize_unit(u, scheme) for u in result.units]
+        FamilyResult, schemes.Quantized]:
+    """The family's result with the table's weights quantized, and what config.json must say about it."""
+    row = schemes.SCHEMES[scheme]
+    if scheme in schemes.COMPRESSED_TENSORS:
+        fp8_compressed.require(scheme)
+    units, sets = result.units, {}
+    if row.fused:
+        units, sets = fused.join(units, lambda t: _quantizes(t, row))
+    units = [_quantize_unit(u, scheme, row, sets) for u in units]
     targets = [t for u in units for t in u.targets if t.group == "model"]
-    count = sum(t.dtype == fp8.FP8 for t in targets)
+    written = {t.name for t in targets}
+    count = sum(len(dict(u.params)["weights"]) for u in units if u.transform == "quantized")
     if not count:
         raise InputError(f"--quantize {scheme}: no tensor of this model is a linear layer of an attention or MLP "
-                         "block (distmerge/quantize/table.py lists them); merge without --quantize")
-    kept = _unconverted(targets, traits, config)
-    quantized = fp8.Quantized(scheme=scheme, unconverted=kept)
-    note = (f"--quantize {scheme}: {count} linear weights in float8_e4m3fn ({fp8.SCHEMES[scheme].layout}); "
-            f"{len(kept)} modules kept in the merge's dtype ({', '.join(kept[:4])}{', ...' * (len(kept) > 4)})")
+                         "block (distmerge/quantize/table.py lists them) that the scheme can take; merge without "
+                         "--quantize")
+    kept = _unconverted(targets, traits, config, written)
+    quantized = schemes.Quantized(scheme=scheme, unconverted=kept)
+    note = (f"--quantize {scheme}: {count} linear weights quantized ({row.layout}); {len(kept)} modules kept in the "
+            f"merge's dtype ({', '.join(kept[:4])}{', ...' * (len(kept) > 4)})")
     return replace(result, units=units, notes=[*result.notes, note]), quantized
 
 
-def _quantize_unit(unit: Unit, scheme: str) -> Unit:
-    which = [i for i, t in enumerate(unit.targets) if _quantizes(t)]
+def _quantize_unit(unit: Unit, scheme: str, row: schemes.Scheme, sets: dict[str, str]) -> Unit:
+    which = [i for i, t in enumerate(unit.targets) if _quantizes(t, row)]
     if not which:
         return unit
-    grid = fp8.SCHEMES[scheme]
     targets: list[Target] = []
     for i, t in enumerate(unit.targets):
         if i in which:
-            targets += [replace(t, dtype=fp8.FP8),
-                        Target(name=grid.scale_name(t.name), shape=grid.scale_shape(t.shape), dtype=fp8.SCALE,
-                               group=t.group)]
+            targets += [Target(name=name, shape=shape, dtype=code, group=t.group)
+                        for name, shape, code in row.parts(t.name, t.shape)]
         else:
             targets.append(t)
-    params = (("inner", unit.transform), ("inner_params", unit.params), ("scheme", scheme),
-              ("weights", tuple((i, unit.targets[i].dtype) for i in which)))
+    # each weight: its index among the inner targets, its dtype unquantized, the set whose scale it shares
+    weights = tuple((i, unit.targets[i].dtype, sets.get(unit.targets[i].name, unit.targets[i].name) if row.fused
+                     else None) for i in which)
+    params = (("inner", unit.transform), ("inner_params", unit.params), ("scheme", scheme), ("weights", weights))
     return Unit(sources=unit.sources, targets=tuple(targets), transform="quantized", params=params)
 
 
-def _quantizes(target: Target) -> bool:
+def _quantizes(target: Target, row: schemes.Scheme) -> bool:
     return (target.group == "model" and len(target.shape) == 2 and dtypes.is_float(target.dtype)
-            and QUANTIZED.fullmatch(target.name) is not None)
+            and QUANTIZED.fullmatch(target.name) is not None and row.takes(target.shape))
 
 
-def _unconverted(targets: list[Target], traits: ModelTraits, config: dict[str, Any]) -> tuple[str, ...]:
-    """Modules with a 2-D weight the table leaves alone, and heads the model re-creates from a tied embedding
-    (written nowhere, yet a Linear module of the model all the same)."""
-    names = {t.name for t in targets}
+def _unconverted(targets: list[Target], traits: ModelTraits, config: dict[str, Any], names: set[str]) -> tuple[
+        str, ...]:
+    """Modules with a 2-D floating weight left as it is (the table leaves it alone, or the scheme cannot take it),
+    and heads the model re-creates from a tied embedding (written nowhere, yet a Linear module of the model all the
+    same). A quantized weight is written under other names (4-bit), or in float8_e4m3fn next to its scale (FP8)."""
     kept = {t.name.removesuffix(".weight") for t in targets if t.name.endswith(".weight") and len(t.shape) == 2
-            and dtypes.is_float(t.dtype) and t.dtype != fp8.FP8}
+            and dtypes.is_float(t.dtype) and t.dtype != "F8_E4M3"}
     if traits.ties(config):
         kept |= {head.removesuffix(".weight") for head, embed in traits.tied_heads if embed in names
                  and head not in names}
@@ -103,24 +113,35 @@ def _natural(name: str) -> list:
 
 @transform
 def quantized(sources: list[torch.Tensor], inner: str, inner_params: tuple[tuple[str, object], ...], scheme: str,
-              weights: tuple[tuple[int, str], ...]) -> list[torch.Tensor]:
-    """`inner`'s targets with some weights in FP8 (--quantize, fp8.py), each followed by its scales:
+              weights: tuple[tuple[int, str, str | None], ...]) -> list[torch.Tensor]:
+    """`inner`'s targets with some weights quantized (--quantize, schemes.py), each as the scheme's parts:
 
-        inner(sources) = [t0, t1, t2]   weights ((1, "BF16"),)   ->   [t0, fp8(t1), scale(t1), t2]
+        inner(sources) = [t0, t1, t2]   weights ((1, "BF16", None),)   ->   [t0, fp8(t1), scale(t1), t2]
 
-    A weight is first cast to the dtype it would have had unquantized (the merge's --dtype), so the FP8 output is
-    the quantization of the model the same merge writes without --quantize. On the device the unit was assembled on.
+    A weight is first cast to the dtype it would have had unquantized (the merge's --dtype), so the output is the
+    quantization of the model the same merge writes without --quantize. Weights of one fused set (the same third
+    field; nvfp4) share a scale made from all of them: from their extremes, cast as the weights are (rounding is
+    monotonic, so the cast's extremes are the extremes cast). On the device the unit was assembled on.
     """
     return quantize_targets(TRANSFORMS[inner](sources, **dict(inner_params)), scheme, weights)
 
 
-def quantize_targets(out: list[torch.Tensor], scheme: str, weights: tuple[tuple[int, str], ...]) -> list[torch.Tensor]:
-    """The inner transform's targets, the weights among them in FP8, each followed by its scales."""
-    dtype_of = dict(weights)
+def quantize_targets(out: list[torch.Tensor], scheme: str,
+                     weights: tuple[tuple[int, str, str | None], ...]) -> list[torch.Tensor]:
+    """The inner transform's targets, the weights among them quantized, each as the scheme's parts (quantized)."""
+    row = schemes.SCHEMES[scheme]
+    extremes: dict[str, list[torch.Tensor]] = {}
+    for i, dtype, key in weights:
+        if key is not None:
+            pair = torch.stack([out[i].amax(), out[i].amin()]).to(dtypes.torch_dtype(dtype))
+            extremes.setdefault(key, []).append(pair)
+    shared = {key: row.shared(pairs) for key, pairs in extremes.items()}
+    spec = {i: (dtype, key) for i, dtype, key in weights}
     result: list[torch.Tensor] = []
     for i, tensor in enumerate(out):
-        if i in dtype_of:
-            result.extend(fp8.SCHEMES[scheme].quantize(tensor.to(dtypes.torch_dtype(dtype_of[i]))))
+        if i in spec:
+            dtype, key = spec[i]
+            result.extend(row.quantize(tensor.to(dtypes.torch_dtype(dtype)), shared.get(key)))
         else:
             result.append(tensor)
     return result

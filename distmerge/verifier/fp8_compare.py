@@ -28,12 +28,12 @@ from distmerge.verifier.blocks import Running, Scratch, block_size
 from distmerge.verifier.listing import Listing, Pair
 from distmerge.verifier.report import Check, Criteria, Figures, fmt
 
-OUTCOME = "within FP8 bound"
-
 
 class Fp8Running:
     """blocks.Running for an FP8 weight (the merged side) and its reference: `add(k, q, r)` with block k of the FP8
     weight `q` as stored, then `figures()`, `worst` (largest error / bound) and `beyond` (elements past it)."""
+
+    kind, dtype = "FP8", fp8.FP8  # what the record says the weight is (fp4_compare.Fp4Running: 4-bit)
 
     def __init__(self, shape: tuple[int, ...], scheme: fp8.Scheme, scale: torch.Tensor, cast_unit: float,
                  device: torch.device, crit: Criteria, scratch: Scratch) -> None:
@@ -54,17 +54,24 @@ class Fp8Running:
         return self.scratch.take("fp8_" + slot, n, dtype, self.device)
 
     def add(self, k: int, q: torch.Tensor, r: torch.Tensor) -> None:
-        n = q.numel()
-        scale = self._scales(k * self.step, n)
-        got = self._take("got", n).copy_(q).mul_(scale)  # fp8.Scheme.dequantize, one block
+        n = r.numel()
+        got, scale = self._dequantized(k, q, n)
         ref = self._take("ref", n).copy_(r)  # exact from bf16/fp16/fp32
         self.run.add(k, got, ref)
         err = torch.sub(got, ref, out=self._take("err", n)).abs_()
-        limit = fp8.bound(ref, scale, self.cast_unit, out=self._take("limit", n))
+        limit = self._limit(ref, scale, n)
         within = torch.le(err, limit, out=self._take("within", n, torch.bool))
         self.beyond += n - int(within.sum().item())  # NaN is never within
         worst = torch.div(err, limit, out=err).max().item()  # limit > 0: the scale term never is 0
         self.worst = math.nan if math.isnan(worst) or math.isnan(self.worst) else max(self.worst, worst)
+
+    def _dequantized(self, k: int, q: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block k's dequantized values and each element's scale (float32, scratch buffers)."""
+        scale = self._scales(k * self.step, n)
+        return self._take("got", n).copy_(q).mul_(scale), scale  # fp8.Scheme.dequantize, one block
+
+    def _limit(self, ref: torch.Tensor, scale: torch.Tensor, n: int) -> torch.Tensor:
+        return fp8.bound(ref, scale, self.cast_unit, out=self._take("limit", n))
 
     def _scales(self, start: int, n: int) -> torch.Tensor:
         """The scale of each element [start, start + n) of the flattened weight: its row's, or its block's."""
@@ -96,12 +103,12 @@ def fp8_check(pair: Pair, run: Fp8Running, *, file: str, crit: Criteria, shapes:
     figs = run.figures()
     reasons = []
     if run.beyond:
-        reasons.append(f"{run.beyond} element(s) beyond the FP8 bound (max abs {fmt(figs.max_abs)}, {fmt(run.worst)} "
-                       "x the bound): not this reference's quantization")
+        reasons.append(f"{run.beyond} element(s) beyond the {run.kind} bound (max abs {fmt(figs.max_abs)}, "
+                       f"{fmt(run.worst)} x the bound): not this reference's quantization")
     if crit.min_cosine is not None and not figs.cosine >= crit.min_cosine:
         reasons.append(f"cosine {figs.cosine:.6f} < {crit.min_cosine:g}")
     passed = not reasons
-    return Check(name=pair.name, passed=passed, outcome=OUTCOME if passed else "values",
+    return Check(name=pair.name, passed=passed, outcome=f"within {run.kind} bound" if passed else "values",
                  reason="" if passed else "values differ: " + "; ".join(reasons), file=Path(file).name,
-                 shape=tuple(shapes[0]), reference_shape=tuple(shapes[1]), dtype=fp8.FP8, reference_dtype=ref_dtype,
+                 shape=tuple(shapes[1]), reference_shape=tuple(shapes[1]), dtype=run.dtype, reference_dtype=ref_dtype,
                  note=pair.note, figures=figs, fp8_bound=run.worst)

@@ -58,7 +58,8 @@ def compare_logits(listing: Listing, opts: VerifyOptions, device: torch.device) 
     passed, _, reason = judge(dtype="", ref_dtype="", exact=exact, figs=figs, crit=crit)
     note = f"the reference's weights in the merged model's architecture, both in {dtypes.hf_dtype_name(dtype)}"
     if listing.quantized:
-        note = (f"FP8 weights ({listing.quantized}) dequantized by transformers as it loads them; {note}"
+        bits = "FP8" if listing.quantized.startswith("fp8") else "4-bit"
+        note = (f"{bits} weights ({listing.quantized}) dequantized by transformers as it loads them; {note}"
                 + (f"; judged by cosine >= {FP8_LOGITS_COSINE} (--atol, --rtol or --min-cosine choose another)"
                    if fp8_default else ""))
     values = listing.traits.outputs == "values"  # a value head: one number per token, no distribution to compare

@@ -163,10 +163,11 @@ def _pass_detail(checks: list[Check]) -> str:
     parts = [f"{counts['bit_exact']} bit-exact"] if counts["bit_exact"] else []
     if counts["within_tolerance"]:
         parts.append(f"{counts['within_tolerance']} within tolerance")
-    if counts["within_fp8_bound"]:
-        worst = max(c.fp8_bound for c in checks if c.fp8_bound is not None)
-        parts.append(f"{counts['within_fp8_bound']} FP8 weights within the FP8 bound, dequantized (at most "
-                     f"{fmt(worst)} of it)")
+    for kind in ("FP8", "FP4"):  # counts["within_fp8_bound"], by layout
+        bounded = [c.fp8_bound for c in checks if c.outcome == f"within {kind} bound" and not c.note]
+        if bounded:
+            parts.append(f"{len(bounded)} {kind} weights within the {kind} bound, dequantized (at most "
+                         f"{fmt(max(bounded))} of it)")
     if counts["not_in_reference"]:
         parts.append(f"{counts['not_in_reference']} not in the reference: its multi-token-prediction layer")
     tied = [c.name for c in checks if c.note]

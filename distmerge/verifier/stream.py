@@ -7,10 +7,11 @@ reader's 1 MiB bounce buffer or from the received fragment, as merge writes them
 what merge holds plus a few blocks. Other units (a QKV split, a cast, a GPU) are built whole, as merge builds them,
 and compared a block at a time.
 
-An FP8 weight (verify --merged CHECKPOINT --quantize) is made by its unit's transform (transforms.quantized), so its
-unit is built whole, as merge builds it; the weight is held until its scales, the next target of the same unit,
-are built too, then compared dequantized a block at a time (fp8_compare.py). A finished FP8 model as --merged
-against a checkpoint: the FP8 weight is read a block at a time from its file, its (small) scales whole.
+A quantized weight (verify --merged CHECKPOINT --quantize) is made by its unit's transform (table.quantized), so its
+unit is built whole, as merge builds it; the weight is held until its scales (and global scale), the next targets
+of the same unit, are built too, then compared dequantized a block at a time (fp8_compare.py, fp4_compare.py). A
+finished quantized model as --merged against a checkpoint: the weight is read a block at a time from its file, its
+(small) scales whole. A 4-bit weight's stored bytes hold two of the reference's elements each (Pair.per).
 
 The streamed side is `merged` (verify of a checkpoint against a Hugging Face folder) or `reference` (the second
 checkpoint of two, compared with the first's targets held for the round; a checkpoint given as --reference of a
@@ -31,6 +32,7 @@ from distmerge import dtypes
 from distmerge.engine.plan import Plan
 from distmerge.families.base import Target, Unit
 from distmerge.verifier.blocks import Running, Scratch, Streamed, block_size, whole
+from distmerge.verifier.fp4_compare import fp4_running
 from distmerge.verifier.fp8_compare import Fp8Running, fp8_check, fp8_running
 from distmerge.verifier.listing import Listing, Pair
 from distmerge.verifier.report import Check, Criteria, judge
@@ -56,8 +58,9 @@ class StreamSink:
         for pair in listing.pairs:
             self.pairs[pair.merged_name if self.merged_streams else pair.reference_name].append(pair)
         self.streams: dict[str, tuple[Streamed, list[tuple[Pair, Running | Fp8Running]]]] = {}  # this round's
-        self.scale_of = {pair.scale: pair for pair in listing.pairs if pair.scale}  # merge --quantize
-        self.fp8_parts: dict[str, torch.Tensor] = {}  # a built FP8 weight or its scales, until both are
+        # merge --quantize: a weight's scales (and global scale) -> its pair
+        self.scale_of = {name: pair for pair in listing.pairs for name in (pair.scale, pair.shared) if name}
+        self.fp8_parts: dict[str, torch.Tensor] = {}  # a built quantized weight or its scales, until all are
         self.scratch = Scratch()
         self.checks: list[Check] = []
 
@@ -74,7 +77,7 @@ class StreamSink:
             assert stream.done, f"{name}: {stream.got} of {stream.nbytes} bytes compared"
             self.checks.extend(self._check(pair, run) for pair, run in runs)
         self.streams.clear()
-        assert not self.fp8_parts, f"FP8 weights or scales without their other half: {sorted(self.fp8_parts)}"
+        assert not self.fp8_parts, f"quantized weights or scales without the rest: {sorted(self.fp8_parts)}"
 
     def stream(self, name: str) -> Streamed:
         return self.streams[name][0]
@@ -82,7 +85,7 @@ class StreamSink:
     def _stream(self, target: Target) -> None:
         """The target's bytes as they will arrive (a direct unit), compared one block at a time on the CPU."""
         if self.merged_streams and any(p.scale for p in self.pairs.get(target.name, ())):
-            return  # an FP8 weight: its unit quantizes, so it is built (whole), never a stream of bytes
+            return  # a quantized weight: its unit quantizes, so it is built (whole), never a stream of bytes
         runs = [(p, self._running(p, math.prod(target.shape), torch.device("cpu")))
                 for p in self.pairs.get(target.name, ())]
 
@@ -102,36 +105,52 @@ class StreamSink:
             self._whole(pair, tensor, self._running(pair, tensor.numel(), tensor.device))
 
     def _whole(self, pair: Pair, tensor: torch.Tensor, run: Running | Fp8Running) -> None:
-        other = self._other_name(pair)
-        whole(tensor, lambda start, count: self.other.read(other, start, count), run,
-              merged_first=self.merged_streams)
+        other, per = self._other_name(pair), pair.per
+        if self.merged_streams:  # the 4-bit weight is `tensor`, its bytes two reference elements each
+            read = self.other.read
+            whole(tensor, lambda start, count: read(other, start, count), run, per=per)
+        else:  # the 4-bit weight is the other side's
+            whole(tensor, lambda start, count: self.other.read(other, start // per, count // per), run,
+                  merged_first=False)
         self.checks.append(self._check(pair, run))
 
     def _fp8_part(self, name: str, tensor: torch.Tensor) -> bool:
-        """An FP8 weight or its scales, built by a quantizing unit: held until the other is built too (the scales
-        follow their weight in the unit), then the weight compared dequantized. False: neither."""
+        """A quantized weight or its scales, built by a quantizing unit: held until all are built (the scales follow
+        their weight in the unit), then the weight compared dequantized. False: neither."""
         pair = self.scale_of.get(name) or next((p for p in self.pairs.get(name, ()) if p.scale), None)
         if pair is None:
             return False
         self.fp8_parts[name] = tensor
-        if pair.merged_name in self.fp8_parts and pair.scale in self.fp8_parts:
-            weight, scale = self.fp8_parts.pop(pair.merged_name), self.fp8_parts.pop(pair.scale)
-            run = fp8_running(pair, self.listing, scale, weight.device, self.crit, self.scratch)
-            self._whole(pair, weight, run)
+        parts = [n for n in (pair.merged_name, pair.scale, pair.shared) if n]
+        if all(n in self.fp8_parts for n in parts):
+            weight, scale, *shared = (self.fp8_parts.pop(n) for n in parts)
+            self._whole(pair, weight, self._quantized_running(pair, scale, shared[0] if shared else None,
+                                                              weight.device))
         return True
 
     def _running(self, pair: Pair, numel: int, device: torch.device) -> Running | Fp8Running:
-        """A pair's running figures; an FP8 weight's when the merged side is a finished FP8 model (its scales read
-        whole from its file: the other side)."""
+        """A pair's running figures; a quantized weight's when the merged side is a finished quantized model (its
+        scales read whole from its file: the other side)."""
         if not pair.scale:
             return Running(numel, device, *self.crit.band(), self.scratch)
-        shape = self.listing.merged.tensors[pair.scale].shape
-        scale = self.other.read(pair.scale, 0, math.prod(shape)).reshape(shape)
+        scale, *shared = (self._read_whole(n) for n in (pair.scale, pair.shared) if n)
+        return self._quantized_running(pair, scale, shared[0] if shared else None, device)
+
+    def _read_whole(self, name: str) -> torch.Tensor:
+        """A copy: the next read reuses the buffer a file's tensor comes in (sides.TensorFiles.read)."""
+        shape = self.listing.merged.tensors[name].shape
+        return self.other.read(name, 0, math.prod(shape)).reshape(shape).clone()
+
+    def _quantized_running(self, pair: Pair, scale: torch.Tensor, shared: torch.Tensor | None,
+                           device: torch.device) -> Fp8Running:
+        if pair.per > 1 or pair.shared:
+            return fp4_running(pair, self.listing, scale, shared, device, self.crit, self.scratch)
         return fp8_running(pair, self.listing, scale, device, self.crit, self.scratch)
 
     def _oriented(self, pair: Pair, start: int, mine: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        theirs = self.other.read(self._other_name(pair), start, mine.numel())
-        return (mine, theirs) if self.merged_streams else (theirs, mine)
+        if self.merged_streams:
+            return mine, self.other.read(pair.reference_name, start, mine.numel())
+        return self.other.read(pair.merged_name, start // pair.per, mine.numel() // pair.per), mine
 
     def _other_name(self, pair: Pair) -> str:
         return pair.reference_name if self.merged_streams else pair.merged_name

@@ -1,6 +1,7 @@
-"""Benchmark merge + FP8 quantization in one run against merge to bf16, then a separate quantizer.
+"""Benchmark merge + quantization in one run against merge to bf16, then a separate quantizer.
 
     python tests/bench/bench_quantize.py [--size 0.8GB] [--world 8] [--repeats 3] [--work DIR] [--keep]
+    python tests/bench/bench_quantize.py --scheme nvfp4 [--repeats 1] [--peer-python .venv-peer/bin/python]
 
 The checkpoint is bench_fsdp.py's (make_ckpt.py: a verl-layout FSDP2 save of a Llama-shaped fp32 model, made
 once and reused). Rows, timed in every repeat in rotating order, page cache hot:
@@ -15,6 +16,10 @@ Peak RSS per rank for each. Checks: fp8-channel N=1 and N=2 byte for byte; the t
 tensors, and distmerge's dequantized weights are within the FP8 bound of the bf16 merge; how far each side's are is
 printed (compressed-tensors divides in bf16 with a bf16 scale, distmerge in float32 with a float32 scale: not the
 same bytes, by design).
+
+With --scheme nvfp4 or mxfp4 (bench_fp4.py), the rows are the issue's: torchrun N=2 `--dtype bf16 --quantize SCHEME`
+against torchrun N=2 `--dtype bf16` followed by llm-compressor's model_free_ptq (max_workers=2, in .venv-peer:
+peer_model_free_ptq.py), each a whole process; the check: the two outputs' tensors byte for byte.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import statistics
 import sys
 from pathlib import Path
 
+import bench_fp4
 from baseline_merge import rank_files
 from common import (
     HERE,
@@ -117,7 +123,9 @@ def agreement(ours: Path, theirs: Path, bf16: Path) -> list[str]:
 
 
 def main() -> int:
-    args = bench_args(__doc__, "/tmp/distmerge-bench", "checkpoint")
+    args = bench_args(__doc__, "/tmp/distmerge-bench", "checkpoint", more=bench_fp4.options)
+    if args.scheme != "fp8":
+        return bench_fp4.main(args)
     work = args.work.resolve()
     (work / "logs").mkdir(parents=True, exist_ok=True)
     try:

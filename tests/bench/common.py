@@ -54,9 +54,13 @@ def parse_size(text: str) -> int:
     return int(float(m[1]) * UNITS[(m[2] or "").upper()])
 
 
-def bench_args(doc: str, work: str, what: str) -> argparse.Namespace:
-    """The options both benchmarks take; `work` is the default folder, `what` names the checkpoint(s)."""
+def bench_args(doc: str, work: str, what: str,
+               more: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+    """The options both benchmarks take; `work` is the default folder, `what` names the checkpoint(s); `more` adds
+    a benchmark's own."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    if more:
+        more(parser)
     parser.add_argument("--size", type=parse_size, default=parse_size("0.8GB"), help="model bytes, fp32 (0.8GB)")
     parser.add_argument("--world", type=int, default=8, help=f"training world size W of the {what} (8)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per method; the median is reported (3)")
