@@ -56,7 +56,8 @@ RUNNING = frozenset({"device", "timeout", "progress", "group", "quiet", "debug",
                      "plot"})
 # (and each option that shapes the output, output_options.py: they are made into the request's `settings`)
 COMPUTED = frozenset({"budget", "atol", "rtol", "min_cosine"})
-WATCHING = frozenset({"once", "poll", "steps", "hf_upload_path"})  # watch's own: the WatchOptions around the merge
+# watch's own: the WatchOptions around the merge
+WATCHING = frozenset({"once", "poll", "steps", "hf_upload_path", "average_last"})
 
 
 def merge(input: str | os.PathLike | list, output: str | os.PathLike, **kwargs: Any) -> MergeResult:
@@ -145,7 +146,7 @@ def watch_request(values: Mapping[str, Any]) -> WatchOptions:
     check_places(run, output, values["hf_upload_path"])
     template = merge_request({k: v for k, v in values.items() if k not in WATCHING})
     return WatchOptions(run=run, output=output, template=template, once=values["once"], poll=values["poll"],
-                        steps=values["steps"], upload=values["hf_upload_path"])
+                        steps=values["steps"], upload=values["hf_upload_path"], average_last=values["average_last"])
 
 
 def run_watch(opts: WatchOptions, comm: Comm, *, show: bool) -> WatchResult:

@@ -427,8 +427,9 @@ RUN: dict[tuple[str, str], Run] = {
         layout={**ACTOR, "bumped": edited_copy(REF, bump("model.layers.1.mlp.down_proj.weight"))}),
     ("verify.md", "python -m distmerge verify --merged unfinished"): Run(
         layout={**VERIFY_PAGE, "unfinished": unfinished}),
-    ("watch.md", "python -m distmerge watch --input ckpts --output merged --once"): Run(layout={"ckpts": verl_run}),
+    ("watch.md", "latest_checkpointed_iteration.txt', 'w').write('300')"): Run(layout={"ckpts": verl_run}),
     ("watch.md", 'distmerge.watch("ckpts", "merged", once=True)'): Run(layout={"ckpts": verl_run}, check=watched),
+    ("watch.md", "--average-last 2\n"): Run(layout={"ckpts": verl_run}),
     ("verl.md", "python -m distmerge test --backend fsdp --local_dir actor --test_hf_dir original_hf_model"): Run(
         layout={"actor": LLAMA, "original_hf_model": REF}),
     ("verl.md", "torchrun --nproc-per-node 2 -m distmerge test --backend fsdp --local_dir actor --test_hf_dir bumped"):

@@ -38,7 +38,8 @@ SUBLAYERS = {
         1: ("steps", "summary"),
         2: ("done",),
         3: ("step",),
-        4: ("passes",),
+        4: ("average",),
+        5: ("passes",),
     },
 }
 # The modules that reach formats and families only through their registries (a package: all its modules).

@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 import distmerge
 from distmerge.front.cli import main as distmerge_main
 from distmerge.watcher import choose, markers
-from distmerge.watcher.outcome import DONE, ELSEWHERE, MERGED, RESUMED, WAITING
+from distmerge.watcher.outcome import DONE, ELSEWHERE, MERGED, RESUMED, TOO_FEW, WAITING
 from distmerge.watcher.steps import Step
 from tests.conftest import REPO, assert_exact, free_port, load_merged, reference_dir, tree_bytes, tree_digest
 from tests.test_verl_cli import FakeHub
@@ -353,3 +353,44 @@ def test_an_output_inside_the_run_is_not_taken_for_steps(trained, tmp_path, caps
     said = capsys.readouterr().out.split("distmerge watch: 3 step(s) merged in 1 pass(es)")[1]
     assert rows(said) == {f"global_step_{s}/actor": DONE for s in STEPS}
     assert tree_bytes(inner / "merged" / "global_step_6" / "actor") == tree_bytes(out / "global_step_6" / "actor")
+
+
+def formula(*states: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """issue #36's average, written out here: acc = 0 in float64, acc += float64(1/K) * float64(x_i) in step order,
+    cast once to the tensor's dtype."""
+    out = {}
+    for name, first in states[0].items():
+        acc = torch.zeros(first.shape, dtype=torch.float64)
+        for state in states:
+            acc += torch.tensor(1 / len(states), dtype=torch.float64) * state[name].to(torch.float64)
+        out[name] = acc.to(first.dtype)
+    return out
+
+
+def test_average_last_k_follows_the_last_finished_steps(trained, tmp_path, capsys):
+    """--average-last 2: waits while one step is finished; then the average of steps 2 and 4 (the formula over what
+    the job gathered), untouched by a pass that finds the same two; steps 2 and 6 once 4 is gone and 6 finished (the
+    first input the same, the second not); then 4 and 6."""
+    run = linked(trained[0], tmp_path / "run")
+    out, ref, avg = tmp_path / "out", trained[1], tmp_path / "out" / "average-last-2" / "actor"
+    state = {s: load_file(ref / f"global_step_{s}.safetensors") for s in STEPS}
+    mark(run, 2)
+    assert watch("--input", run, "--output", out, "--once", "--average-last", "2") == 0
+    said = capsys.readouterr().out
+    assert rows(said)["average-last-2"] == f"{TOO_FEW}: 1 of 2 steps finished" and not avg.exists()
+    mark(run, 4)
+    assert watch("--input", run, "--output", out, "--once", "--average-last", "2") == 0
+    assert rows(capsys.readouterr().out)["average-last-2/actor"] == MERGED
+    assert_exact(load_merged(avg), formula(state[2], state[4]))
+    before = tree_digest(out)
+    assert watch("--input", run, "--output", out, "--once", "--average-last", "2") == 0
+    assert rows(capsys.readouterr().out)["average-last-2/actor"] == DONE and tree_digest(out) == before
+    shutil.move(run / "global_step_4", tmp_path / "step_4")  # a keep-the-last-N policy removed it: the last 2 are 2, 6
+    mark(run, 6)
+    assert watch("--input", run, "--output", out, "--once", "--average-last", "2") == 0
+    assert rows(capsys.readouterr().out)["average-last-2/actor"] in (MERGED, RESUMED)
+    assert_exact(load_merged(avg), formula(state[2], state[6]))
+    shutil.move(tmp_path / "step_4", run / "global_step_4")
+    assert watch("--input", run, "--output", out, "--once", "--average-last", "2") == 0
+    assert rows(capsys.readouterr().out)["average-last-2/actor"] in (MERGED, RESUMED)
+    assert_exact(load_merged(avg), formula(state[4], state[6]))

@@ -29,7 +29,7 @@ from distmerge.errors import InputError
 from distmerge.input.source import is_source
 from distmerge.options import output_options
 from distmerge.output import is_store
-from distmerge.watcher.choose import parse_steps
+from distmerge.watcher.choose import parse_steps, positive_count
 
 SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
 COMMANDS = ("merge", "inspect", "verify", "watch")
@@ -128,6 +128,9 @@ OPTIONS: tuple[Opt | str, ...] = (
     Opt(name="steps", flags=("--steps",), commands=WATCH, kind="value", default="all", parse=parse_steps,
         metavar="WHICH", help="the steps to merge: all (default), latest, every:K (numbers that K divides), or "
                               "N,M (those numbers)"),
+    Opt(name="average_last", flags=("--average-last",), commands=WATCH, kind="value", parse=positive_count,
+        metavar="K", help="also average the last K finished steps (merge --average of their checkpoints, oldest "
+                          "first, weights 1/K) into OUT/average-last-K/, written again when a step finishes"),
     Opt(name="hf_upload_path", flags=("--hf-upload-path", "--hf_upload_path"), commands=WATCH, metavar="REPO",
         help="upload each merged step to this Hugging Face Hub repository, on a branch named after the step "
              "(global_step_200/actor: branch global_step_200-actor); needs huggingface_hub"),

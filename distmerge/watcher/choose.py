@@ -54,3 +54,10 @@ def chosen(choice: Choice, steps: Sequence[Any]) -> list[Any]:
         return [s for s in numbered if s.number in choice.numbers]
     last = max((s.number for s in numbered if s.finished), default=None)
     return [s for s in numbered if last is None or s.number > last or (s.number == last and s.finished)]
+
+
+def positive_count(text: str) -> int:
+    """--average-last K: how many of the last finished steps (at least 2: an average of one step is that step)."""
+    if text.strip().isdigit() and int(text) >= 2:
+        return int(text)
+    raise argparse.ArgumentTypeError(f"not a count of steps: {text!r} (a whole number, 2 or more)")

@@ -37,7 +37,7 @@ def merged_bytes(opts: MergeOptions) -> int | None:
         return None
     if _mine(run.get("options")) != _mine(expected_options(opts)):
         return None
-    if not all(_unchanged(Path(opts.input), path, seen) for path, seen in run["inputs"].items()):
+    if not _inputs_unchanged(opts, run["inputs"]):
         return None
     size = (index.get("metadata") or {}).get("total_size")
     return size if isinstance(size, int) else 0
@@ -60,6 +60,33 @@ def expected_options(opts: MergeOptions) -> dict[str, Any] | None:
 
 def _mine(options: Any) -> dict | None:
     return {k: v for k, v in options.items() if k != CONFIG} if isinstance(options, dict) else None
+
+
+def _inputs_unchanged(opts: MergeOptions, recorded: dict[str, Any]) -> bool:
+    """Every recorded input file unchanged, and every input of `opts` among them: an average's (watch
+    --average-last) other inputs are recorded by their own folder's absolute path (engine/resume.py), so a record of
+    other steps is never taken for these."""
+    inputs = [Path(p) for p in opts.inputs]
+    covered = set()
+    for path, seen in recorded.items():
+        if not Path(path).is_absolute():
+            if not _unchanged(inputs[0], path, seen):
+                return False
+            covered.add(0)
+            continue
+        owner = next((i for i, root in enumerate(inputs) if i and Path(path).is_relative_to(root.resolve())), None)
+        if owner is None or not _same(Path(path), seen):
+            return False
+        covered.add(owner)
+    return covered == set(range(len(inputs)))
+
+
+def _same(place: Path, seen: Any) -> bool:
+    try:
+        st = os.stat(place)
+    except OSError:
+        return False
+    return isinstance(seen, list) and [st.st_size, st.st_mtime_ns] == seen
 
 
 def _unchanged(step: Path, path: str, seen: Any) -> bool:

@@ -8,6 +8,7 @@ MERGED = "merged"
 RESUMED = "resumed"  # an interrupted merge finished: the files it had finished kept
 DONE = "merged earlier"  # its output is this merge already: untouched
 WAITING = "still being written"  # no finished marker yet
+TOO_FEW = "waiting for steps"  # --average-last K: fewer than K finished steps so far
 ELSEWHERE = "being merged by another watcher"  # its output's lock is held by a live merge
 FAILED = "failed"
 UPLOAD_FAILED = "upload failed"  # merged, but --hf_upload_path could not send it

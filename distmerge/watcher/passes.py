@@ -27,7 +27,7 @@ from distmerge.distributed.comm import Comm
 from distmerge.engine.run import MergeOptions
 from distmerge.errors import DistmergeError, InputError
 from distmerge.formats import registry
-from distmerge.watcher import steps, summary
+from distmerge.watcher import average, steps, summary
 from distmerge.watcher.choose import Choice, chosen
 from distmerge.watcher.outcome import AS_HF, DONE, FAILED, MERGED, NOTHING, RESUMED, WAITING, Outcome, WatchResult
 from distmerge.watcher.step import StepInterrupted, Target, merge, target
@@ -44,6 +44,7 @@ class WatchOptions:
     poll: float = 30.0
     steps: Choice = Choice("all")
     upload: str | None = None  # --hf_upload_path: a hub repository, a branch per step (step.branch)
+    average_last: int | None = None  # --average-last K: the last K finished steps averaged (average.py)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,7 +107,11 @@ def decide(opts: WatchOptions, memory: Memory) -> list[Planned]:
     """Rank 0: the pass's lines, step by step in the run's order."""
     skip = opts.output if isinstance(opts.output, Path) else None
     found = steps.find(opts.run, skip=skip)
-    return [line for s in chosen(opts.steps, found) for line in _lines(opts, memory, s)]
+    planned = [line for s in chosen(opts.steps, found) for line in _lines(opts, memory, s)]
+    if opts.average_last:
+        made = average.lines(opts.average_last, found, opts.template, opts.run, opts.output)
+        planned += [Planned(outcome=m) if isinstance(m, Outcome) else Planned(target=m) for m in made]
+    return planned
 
 
 def _lines(opts: WatchOptions, memory: Memory, s: steps.Step) -> list[Planned]:
