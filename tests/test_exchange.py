@@ -76,13 +76,18 @@ def plan() -> SimpleNamespace:
                            sources={f"t{k}": SimpleNamespace(fragments=[f]) for k, f in enumerate(frags)})
 
 
+def brings(k: int) -> tuple:
+    """Round k of plan() as the engine hands it to the exchange (Plan.brings): unit k, bringing its one source."""
+    return ((k, (f"t{k}",)),)
+
+
 def run(send_sets: int) -> Group:
     """The engine's order (engine.run_in_lockstep): round k+1 started before round k is waited for."""
     group = Group()
     ex = Exchanger(plan(), group, Reader(), send_sets=send_sets)
-    pending = ex.start((0,), 0)
+    pending = ex.start(brings(0), 0)
     for k in range(ROUNDS):
-        ahead = ex.start((k + 1,), (k + 1) % 2) if k + 1 < ROUNDS else None
+        ahead = ex.start(brings(k + 1), (k + 1) % 2) if k + 1 < ROUNDS else None
         pending.wait()
         pending = ahead
     return group
@@ -99,9 +104,9 @@ def test_one_send_set_sends_every_round_from_one_buffer_once_the_last_is_done():
     assert len(set(group.buffers)) == 1
     group = Group()
     ex = Exchanger(plan(), group, Reader(), send_sets=1)
-    ex.start((0,), 0)
+    ex.start(brings(0), 0)
     assert not group.works[0].done
-    ex.start((1,), 1)  # packs into round 0's buffer: round 0 has to be done first
+    ex.start(brings(1), 1)  # packs into round 0's buffer: round 0 has to be done first
     assert group.works[0].done and not group.works[1].done
 
 
@@ -110,6 +115,6 @@ def test_two_send_sets_alternate_and_do_not_wait():
     assert len(set(group.buffers)) == 2 and group.buffers[0] == group.buffers[2] != group.buffers[1]
     group = Group()
     ex = Exchanger(plan(), group, Reader(), send_sets=2)
-    ex.start((0,), 0)
-    ex.start((1,), 1)
+    ex.start(brings(0), 0)
+    ex.start(brings(1), 1)
     assert not group.works[0].done  # merge: round 0 still travels while round 1 is packed

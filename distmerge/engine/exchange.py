@@ -29,17 +29,19 @@ from distmerge.engine.plan import Plan
 from distmerge.engine.reader import Reader
 from distmerge.formats.base import Fragment
 
+Brought = tuple[tuple[int, tuple[str, ...]], ...]  # a round's units, each with the sources it brings (Plan.brings)
+
 
 def slot(nbytes: int) -> int:
     return (nbytes + 7) & ~7
 
 
-def lanes(plan: Plan, units: tuple[int, ...]) -> dict[tuple[int, int], list[Fragment]]:
-    """(reader, owner) -> fragments that cross ranks this round, in plan order."""
+def lanes(plan: Plan, brought: Brought) -> dict[tuple[int, int], list[Fragment]]:
+    """(reader, owner) -> fragments that cross ranks this round (`brought`: plan.brings(k)), in plan order."""
     out: dict[tuple[int, int], list[Fragment]] = defaultdict(list)
-    for i in units:
+    for i, names in brought:
         owner = plan.owner_of_unit[i]
-        for name in plan.units[i].sources:
+        for name in names:
             for frag in plan.sources[name].fragments:
                 reader = plan.readers[frag.file_index]
                 if reader != owner:
@@ -47,12 +49,12 @@ def lanes(plan: Plan, units: tuple[int, ...]) -> dict[tuple[int, int], list[Frag
     return out
 
 
-def held_back(plan: Plan, units: tuple[int, ...], me: int, reader: Reader) -> list[Fragment]:
+def held_back(plan: Plan, brought: Brought, me: int, reader: Reader) -> list[Fragment]:
     """The fragments this rank reads for its own units this round that come from an object store: read with the
     round's packing, in the same GETs (reads.py: a round's fragments of one object lie mostly side by side, the
     owners' interleaved), and held until the round is assembled, as if received from this rank. A local file's
     are read when the round is assembled (assemble.py), straight into their place."""
-    return reader.with_packing(frag for i in units if plan.owner_of_unit[i] == me for name in plan.units[i].sources
+    return reader.with_packing(frag for i, names in brought if plan.owner_of_unit[i] == me for name in names
                                for frag in plan.sources[name].fragments if plan.readers[frag.file_index] == me)
 
 
@@ -110,18 +112,19 @@ class Exchanger:
         self._last: Pending | None = None  # the round started last: still in flight when the next one is packed
         self._held = [torch.empty(0, dtype=torch.uint8)] * 2
 
-    def start(self, units: tuple[int, ...], slot_set: int = 0) -> Pending:
-        """Pack what this rank read for others and start sending, in buffer set `slot_set` (0 or 1: the
-        other set may still be in use by the previous round). Collective: every rank calls it."""
+    def start(self, brought: Brought, slot_set: int = 0) -> Pending:
+        """Pack what this rank read for others of a round (`brought`: plan.brings(k)) and start sending, in buffer
+        set `slot_set` (0 or 1: the other set may still be in use by the previous round). Collective: every rank
+        calls it."""
         if self.send_sets == 1 and self._last is not None and self.comm.device.type == "cpu":
             self._last.drain()  # its bytes have left the one send buffer (on a GPU they left it for a device copy)
-        self._last = self._start(units, slot_set)
+        self._last = self._start(brought, slot_set)
         return self._last
 
-    def _start(self, units: tuple[int, ...], slot_set: int) -> Pending:
-        crossing = lanes(self.plan, units)
+    def _start(self, brought: Brought, slot_set: int) -> Pending:
+        crossing = lanes(self.plan, brought)
         me, world = self.comm.rank, self.comm.world
-        own = held_back(self.plan, units, me, self.reader)
+        own = held_back(self.plan, brought, me, self.reader)
         if not crossing and not own:
             return Pending(None, None, [])
         outgoing = [crossing.get((me, d), []) for d in range(world)]

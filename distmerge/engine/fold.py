@@ -7,18 +7,23 @@ in the fold's order, once the round's fragments are all there:
     place_received   a fragment another rank read (or read with the packing): its bytes kept where they arrived
                      (the round's receive buffer), not copied
     place_local      a fragment this rank reads: noted, read only when its group's turn comes
-    finish           for each group k in order: its sources allocated and filled (received bytes copied in, local
-                     ones read straight into them), fold.step(state, k, tensors), the group's tensors dropped
-                     (those a later group shares kept until then); then fold.end(state) -> the targets (changed
-                     by a wrapping transform: --quantize's FP8), each cast to its dtype and handed to the output
+    advance          for each group k in order whose sources have all come: its sources allocated and filled
+                     (received bytes copied in, local ones read straight into them), fold.step(state, k, tensors),
+                     the group's tensors dropped (those a later group shares kept until then)
+    finish           advance; then fold.end(state) -> the targets (changed by a wrapping transform: --quantize's
+                     FP8), each cast to its dtype and handed to the output (asked for only now: a sink's output
+                     of a unit is made in the round that builds it)
 
-So an owner holds one input's tensors of a unit, the fold's state (an average: a float64 sum per target) and the
-round's received bytes, instead of all K inputs' tensors at once. Each fragment is still read once, by its reader.
+A unit over the budget is carried over several rounds (plan.portions: whole groups per round, in order): `advance`
+ends each round but the last, `finish` the last. So an owner holds one input's tensors of a unit, the fold's state
+(an average: a float64 sum per target) and one round's received bytes (under the budget, or one group), instead
+of all K inputs' tensors and bytes at once. Each fragment is still read once, by its reader.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 
@@ -32,29 +37,34 @@ from distmerge.families.base import Unit
 from distmerge.formats.base import Fragment
 
 
-def unit_build(unit: Unit, plan: Plan, writer: TargetOut, device: torch.device,
+def unit_build(unit: Unit, plan: Plan, output: Callable[[], TargetOut], device: torch.device,
                reader: Reader) -> UnitBuild | FoldBuild:
     """The build of one unit on its owner: a fold's group by group (a fold wrapped by --quantize's transform too),
-    any other's as assemble.UnitBuild."""
+    any other's as assemble.UnitBuild. `output()`: where its targets go (sink.Sink.output of the unit)."""
     if transforms.folded(unit.transform, unit.params) is not None:
-        return FoldBuild(unit, plan, writer, device, reader)
-    return UnitBuild(unit, plan, writer, device)
+        return FoldBuild(unit, plan, output, device, reader)
+    return UnitBuild(unit, plan, output(), device)
 
 
 class FoldBuild:
-    """One fold unit on its owner: `place` each fragment (local or received), then `finish` (module docstring)."""
+    """One fold unit on its owner: `place` each fragment (local or received), then `advance` or `finish` (module
+    docstring)."""
 
     direct = False
 
-    def __init__(self, unit: Unit, plan: Plan, writer: TargetOut, device: torch.device, reader: Reader) -> None:
-        self.unit, self.plan, self.writer, self.device, self.reader = unit, plan, writer, device, reader
+    def __init__(self, unit: Unit, plan: Plan, output: Callable[[], TargetOut], device: torch.device,
+                 reader: Reader) -> None:
+        self.unit, self.plan, self.output, self.device, self.reader = unit, plan, output, device, reader
         self.sources = [plan.sources[s] for s in unit.sources]
         self.fold, self.params, self.then = transforms.folded(unit.transform, unit.params)
         self.received: dict[str, list[tuple[Fragment, torch.Tensor | memoryview]]] = defaultdict(list)
         self.local: dict[str, list[Fragment]] = defaultdict(list)
-
-    def fragments(self) -> list[tuple[str, Fragment]]:
-        return [(s.meta.name, f) for s in self.sources for f in s.fragments]
+        self.groups = self.fold.groups(**self.params)
+        self.last = {i: k for k, group in enumerate(self.groups) for i in group}  # the last step each source serves
+        self.index = {name: i for i, name in enumerate(unit.sources)}
+        self.come: set[int] = set()  # the sources whose fragments have all been placed
+        self.held: dict[int, torch.Tensor] = {}  # sources assembled, kept for a later step
+        self.state, self.step = None, 0  # the fold's state, the next step
 
     def take_local(self, source: str, frag: Fragment) -> None:
         return None  # no place yet: read when its group is assembled (place_local)
@@ -65,25 +75,33 @@ class FoldBuild:
     def place_received(self, source: str, frag: Fragment, data: torch.Tensor | memoryview) -> None:
         self.received[source].append((frag, data))
 
+    def advance(self, brought: tuple[str, ...]) -> None:
+        """The steps whose sources have all come, in order, once this round's (`brought`) are placed: the round's
+        received bytes are used now, never kept past it."""
+        self.come.update(self.index[name] for name in brought)
+        while self.step < len(self.groups) and all(i in self.come for i in self.groups[self.step]):
+            group = self.groups[self.step]
+            for i in group:
+                if i not in self.held:
+                    self.held[i] = self._assemble(i)
+            self.state = self.fold.step(self.state, self.step, [self.held[i] for i in group], **self.params)
+            for i in group:
+                if self.last[i] == self.step:
+                    self.held.pop(i, None)
+            self.step += 1
+
     def finish(self) -> None:
-        groups = self.fold.groups(**self.params)
-        last = {i: k for k, group in enumerate(groups) for i in group}
-        state, held = None, {}
-        for k, group in enumerate(groups):
-            for i in group:
-                if i not in held:
-                    held[i] = self._assemble(i)
-            state = self.fold.step(state, k, [held[i] for i in group], **self.params)
-            for i in group:
-                if last[i] == k:
-                    held.pop(i, None)
-        produced = self.fold.end(state, **self.params)
+        """The last round's: every source has come; the remaining steps, the end, the targets written."""
+        self.advance(self.unit.sources)
+        produced = self.fold.end(self.state, **self.params)
+        self.state = None
         if self.then is not None:
             produced = self.then(produced)
+        writer = self.output()
         for target, tensor in zip(self.unit.targets, produced, strict=True):
             if tuple(tensor.shape) != target.shape:
                 raise LayoutError(f"{target.name}: built shape {list(tensor.shape)}, expected {list(target.shape)}")
-            self.writer.write(target.name, tensor.to(dtypes.torch_dtype(target.dtype)))
+            writer.write(target.name, tensor.to(dtypes.torch_dtype(target.dtype)))
 
     def _assemble(self, index: int) -> torch.Tensor:
         """Source `index` of the unit, whole: its received fragments copied in, its local ones read into it."""

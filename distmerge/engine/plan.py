@@ -5,7 +5,10 @@
                 --split --> output files by size, natural name order, one owner each (bytes balanced)
                 --spread--> only when whole files cannot balance the writing: units over the ranks of a host
                             (spread.py), a file then written by several ranks
-                --rounds--> per writer, batches of units under the byte budget; round k = every k-th batch
+                --rounds--> per writer, batches of units under the byte budget; round k = every k-th batch;
+                            a fold unit over the budget (an average's K inputs of one tensor) is carried over
+                            several rounds, each bringing whole groups of its sources (the fold's steps): its
+                            owner folds them as they come instead of receiving all K inputs in one round
 """
 
 from __future__ import annotations
@@ -15,12 +18,14 @@ import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from itertools import product
 from operator import attrgetter
 
 from distmerge import dtypes
 from distmerge.engine import spread
 from distmerge.errors import LayoutError
+from distmerge.families import transforms
 from distmerge.families.base import SourceMeta, Target, Unit
 from distmerge.formats.base import Fragment, InputFile
 from distmerge.output.names import GROUP_FILES, model_file_names
@@ -67,6 +72,35 @@ class Plan:
     notes: tuple[str, ...] = ()  # what the family decided (e.g. where a LoRA adapter went)
     config_updates: dict = field(default_factory=dict)  # config.json keys the family sets (written by finalize)
     quantized: schemes.Quantized | None = None  # --quantize: the scheme, for config.json's quantization_config
+    # unit -> the sources each of its rounds brings, in round order, for a unit carried over several rounds (rounds
+    # lists it in each); any other unit brings all its sources in its one round
+    carried: dict[int, tuple[tuple[str, ...], ...]] = field(default_factory=dict)
+
+    def brings(self, k: int) -> tuple[tuple[int, tuple[str, ...]], ...]:
+        """Round k's units, each with the sources whose fragments it brings in this round (none past the last)."""
+        units = self.rounds[k] if k < len(self.rounds) else ()
+        return tuple((i, self._portions.get((k, i), self.units[i].sources)) for i in units)
+
+    def last_round_of(self, unit: int, k: int) -> bool:
+        """Whether round k is the last that brings the unit's sources (so its targets are built in it)."""
+        j = self._count.get((k, unit))
+        return j is None or j == len(self.carried[unit]) - 1
+
+    @cached_property
+    def _count(self) -> dict[tuple[int, int], int]:
+        """(round, carried unit) -> which of its rounds this is (0, 1, ...): rounds hold each in order."""
+        seen: dict[int, int] = defaultdict(int)
+        at = {}
+        for k, units in enumerate(self.rounds):
+            for i in units:
+                if i in self.carried:
+                    at[(k, i)] = seen[i]
+                    seen[i] += 1
+        return at
+
+    @cached_property
+    def _portions(self) -> dict[tuple[int, int], tuple[str, ...]]:
+        return {(k, i): self.carried[i][j] for (k, i), j in self._count.items()}
 
     @property
     def total_bytes(self) -> int:
@@ -291,7 +325,7 @@ def make_plan(
                               writers=tuple(writers) if len(writers) > 1 else ()))
         for i in group:
             file_of[i] = f
-    rounds = _rounds(units, out, sources, owner_of, world, budget_bytes)
+    rounds, carried = _rounds(units, out, sources, owner_of, world, budget_bytes)
     return Plan(
         world=world,
         readers=readers,
@@ -303,6 +337,7 @@ def make_plan(
         file_of_unit=tuple(file_of),
         extra_files=extra_files or {},
         notes=notes,
+        carried=carried,
     )
 
 
@@ -325,22 +360,52 @@ def _local_bytes(units: list[Unit], sources: dict[str, SourceTensor], readers: t
     return out
 
 
-def _rounds(units, files, sources, owner_of, world, budget) -> tuple[tuple[int, ...], ...]:
-    """Each writer takes its units in file order in batches whose source bytes fit the budget."""
+def _rounds(units, files, sources, owner_of, world, budget) -> tuple[tuple[tuple[int, ...], ...], dict]:
+    """Each writer takes its units in file order in batches whose source bytes fit the budget; a fold unit over the
+    budget comes in portions (`portions`), each a batch item of its own. Returns the rounds and the carried units."""
     batches: list[list[list[int]]] = [[] for _ in range(world)]
     filled = [0] * world
+    carried: dict[int, tuple[tuple[str, ...], ...]] = {}
     for f in files:
         for i in f.units:
             need = sum(_source_bytes(sources[s].meta) for s in units[i].sources)
+            parts = portions(units[i], sources, budget) if need > budget else None
+            if parts is not None:
+                carried[i] = parts
             owner = owner_of[i]
             mine = batches[owner]
-            if not mine or filled[owner] + need > budget:
-                mine.append([])
-                filled[owner] = 0
-            mine[-1].append(i)
-            filled[owner] += need
+            for part in parts or (units[i].sources,):
+                need = sum(_source_bytes(sources[s].meta) for s in part)
+                if not mine or filled[owner] + need > budget:
+                    mine.append([])
+                    filled[owner] = 0
+                mine[-1].append(i)
+                filled[owner] += need
     depth = max((len(b) for b in batches), default=0)
-    return tuple(tuple(i for b in batches if k < len(b) for i in b[k]) for k in range(depth))
+    return tuple(tuple(i for b in batches if k < len(b) for i in b[k]) for k in range(depth)), carried
+
+
+def portions(unit: Unit, sources: dict[str, SourceTensor], budget: int) -> tuple[tuple[str, ...], ...] | None:
+    """A fold unit's sources in portions of whole groups, in the fold's order, each under the budget but for a group
+    over it alone (a source that several groups share comes with the first); None: not a fold, or one portion.
+    Consecutive portions together exceed the budget, so no batch holds two of one unit."""
+    folded = transforms.folded(unit.transform, unit.params)
+    if folded is None:
+        return None
+    fold, params, _ = folded
+    parts: list[list[str]] = [[]]
+    brought: set[str] = set()
+    size = 0
+    for group in fold.groups(**params):
+        new = list(dict.fromkeys(unit.sources[j] for j in group if unit.sources[j] not in brought))
+        nbytes = sum(_source_bytes(sources[s].meta) for s in new)
+        if parts[-1] and size + nbytes > budget:
+            parts.append([])
+            size = 0
+        parts[-1] += new
+        brought.update(new)
+        size += nbytes
+    return tuple(map(tuple, parts)) if len(parts) > 1 else None
 
 
 def _source_bytes(meta: SourceMeta) -> int:

@@ -182,9 +182,9 @@ class Reader:
         self.kept_bytes = 0
         if not self.source.plans_ahead:
             return
-        for units in plan.rounds:
-            for i in units:
-                for frag in (f for name in plan.units[i].sources for f in plan.sources[name].fragments):
+        for k in range(len(plan.rounds)):
+            for _, names in plan.brings(k):
+                for frag in (f for name in names for f in plan.sources[name].fragments):
                     if plan.readers[frag.file_index] == rank and frag.byte_offset >= 0:
                         at = (frag.byte_offset, frag.byte_offset + frag.nbytes)
                         self._planned.setdefault(frag.file_index, {}).setdefault(at, frag)

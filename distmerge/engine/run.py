@@ -55,6 +55,7 @@ from distmerge.engine.reader import Reader
 from distmerge.engine.sink import FileSink, Sink
 from distmerge.errors import CorruptInputError, Interrupted
 from distmerge.formats import registry
+from distmerge.formats.base import Fragment
 from distmerge.input.source import name_of
 from distmerge.output import lock, open_store, store_name
 from distmerge.output.lock import Lease
@@ -227,6 +228,7 @@ class Work:
     reader: Reader
     sink: Sink
     send_sets: int = 2  # exchange.Exchanger's: 1 for verify, whose rounds take longer to assemble than to travel
+    carrying: dict[int, FoldBuild] = field(default_factory=dict)  # this rank's units carried over several rounds
 
 
 def run_in_lockstep(works: tuple[Work, ...], comm: Comm, progress: Progress) -> None:
@@ -239,7 +241,7 @@ def run_in_lockstep(works: tuple[Work, ...], comm: Comm, progress: Progress) -> 
     depth = max((len(w.todo.rounds) for w in works), default=0)
 
     def start(k: int) -> list[Pending]:
-        return [x.start(_round(w.todo, k), k % 2) for x, w in zip(exchangers, works, strict=True)]
+        return [x.start(w.todo.brings(k), k % 2) for x, w in zip(exchangers, works, strict=True)]
 
     comm.phase(f"round 1 of {depth}")
     pending, ahead = start(0) if depth else [], []
@@ -248,7 +250,7 @@ def run_in_lockstep(works: tuple[Work, ...], comm: Comm, progress: Progress) -> 
             comm.phase(f"round {k + 1} of {depth}")
             ahead = start(k + 1) if k + 1 < depth else []
             done = comm.gather(lambda p=pending, k=k: _test_fault(k, comm.rank) or _test_stall(k, comm.rank) or sum(
-                _build(w.todo, _round(w.todo, k), pk, comm, w.reader, w.sink) for w, pk in zip(works, p, strict=True)))
+                _build(w, k, pk, comm) for w, pk in zip(works, p, strict=True)))
             progress.advance(sum(done))
             pending, ahead = ahead, []
             time.sleep(ROUND_DELAY_S)
@@ -257,10 +259,6 @@ def run_in_lockstep(works: tuple[Work, ...], comm: Comm, progress: Progress) -> 
             for work in (*pending, *ahead):
                 work.drain()
         raise
-
-
-def _round(todo: Plan, k: int) -> tuple[int, ...]:
-    return todo.rounds[k] if k < len(todo.rounds) else ()
 
 
 def _test_fault(k: int, rank: int) -> None:
@@ -318,35 +316,47 @@ def _kept_bytes(plan: Plan, begun: resume.Resumption) -> int:
     return sum(plan.files[i].nbytes for i in begun.kept)
 
 
-def _build(plan: Plan, units, pending: Pending, comm: Comm, reader: Reader, sink: Sink) -> int:
-    """Place this rank's fragments for the round's units (local ones while the exchange is in flight), hand the
-    targets to the sink, let it complete what it can. Returns the bytes of target built."""
-    me = comm.rank
-    builds = [unit_build(plan.units[i], plan, sink.output(i), comm.device, reader) for i in units
-              if plan.owner_of_unit[i] == me]
+def _build(work: Work, k: int, pending: Pending, comm: Comm) -> int:
+    """Place this rank's fragments for round k's units (local ones while the exchange is in flight), hand the
+    targets of the units that end in this round to the sink, let it complete what it can. A unit carried over
+    several rounds (Plan.carried) folds what this round brought and waits in `work.carrying`. Returns the bytes of
+    target built."""
+    plan, reader, sink, me = work.todo, work.reader, work.sink, comm.rank
+    builds = []
+    for i, names in plan.brings(k):
+        if plan.owner_of_unit[i] == me:
+            build = work.carrying.pop(i, None) or unit_build(plan.units[i], plan, lambda i=i: sink.output(i),
+                                                             comm.device, reader)
+            builds.append((i, names, build, [(name, f) for name in names for f in plan.sources[name].fragments]))
     try:
         _place_local(builds, plan, me, reader, pending.held)
     finally:
         received = pending.wait()  # the collective completes even when local work failed
-    held = pending.held
-    for build in builds:
-        for source, frag in build.fragments():
+    held, built = pending.held, 0
+    for i, names, build, fragments in builds:
+        for source, frag in fragments:
             if (reader_of := plan.readers[frag.file_index]) != me:
                 build.place_received(source, frag, received.take(reader_of, frag))
             elif held and frag in held:  # read from an object store with the packing (exchange.held_back)
                 build.place_received(source, frag, held[frag])
-        build.finish()
+        if plan.last_round_of(i, k):
+            build.finish()
+            built += sum(t.nbytes for t in build.unit.targets)
+        else:
+            build.advance(names)
+            work.carrying[i] = build
     sink.round_done()
-    return sum(t.nbytes for build in builds for t in build.unit.targets)
+    return built
 
 
-def _place_local(builds: list[UnitBuild | FoldBuild], plan: Plan, me: int, reader: Reader, held: dict) -> None:
+def _place_local(builds: list[tuple[int, tuple[str, ...], UnitBuild | FoldBuild, list[tuple[str, Fragment]]]],
+                 plan: Plan, me: int, reader: Reader, held: dict) -> None:
     """The fragments this rank reads for its own units, less those read with the packing (`held`), handed to one
     batch of the source's read policy (input/reads.py: a folder's small fragments that lie close in one read, an
     object's neighbours in one GET), straight into their place where they have one (UnitBuild.take_local)."""
     reads, rest = reader.batch(), []
-    for build in builds:
-        for source, frag in build.fragments():
+    for _, _, build, fragments in builds:
+        for source, frag in fragments:
             if plan.readers[frag.file_index] == me and frag not in held:
                 dest = build.take_local(source, frag) if reads.can_copy(frag) else None
                 (rest.append((build, source, frag)) if dest is None else reads.fill(frag, dest))

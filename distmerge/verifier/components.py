@@ -89,7 +89,8 @@ def _rounds(need: list[int], owners: list[int], world: int, budget: int) -> list
 
 def _imposed(plan: Plan, side: int, comps: list[list[tuple[int, int]]], owners: list[int],
              rounds: list[int]) -> Plan:
-    """`plan` doing only its units of the components, each on its component's owner, in its component's round."""
+    """`plan` doing only its units of the components, each on its component's owner, in its component's round
+    (a unit the plan carried over several rounds comes whole in that one: the components' rounds are joint)."""
     owner_of = list(plan.owner_of_unit)
     by_round: dict[int, list[int]] = defaultdict(list)
     for comp, owner, k in zip(comps, owners, rounds, strict=True):
@@ -98,4 +99,5 @@ def _imposed(plan: Plan, side: int, comps: list[list[tuple[int, int]]], owners: 
                 owner_of[unit] = owner
                 by_round[k].append(unit)
     depth = max(rounds, default=-1) + 1
-    return replace(plan, owner_of_unit=tuple(owner_of), rounds=tuple(tuple(sorted(by_round[k])) for k in range(depth)))
+    return replace(plan, owner_of_unit=tuple(owner_of), rounds=tuple(tuple(sorted(by_round[k])) for k in range(depth)),
+                   carried={})

@@ -1,6 +1,7 @@
 """Benchmark `distmerge merge --average` of K saves of one model against the plain way, beside cp of the K inputs.
 
     python tests/bench/bench_average.py [--size 0.8GB] [--world 8] [--k 4] [--repeats 3] [--work DIR] [--keep]
+    python tests/bench/bench_average.py --by-k [--k 4] [--budget 128MiB]   (memory against K: the issue's bound)
 
 Makes (once, then reuses) K verl-layout FSDP2 checkpoints of the Llama-shaped fp32 model of bench_fsdp.py
 (make_ckpt.py, seeds 1234, 1235, ...: K different sets of weights, as K steps of one run), then times, in every
@@ -8,6 +9,9 @@ repeat and in rotating order: cp (+sync) of the K inputs (the floor: every input
 written K times over), launch-only under python and torchrun, distmerge --average with 1 and 2 processes, and the
 plain way (peer_average.py: merge each, load all K with from_pretrained, average in torch, save_pretrained).
 Checks: distmerge N=1 and N=2 byte-identical; distmerge's tensors equal to the plain way's (torch.equal).
+
+--by-k: distmerge alone, N=1 and N=2, over the first K = 1, 2, ... k inputs (K = 1: a merge of one save), each run
+`--repeats` times: peak RSS per rank against K. Memory per rank bounded as for one input means flat in K.
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ def args_of() -> argparse.Namespace:
     parser.add_argument("--work", type=Path, default=Path("/tmp/distmerge-bench-average"), help="inputs + outputs")
     parser.add_argument("--keep", action="store_true", help="keep the outputs (the checkpoints are always kept)")
     parser.add_argument("--max-shard-size", default="5GB", help="passed to distmerge (5GB)")
+    parser.add_argument("--by-k", action="store_true", help="peak RSS per rank against K, distmerge alone")
+    parser.add_argument("--budget", default="", help="--budget passed to distmerge (its default: 128MiB)")
     return parser.parse_args()
 
 
@@ -88,9 +94,13 @@ class AverageBench(Bench):
         super().__init__(args, work, ROWS)
         self.ckpts = ckpts
 
-    def average(self, n: int) -> None:
-        more = tuple(a for c in self.ckpts[1:] for a in ("--input", str(c)))
-        self.distmerge(n, self.ckpts[0], extra=(*more, "--average"))
+    def average(self, n: int, k: int | None = None) -> None:
+        """distmerge --average of the first k inputs (all: k None) with n processes; k = 1: a merge of one save."""
+        ckpts = self.ckpts[: k or len(self.ckpts)]
+        more = tuple(a for c in ckpts[1:] for a in ("--input", str(c)))
+        budget = ("--budget", self.args.budget) if self.args.budget else ()
+        self.distmerge(n, ckpts[0], row=f"K={len(ckpts)} N={n}" if k else "", tag=f"k{k}" if k else "",
+                       extra=(*more, *(("--average",) if len(ckpts) > 1 else ()), *budget))
 
     def plain(self) -> None:
         dest = self.fresh("plain")
@@ -137,6 +147,27 @@ def table(bench: AverageBench, input_bytes: int) -> list[list[str]]:
     return rows
 
 
+def by_k(args: argparse.Namespace, work: Path, ckpts: list[Path]) -> int:
+    """Peak RSS per rank of distmerge N=1 and N=2 over the first K inputs, K = 1 .. k: the memory bound."""
+    runs = [(k, n) for k in range(1, args.k + 1) for n in (1, 2)]
+    bench = AverageBench(args, work, ckpts)
+    bench.times.update({f"K={k} N={n}": [] for k, n in runs})
+    for _ in range(args.repeats):
+        for k, n in runs:
+            bench.average(n, k)
+    rows = [["inputs K", "N=1 peak RSS", "N=1 own timer s", "N=2 peak RSS per rank", "N=2 own timer s"]]
+    for k in range(1, args.k + 1):
+        one, two = f"K={k} N=1", f"K={k} N=2"
+        rows.append([str(k), gb(max(bench.rss[one])), f"{statistics.median(bench.inner[one]):.2f}",
+                     " / ".join(gb(p) for p in bench.rss[two]), f"{statistics.median(bench.inner[two]):.2f}"])
+    width = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    print("\n" + "\n".join("| " + " | ".join(c.ljust(w) for c, w in zip(r, width, strict=True)) + " |" for r in rows))
+    print(f"\n- command: `python tests/bench/bench_average.py --by-k --k {args.k} --repeats {args.repeats}"
+          f"{' --budget ' + args.budget if args.budget else ''}`")
+    print(machine_line())
+    return 0
+
+
 def main() -> int:
     args = args_of()
     work = args.work.resolve()
@@ -149,6 +180,8 @@ def main() -> int:
         files = [f for c in ckpts for f in rank_files(c)]
         input_bytes = sum(p.stat().st_size for p in files)
         warm(files)
+        if args.by_k:
+            return by_k(args, work, ckpts)
         bench = AverageBench(args, work, ckpts)
         print(f"measuring the average of {args.k} checkpoints ({len(files)} rank files, {gb(input_bytes)}), hot "
               f"page cache, {args.repeats} repeat(s)")
