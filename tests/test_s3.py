@@ -218,7 +218,7 @@ def test_the_config_near_a_save_is_found_in_a_bucket_as_on_disk(s3, megatron_ckp
     `beside`: verl's actor/dist_ckpt/ + actor/huggingface/, the input naming dist_ckpt (the bucket once said `no
     config.json: ... has no huggingface/ folder`); `above`: the HF Trainer's run/config.json over run/ckpt/. Its
     tokenizer and generation config are copied from the bucket too (the folder is the source's, listed from memory:
-    shown to fail with finalize listing it on disk)."""
+    shown to fail, exit 1, with S3Source.holds not owning the folder, so that finalize looks for it on disk)."""
     _, s3c = s3
     run = tmp_path / layout
     if layout == "beside":

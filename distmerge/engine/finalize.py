@@ -84,13 +84,14 @@ def write_index(out: Store, plan: Plan) -> None:
     out.write_small(INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
 
 
-def finalize(out: Store, plan: Plan, config: dict[str, Any], hf_dir: Source, skip: tuple[str, ...] = ()) -> list[str]:
-    """`hf_dir`: the config folder, as a source looking at it (discover.config_source)."""
+def finalize(out: Store, plan: Plan, config: dict[str, Any], hf_source: Source, skip: tuple[str, ...] = ()) \
+        -> list[str]:
+    """`hf_source`: the config folder, as a source looking at it (discover.config_source)."""
     if not plan.model_files:  # only other groups (a LoRA adapter without its base): no config.json, no index, so
         write_manifest(out, plan)  # nothing looks like a model; the family's JSON (adapter_config.json) comes last
         write_extra_files(out, plan)
         return []
-    copied = copy_hf_files(hf_dir, out, skip)
+    copied = copy_hf_files(hf_source, out, skip)
     quantization = {"quantization_config": plan.quantized.config()} if plan.quantized else {}
     write_config(out, {**config, **plan.config_updates, **quantization}, main_dtype(plan))
     remove_strays(out, plan)
