@@ -216,13 +216,17 @@ def test_the_api_takes_urls_as_the_command_line_does(s3, cases):
 def test_the_config_near_a_save_is_found_in_a_bucket_as_on_disk(s3, megatron_ckpts, ds_ckpts, layout, tmp_path):
     """A config folder outside the prefix passed is found in a bucket as on disk, and the merges agree (#35):
     `beside`: verl's actor/dist_ckpt/ + actor/huggingface/, the input naming dist_ckpt (the bucket once said `no
-    config.json: ... has no huggingface/ folder`); `above`: the HF Trainer's run/config.json over run/ckpt/."""
+    config.json: ... has no huggingface/ folder`); `above`: the HF Trainer's run/config.json over run/ckpt/. Its
+    tokenizer and generation config are copied from the bucket too (the folder is the source's, listed from memory:
+    shown to fail, exit 1, with S3Source.holds not owning the folder, so that finalize looks for it on disk)."""
     _, s3c = s3
     run = tmp_path / layout
     if layout == "beside":
         ckpt = megatron_ckpts["megatron_dist_tp2pp2"]
         shutil.copytree(ckpt / "iter_0000001", run / "dist_ckpt")
         shutil.copytree(ckpt.parent / f"{ckpt.name}_reference" / "huggingface", run / "huggingface")
+        (run / "huggingface" / "tokenizer_config.json").write_text('{"model_max_length": 128}\n')
+        (run / "huggingface" / "generation_config.json").write_text('{"do_sample": false}\n')
         inside = "dist_ckpt"
     else:
         ckpt = ds_ckpts["ds_z0_bf16_w2"]
@@ -233,7 +237,8 @@ def test_the_config_near_a_save_is_found_in_a_bucket_as_on_disk(s3, megatron_ckp
     assert merge_inproc("--input", run / inside, "--output", tmp_path / "disk") == 0
     assert merge_inproc("--input", f"s3://ckpt/near-{layout}/{inside}", "--output", tmp_path / "bucket") == 0
     got, want = without_records(files_of(tmp_path / "bucket")), without_records(files_of(tmp_path / "disk"))
-    assert got.keys() == want.keys() and "config.json" in got
+    assert got.keys() == want.keys()
+    assert {"config.json", "tokenizer_config.json", "generation_config.json"} <= got.keys()
     assert [n for n in got if got[n] != want[n]] == []
 
 

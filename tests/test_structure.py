@@ -201,7 +201,7 @@ FS_METHODS = {"open", "read_bytes", "read_text", "write_bytes", "write_text", "e
 FS_MODULES = {"os", "shutil", "glob", "tempfile", "mmap", "pathlib"}  # io: its BytesIO is memory (io.open: above)
 PURE_PATHS = {"join", "basename", "dirname", "normpath", "relpath", "splitext", "sep"}  # names, not lookups
 # Lookups of a source by path, past the one the format was handed; each exception with its reason.
-LOOKUPS = {"of", "find", "session", "looking_at", "open_source", "open_input", "open_any", "tree_for", "InputTree"}
+LOOKUPS = {"of", "find", "session", "looking_at", "open_source", "open_input", "open_any", "InputTree"}
 LOOKUPS_ALLOWED = {
     "distmerge/formats/registry.py": {"looking_at"},  # detect/pick take a folder as well as a Source (verify, verl)
     "distmerge/formats/base_model.py": {"open_source"},  # --base-model: the user's own folder, a source of its own

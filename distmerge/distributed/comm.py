@@ -269,7 +269,7 @@ class Comm:
     def _attempt(self, work: Callable[[], T]) -> T | Failure:
         try:
             return work()
-        except DistmergeError as err:  # an object-store input's objects by their names, not their placeholders'
+        except DistmergeError as err:  # an object-store input's objects by their URLs, not the paths looked up by
             return Failure(rank=self.rank, kind=type(err).__name__, message=input_source.shown(str(err)),
                            trace=traceback.format_exc())
         except Exception as err:  # a bug or an environment fault: still one line, on every rank

@@ -43,9 +43,17 @@ def discover(root: Path | Source, fmt_name: str, hf_config: Path | None, options
         raise ConfigError(
             f"no config.json: {root} has no huggingface/ folder; pass --hf-config DIR with the model's config.json"
         )
-    if not hf_config and (walk := tree.tree_for(hf_dir)) is not None:
-        _check_hf_dir(walk, hf_dir)
-    return Discovery(scan=scan, config=read_config(src, hf_dir), hf_dir=str(hf_dir))
+    config = config_source(hf_dir)
+    if not hf_config and src.holds(hf_dir):
+        _check_hf_dir(config, hf_dir)
+    return Discovery(scan=scan, config=read_config(config), hf_dir=str(hf_dir))
+
+
+def config_source(hf_dir: Path | str) -> Source:
+    """The config folder as a source looking at it (`root` = the folder): the input's source where the folder is
+    the input's (inside it, or beside or above it in the same bucket: the format found it there), else the folder
+    as it is (--hf-config, --base-model: the user's own). Rank 0, at discovery and at finalize."""
+    return source.looking_at(hf_dir)
 
 
 def scan_input(src: Source, fmt_name: str, options: Mapping[str, Any]) -> Scan:
@@ -57,11 +65,11 @@ def scan_input(src: Source, fmt_name: str, options: Mapping[str, Any]) -> Scan:
     return replace(scan, walked=src.record(scan.root, paths) if src.tree is not None else None)
 
 
-def _check_hf_dir(walk: tree.InputTree, hf_dir: Path) -> None:
+def _check_hf_dir(config: Source, hf_dir: Path) -> None:
     """The config folder the format found inside the input is copied from: it must not lead out of it
     (an outside folder is the user's to name, with --hf-config)."""
     try:
-        walk.folder(hf_dir)
+        config.folder(hf_dir)
     except InputError:
         raise InputError(f"{hf_dir} leads outside the input folder (or is not a folder): distmerge does not "
                          "follow it; pass --hf-config DIR with the model's config folder if you trust it") from None
@@ -76,16 +84,15 @@ def check_input(input_dir: Any) -> Path:
     return src.root
 
 
-def read_config(src: Source, hf_dir: Path) -> dict[str, Any]:
-    """config.json of the config folder, through the input's source (which reads a folder the user named, outside
-    the input, as it is)."""
-    path = hf_dir / "config.json"
-    if not src.is_file(path):
+def read_config(config: Source) -> dict[str, Any]:
+    """config.json of the config folder (`config`: a source looking at it, config_source)."""
+    path = Path(config.root) / "config.json"
+    if not config.is_file(path):
         raise ConfigError(f"{path} does not exist; pass --hf-config DIR with the model's config.json")
     try:
-        config = src.read_json(path, tree.CONFIG_CAP, "model config")
+        found = config.read_json(path, tree.CONFIG_CAP, "model config")
     except InputError as err:
         raise ConfigError(f"{err}; or pass --hf-config DIR") from None
-    if not isinstance(config, dict):
+    if not isinstance(found, dict):
         raise ConfigError(f"{path} is not a JSON object; fix it or pass --hf-config DIR")
-    return config
+    return found

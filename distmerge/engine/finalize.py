@@ -12,6 +12,7 @@ from distmerge import dtypes
 from distmerge.engine.plan import Plan
 from distmerge.engine.resume import write_manifest
 from distmerge.input import tree
+from distmerge.input.source import Source
 from distmerge.output.names import INDEX_NAME, MODEL_FILES
 from distmerge.output.store import Store
 from distmerge.quantize import fp8
@@ -42,19 +43,20 @@ def write_config(out: Store, config: dict[str, Any], dtype: str | None) -> None:
     out.write_small("config.json", (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
 
 
-def copy_hf_files(hf_dir: Path, out: Store, skip: tuple[str, ...] = ()) -> list[str]:
-    """Tokenizer, generation config, chat template, custom code: regular files only, never links, each
-    opened once and checked (tree.read_chunks). Inside the input the listing is the one discovery
-    walked, so a config folder that leads out of the input is never read. `skip`: what the format knows
-    to be the trainer's own (a Trainer checkpoint folder doubles as the config folder)."""
-    walk = tree.tree_for(hf_dir)
-    names = walk.files_in(hf_dir) if walk else [p.name for p in sorted(hf_dir.iterdir())
-                                                   if not p.is_symlink() and p.is_file()]
+def copy_hf_files(config: Source, out: Store, skip: tuple[str, ...] = ()) -> list[str]:
+    """Tokenizer, generation config, chat template, custom code of the config folder (`config`: a source looking
+    at it, discover.config_source): its regular files only, never links, each opened once through the source and
+    checked (tree.read_chunks). Inside the input the source opens only what discovery walked, so a config folder
+    that leads out of the input is never read. `skip`: what the format knows to be the trainer's own (a Trainer
+    checkpoint folder doubles as the config folder)."""
+    folder = Path(config.root)
     copied = []
-    for name in names:
+    for name in config.listdir(folder):
         if name == "config.json" or name in skip or name.endswith(SKIP_SUFFIXES):
             continue
-        out.put_stream(name, tree.read_chunks(hf_dir / name))
+        if config.stat(folder / name, follow=False).kind != "file":  # a link, a folder, a FIFO: not copied
+            continue
+        out.put_stream(name, tree.read_chunks(folder / name, opener=config.open))
         copied.append(name)
     return copied
 
@@ -82,12 +84,14 @@ def write_index(out: Store, plan: Plan) -> None:
     out.write_small(INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
 
 
-def finalize(out: Store, plan: Plan, config: dict[str, Any], hf_dir: Path, skip: tuple[str, ...] = ()) -> list[str]:
+def finalize(out: Store, plan: Plan, config: dict[str, Any], hf_source: Source, skip: tuple[str, ...] = ()) \
+        -> list[str]:
+    """`hf_source`: the config folder, as a source looking at it (discover.config_source)."""
     if not plan.model_files:  # only other groups (a LoRA adapter without its base): no config.json, no index, so
         write_manifest(out, plan)  # nothing looks like a model; the family's JSON (adapter_config.json) comes last
         write_extra_files(out, plan)
         return []
-    copied = copy_hf_files(hf_dir, out, skip)
+    copied = copy_hf_files(hf_source, out, skip)
     quantization = {"quantization_config": plan.quantized.config()} if plan.quantized else {}
     write_config(out, {**config, **plan.config_updates, **quantization}, main_dtype(plan))
     remove_strays(out, plan)

@@ -148,7 +148,7 @@ def _merge(opts: MergeOptions, comm: Comm, progress: Progress, store: Store, hel
         ranks = comm.gather(lambda: sink.commit_shared(receipts) or _stats(comm.rank, reader, sink.writers, laps))
         comm.phase("finalize (rank 0 writes config.json and the index)")
         copied = [] if begun.complete else comm.root_only(
-            lambda: _still_ours(held, store) or finalize(store, plan, found.config, Path(found.hf_dir),
+            lambda: _still_ours(held, store) or finalize(store, plan, found.config, disc.config_source(found.hf_dir),
                                                           scan.not_model_files))
     except BaseException as err:
         if sink is not None:

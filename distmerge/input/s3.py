@@ -1,30 +1,28 @@
 """An input in an object store (`--input s3://bucket/prefix`) as a Source (source.py): listed once, read by ranged
 GETs. This file and its line in source.SCHEMES are all a new input store takes.
 
-The listing (one paginated LIST, at discovery, on rank 0) is laid out as empty placeholders (folders, and sparse
-files of each object's size and time) in a private temporary folder, which the walk (tree.py) and this source's
-lookups (listdir, is_file, stat ...: the local source's) answer from. No byte of a placeholder is read: `open`
-gives an `ObjectFile`, whose reads are ranged GETs pinned to the ETag listed (an object replaced since is an error,
-not a mix of two checkpoints), which cannot be mapped and asks to be read ahead (`map()` None, `by_request`). The
-listing travels with the scan (local.Walked): a rank on another host lays out the same placeholders at the same
-path. A folder beside or above the prefix (a config folder) is listed when a format asks for its config.json.
+The listing (one paginated LIST, at discovery, on rank 0) is held in memory (listed.Listed), and the formats'
+lookups (listdir, is_file, stat, resolve, folder ...) answered from it, by paths under a root no file system holds
+(nothing is laid out on disk). `open` gives an `ObjectFile`, whose reads are ranged GETs pinned to the ETag listed
+(an object replaced since is an error, not a mix of two checkpoints), which cannot be mapped and asks to be read
+ahead (`map()` None, `by_request`). The listing travels with the scan (local.Walked): every rank answers from it,
+by the same paths. A folder beside or above the prefix (a config folder) is listed when a format asks for its
+config.json, and is a folder of this source from then on.
 
 A request costs a round trip on S3 (and, on some servers, a read of the whole object), so reads are few and
 large: one GET can feed many destinations (`read_spans`: reads.Batch merges a round's fragments of an object);
 bytes read at discovery are served again from memory while the file is open (`keep`: a zip's directory and
 head) and, for the first and last 64 KiB of an object, for the whole merge (`ENDS`, kept by the source); and a
 check that would have cost a GET of its own (a zip record's local header) waits for the read that reaches its
-bytes (`expect`). Errors name the object (`s3://bucket/prefix/model_world_size_2_rank_0.pt`), not its
-placeholder (`shown`, which comm.py applies to every error that crosses ranks). What is kept (listings, checks,
-remembered ends) is the S3Source's: two merges keep their own.
+bytes (`expect`). Errors name the object (`s3://bucket/prefix/model_world_size_2_rank_0.pt`), not its path here
+(`shown`, applied by comm.py to every error that crosses ranks). What is kept (listings, checks, remembered ends)
+is the S3Source's: two merges keep their own.
 """
 
 from __future__ import annotations
 
-import atexit
-import bisect
 import os
-import shutil
+import secrets
 import tempfile
 import threading
 from collections.abc import Callable
@@ -36,10 +34,11 @@ from typing import Any
 from distmerge import s3_client
 from distmerge.errors import CorruptInputError, InputError
 from distmerge.input import source
-from distmerge.input.local import LocalSource
+from distmerge.input.listed import Listed
+from distmerge.input.local import LocalSource, Walked
 from distmerge.input.reads import Batch
-from distmerge.input.source import Expected
-from distmerge.input.tree import MAX_ENTRIES, InputTree
+from distmerge.input.source import Checks, Expected
+from distmerge.input.tree import MAX_ENTRIES, host_id
 
 WIDEN = 1 << 16  # a GET starts at most this much earlier to take in a header to check (Expected)
 PIECE = 1 << 20  # a GET's body is handed to its destinations in pieces of this size (nothing holds it whole)
@@ -47,13 +46,13 @@ PIECE = 1 << 20  # a GET's body is handed to its destinations in pieces of this 
 
 @dataclass(frozen=True, kw_only=True)
 class Listing:
-    """What the LIST saw: the object under each placeholder path, relative to the placeholder root."""
+    """What the LIST saw: the object under each name, relative to the root path it is looked up by."""
 
     url: str  # s3://bucket/prefix, as given
     bucket: str
     prefix: str
-    root: str  # the placeholder root (same path on every host)
-    top: str  # the private temporary folder it lies in, removed at exit by the process that made it
+    root: str  # top/bucket/prefix: the path formats name the objects by (same on every host; never on disk)
+    top: str  # a folder no file system holds, this listing's own: every path under it is answered from memory
     objects: dict[str, tuple[int, int, str]] = field(default_factory=dict)  # rel -> (size, mtime_ns, etag)
 
     def key(self, rel: str) -> str:
@@ -63,14 +62,13 @@ class Listing:
         return f"{s3_client.SCHEME}{self.bucket}/{self.key(rel)}"
 
     def source(self) -> S3Source:
-        """The source a rank that did not list opens the objects by: the same placeholders, laid out here."""
-        lay_out(self)
+        """The source a rank that did not list opens the objects by: the same listing, the same paths."""
         return S3Source(self.url, self)
 
 
 def listing(url: str, cap: int, top: str | None = None, one_level: bool = False) -> Listing:
-    """Rank 0, at discovery: list the prefix once and lay out its placeholders. One line for a missing bucket,
-    an empty prefix, denied access or more than `cap` objects."""
+    """Rank 0, at discovery: list the prefix once. One line for a missing bucket, an empty prefix, denied access or
+    more than `cap` objects."""
     loc = s3_client.parse(url, "input", InputError)
     try:
         found = s3_client.list_objects(loc, cap, one_level)
@@ -82,7 +80,7 @@ def listing(url: str, cap: int, top: str | None = None, one_level: bool = False)
         raise InputError(f"cannot list input {url}: {s3_client.describe(err)}") from None
     if not found:
         raise InputError(f"input {url} does not exist (no object under it)")
-    top = top or os.path.realpath(tempfile.mkdtemp(prefix="distmerge-input-"))
+    top = top or os.path.join(tempfile.gettempdir(), f"distmerge-input-{secrets.token_hex(8)}")  # never made
     root = os.path.join(top, loc.bucket, loc.prefix).rstrip("/")
     start = len(loc.prefix) + 1 if loc.prefix else 0
     objects = {}
@@ -92,11 +90,7 @@ def listing(url: str, cap: int, top: str | None = None, one_level: bool = False)
             continue
         objects[_checked(url, rel)] = (int(obj["Size"]), int(obj["LastModified"].timestamp() * 1e9),
                                        str(obj.get("ETag", "")))
-    made = Listing(url=url.rstrip("/"), bucket=loc.bucket, prefix=loc.prefix, root=root, top=top,
-                   objects=objects)
-    if not one_level:
-        lay_out(made)
-    return made
+    return Listing(url=url.rstrip("/"), bucket=loc.bucket, prefix=loc.prefix, root=root, top=top, objects=objects)
 
 
 def _checked(url: str, rel: str) -> str:
@@ -107,55 +101,8 @@ def _checked(url: str, rel: str) -> str:
     return rel
 
 
-def lay_out(made: Listing) -> None:
-    """The placeholders at `made.root`, unless this host has them already: built beside it, then renamed into
-    place, so that a rank never sees half of them."""
-    if os.path.isdir(made.root):
-        return
-    parent = os.path.dirname(made.root)
-    os.makedirs(parent, exist_ok=True)
-    build = tempfile.mkdtemp(prefix=".building-", dir=parent)
-    try:
-        for rel, (size, mtime_ns, _) in made.objects.items():
-            path = os.path.join(build, rel)
-            try:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                with open(path, "wb") as f:
-                    f.truncate(size)  # sparse: no data, only the size formats see
-                os.utime(path, ns=(mtime_ns, mtime_ns))
-            except (IsADirectoryError, NotADirectoryError, FileExistsError):
-                raise InputError(f"input {made.url}: {made.url_of(rel)} is both an object and a folder of "
-                                 "objects: not a checkpoint distmerge can read") from None
-        os.rename(build, made.root)
-        atexit.register(shutil.rmtree, made.top, ignore_errors=True)
-    except OSError:
-        shutil.rmtree(build, ignore_errors=True)
-        if not os.path.isdir(made.root):  # another rank of this host won the rename: theirs is the same
-            raise
-
-
-class _Checks:
-    """The checks of one object not yet made in this process, sorted by `at`; their guarded ranges are disjoint."""
-
-    def __init__(self, items: list[Expected]) -> None:
-        self.items = sorted(items, key=lambda c: c.at)
-        self.starts = [c.at for c in self.items]
-        self.done: set[int] = set()
-
-    def due(self, lo: int, hi: int) -> list[Expected]:
-        """The checks a read of [lo, hi) must make, in file order."""
-        k = bisect.bisect_left(self.starts, hi) - 1
-        out = []
-        while k >= 0 and self.items[k].until > lo:
-            if self.items[k].at not in self.done:
-                out.append(self.items[k])
-            k -= 1
-        return out[::-1]
-
-
-# Small reads at either end of an object are remembered by the source: discovery reads the ends of a rank file
-# several times (copies.first_copy hashes 64 KiB at each end, archive_name reads the first record's name,
-# zip_records the directory at the end and the pickle at the start), each a GET of its own otherwise.
+# Small reads at either end of an object are remembered by the source: discovery reads a rank file's ends several
+# times (copies.first_copy hashes 64 KiB at each, archive_name the first record's name, zip_records the directory).
 ENDS = 1 << 16
 ENDS_KEPT = 256  # objects whose ends are remembered (the oldest forgotten first): at most 32 MiB
 CONCURRENT = 8  # small reads of several objects made at once (each a round trip): S3Source.each
@@ -163,71 +110,124 @@ CONFIG_OBJECTS = 10_000  # files a folder outside the prefix may hold to be list
 
 
 class S3Source(LocalSource):
-    """`s3://bucket/prefix`: its placeholders walked as a folder, its objects read by ranged GETs."""
+    """`s3://bucket/prefix`: its listing looked up in memory, its objects read by ranged GETs. Paths outside the
+    listing's `top` (a folder the user named) are the local source's."""
 
     plans_ahead = True
 
     def __init__(self, url: str, made: Listing | None = None) -> None:
-        self.url, self.listing, self.tree, self.records = url.rstrip("/"), made, None, []
-        self.root = Path(made.root) if made is not None else Path(self.url)
+        self.url, self.listing, self.tree, self.records = url.rstrip("/"), None, None, []
+        self.root = Path(self.url)
+        self.names: Listed | None = None
         self.beside: list[Listing] = []  # folders outside the prefix listed since (a config folder's files)
         self._looked: set[str] = set()
         self.lock = threading.Lock()
-        self.checks: dict[tuple[str, str, str], _Checks] = {}  # (bucket, key, etag) -> its checks
+        self.checks: dict[tuple[str, str, str], Checks] = {}  # (bucket, key, etag) -> its checks
         self.ends: dict[tuple[str, str, str], list[tuple[int, bytes]]] = {}  # remembered ends (ENDS)
+        if made is not None:
+            self._use(made)
+
+    def _use(self, made: Listing) -> None:
+        self.listing, self.root, self.names = made, Path(made.root), Listed(made.top)
+        both = self.names.add(made.root, ((rel, size, mtime) for rel, (size, mtime, _) in made.objects.items()))
+        if both is not None:
+            raise InputError(f"input {made.url}: {made.url_of(os.path.relpath(both, made.root))} is both an object "
+                             "and a folder of objects: not a checkpoint distmerge can read")
 
     def walk(self) -> None:
-        self.listing = listing(self.url, MAX_ENTRIES)
-        self.root, self.tree = Path(self.listing.root), InputTree(Path(self.listing.root))
+        self._use(listing(self.url, MAX_ENTRIES))
+        self.tree = self.listing  # what the walk saw, on the process that made it
 
-    def _listing(self) -> Listing | None:
-        return self.listing  # what the other ranks make this source again from
-
-    def _file(self, shown: Path | str, rel: str, size: int | None, ident: tuple[int, int] | None) -> ObjectFile:
-        return ObjectFile(self, self.listing, os.path.normpath(rel))
-
-    def holds(self, path: Path | str) -> bool:
-        return super().holds(path) or self._beside(os.path.abspath(path)) is not None
-
-    def _held(self, path: Path | str) -> ObjectFile | None:
-        found = super()._held(path)
-        if found is not None:
-            return found
+    # -- what the formats ask (rank 0), answered from the listing -------------------------------------------------
+    def _mine(self, path: Path | str) -> str | None:
+        """`path` as the listing's to answer (under its top), or None: a folder the user named, on disk."""
         full = os.path.abspath(path)
-        made = self._beside(full)
-        return ObjectFile(self, made, os.path.relpath(full, made.root)) if made is not None else None
+        return full if self.names is not None and self.names.holds(full) else None
 
-    def _beside(self, full: str) -> Listing | None:
-        return next((m for m in self.beside if os.path.dirname(full) == m.root and os.path.basename(full) in
-                     m.objects), None)
+    def _ask(self, name: str, path: Path | str, *args: Any) -> Any:
+        """A lookup answered from the listing under its top; elsewhere (a folder the user named) the local one."""
+        full = self._mine(path)
+        return getattr(LocalSource, name)(self, path, *args) if full is None else getattr(self.names, name)(full)
+
+    def listdir(self, folder: Path | str) -> list[str]:
+        return self._ask("listdir", folder)
 
     def is_file(self, path: Path | str) -> bool:
-        """A placeholder's; the files of a folder outside the prefix, in the same bucket (a config folder beside
+        """A listed object; the files of a folder outside the prefix, in the same bucket (a config folder beside
         the save, or above it), are listed the first time one is asked about: one LIST of that folder's own files."""
-        full = os.path.abspath(path)
-        bucket_dir = os.path.join(self.listing.top, self.listing.bucket)
-        folder = os.path.dirname(full)
-        inside = full.startswith(self.listing.root + "/")
-        if not inside and folder.startswith(bucket_dir + "/") and folder not in self._looked:
-            self._looked.add(folder)
-            self._list_beside(folder, bucket_dir)
-        return os.path.isfile(full)
+        if (full := self._mine(path)) is not None:
+            self._look_beside(os.path.dirname(full))
+        return self._ask("is_file", path)
 
-    def _list_beside(self, folder: str, bucket_dir: str) -> None:
-        """Its files laid out as placeholders in place (rank 0 alone looks there: no other rank races it)."""
-        url = f"{s3_client.SCHEME}{self.listing.bucket}/{os.path.relpath(folder, bucket_dir)}"
+    def is_dir(self, path: Path | str) -> bool:
+        return self._ask("is_dir", path)
+
+    def exists(self, path: Path | str) -> bool:
+        return self._ask("exists", path)
+
+    def stat(self, path: Path | str, follow: bool = True) -> source.Stat:
+        return self._ask("stat", path, follow)
+
+    def resolve(self, path: Path | str) -> tuple[Path, str]:
+        full = os.path.abspath(path)  # a bucket has no links: a path inside leads where it says
+        return Path(full), "" if self._inside(full) is not None else "outside the input"
+
+    def folder(self, path: Path | str) -> Path:
+        """A folder of the listing, or a config folder listed beside it (is_file)."""
+        full = os.path.abspath(path)
+        if (self._inside(full) is None and full not in (m.root for m in self.beside)) or not self.names.is_dir(full):
+            raise InputError(f"{path} is not a folder of the input (missing, or outside it): distmerge does not open "
+                             "it")
+        return Path(full)
+
+    def _inside(self, full: str) -> str | None:
+        """The name of `full` within the prefix ("": the prefix itself), or None."""
+        root = str(self.root)
+        return "" if full == root else full[len(root) + 1:] if full.startswith(root + "/") else None
+
+    def _look_beside(self, folder: str) -> None:
+        """A folder of the bucket outside the prefix, listed once: its own files (rank 0 alone looks there)."""
+        made = self.listing
+        bucket_dir = os.path.join(made.top, made.bucket)
+        if self._inside(folder) is not None or not folder.startswith(bucket_dir + "/") or folder in self._looked:
+            return
+        self._looked.add(folder)
+        url = f"{s3_client.SCHEME}{made.bucket}/{os.path.relpath(folder, bucket_dir)}"
         try:
-            made = listing(url, CONFIG_OBJECTS, top=self.listing.top, one_level=True)
+            near = listing(url, CONFIG_OBJECTS, top=made.top, one_level=True)
         except InputError:  # nothing there (or more than a config folder holds): not the folder looked for
             return
-        os.makedirs(folder, exist_ok=True)
-        for name, (size, mtime_ns, _) in made.objects.items():
-            if not os.path.lexists(path := os.path.join(folder, name)):
-                with open(path, "wb") as f:
-                    f.truncate(size)
-                os.utime(path, ns=(mtime_ns, mtime_ns))
-        self.beside.append(made)
+        new = [(n, size, mtime) for n, (size, mtime, _) in near.objects.items()
+               if not self.names.is_dir(os.path.join(folder, n))]  # a folder of the listing stays one
+        self.names.add(folder, new)
+        self.beside.append(near)
 
+    def record(self, folder: Path | str, paths: Any) -> Walked:
+        walked = Walked(root=str(self.root), host=host_id(), listing=self.listing)
+        for path in paths:
+            full = os.path.abspath(path)
+            rel = self._inside(full)
+            if rel not in self.listing.objects:
+                raise InputError(f"{path} is not a regular file of the input (missing, or changed since distmerge "
+                                 "listed the folder)")
+            walked.files[full] = (rel, self.listing.objects[rel][0], 0, 0)
+        return walked
+
+    # -- every rank: the objects by their listing ---------------------------------------------------------------
+    def holds(self, path: Path | str) -> bool:
+        full = os.path.abspath(path)
+        return self.listing is not None and (self._inside(full) is not None or any(
+            full == m.root or os.path.dirname(full) == m.root for m in self.beside))
+
+    def _held(self, path: Path | str) -> ObjectFile | None:
+        full = os.path.abspath(path)
+        rel = self._inside(full) if self.listing is not None else None
+        if rel is not None:
+            return ObjectFile(self, self.listing, os.path.normpath(rel))
+        made = next((m for m in self.beside if os.path.dirname(full) == m.root), None)
+        return ObjectFile(self, made, os.path.basename(full)) if made is not None else None
+
+    # -- the read policy ---------------------------------------------------------------------------------------
     def batch(self, reader: Any) -> Batch:
         return Batch(reader)
 
@@ -275,7 +275,7 @@ class ObjectFile:
     def expect(self, checks: list[Expected]) -> None:
         """Checks to make before the bytes they guard are handed out, by any read of this object in this process
         (zip_records: the records' local headers). Those whose bytes are already kept are made now."""
-        made = _Checks(checks)
+        made = Checks(checks)
         with self.src.lock:
             self.src.checks[self._id] = made
         for check in checks:

@@ -29,7 +29,7 @@ assigns input files (plan.readers):
     rounds    readers        batch(reader) -> a round's reads     the read policy: merged ranged GETs (objects),
                                                                   or Reader.fill's spans (files)
     errors    every rank     shown(message)                       the message naming the input as the user
-                                                                  named it (an object's URL, not a placeholder)
+                                                                  named it (an object's URL, not its path)
     exit      every process  session.forget()                     nothing of the input kept (api.as_found)
 
 Formats and the engine never ask which kind of source they read: a lookup that works on a disk works in a bucket.
@@ -43,6 +43,7 @@ The sources of a merge are bound to it, not to the process (`Session`, in a Cont
 
 from __future__ import annotations
 
+import bisect
 import contextvars
 import importlib
 import mmap
@@ -97,6 +98,27 @@ class Expected:
     check: Callable[[bytes], None]
 
 
+class Checks:
+    """The checks (Expected) of one file read by request not yet made in this process, sorted by `at`; their
+    guarded ranges are disjoint (s3.ObjectFile.expect)."""
+
+    def __init__(self, items: list[Expected]) -> None:
+        self.items = sorted(items, key=lambda c: c.at)
+        self.starts = [c.at for c in self.items]
+        self.done: set[int] = set()
+
+    def due(self, lo: int, hi: int) -> list[Expected]:
+        """The checks a read of [lo, hi) must make, in file order."""
+        k = bisect.bisect_left(self.starts, hi) - 1
+        out = []
+        while k >= 0 and self.items[k].until > lo:
+            if self.items[k].at not in self.done:
+                out.append(self.items[k])
+            k -= 1
+        return out[::-1]
+
+
+
 @dataclass(frozen=True, kw_only=True)
 class Stat:
     """What a source says of one path (Source.stat)."""
@@ -108,8 +130,8 @@ class Stat:
 
 class Source(Protocol):
     url: str  # as messages name the input
-    root: Path  # where the formats look: the folder, or the placeholders of a listing
-    tree: Any  # tree.InputTree of `root` on the process that walked it, else None
+    root: Path  # where the formats look: the folder, or the path a listing's names are looked up by
+    tree: Any  # what the walk saw (tree.InputTree, s3.Listing) on the process that walked it, else None
     plans_ahead: bool  # the read policy: a round's reads may take later rounds' fragments in passing, and an
     # owner's own fragments are read with the packing (reads.Batch); False: each round reads its own (Reader.fill)
 

@@ -136,13 +136,6 @@ class InputTree:
         """Whether an absolute path lies in this tree (lexically, by either name of its root)."""
         return any(full == str(r) or full.startswith(str(r) + "/") for r in (self.root, self.given))
 
-    def files_in(self, folder: Path | str) -> list[str]:
-        """Names of the regular files (not links) directly in a folder of the input."""
-        base = os.path.relpath(self.folder(folder), self.root)
-        prefix = "" if base == "." else base + "/"
-        return sorted(p[len(prefix):] for p, e in self.entries.items() if e.kind == "file" and p.startswith(prefix)
-                      and "/" not in p[len(prefix):])
-
 
 def _leaves(rel: str) -> bool:
     """A relative path (from os.path.relpath) that climbs out of its base (`..foo` is a name inside)."""
@@ -173,13 +166,6 @@ def host_id() -> str:
     except OSError:
         boot = ""
     return f"{socket.gethostname()}/{boot}"
-
-
-def tree_for(path: Path | str) -> InputTree | None:
-    """The walked input folder of this merge that holds `path` (lexically: links are judged by the tree), if any."""
-    src = source.find(path)
-    walk = src.tree if src is not None else None
-    return walk if walk is not None and walk.contains(os.path.abspath(path)) else None
 
 
 # -- opening: through the record, never by a path the file system resolves --------------------------------
@@ -344,10 +330,11 @@ def read_json(path: Path, cap: int, what: str, opener: Opener = open_input):
         raise InputError(f"{path} is not valid JSON ({str(err)[:120]}): fix or remove it") from None
 
 
-def read_chunks(src: Path, cap: int = COPY_CAP) -> Iterator[bytes]:
+def read_chunks(src: Path, cap: int = COPY_CAP, opener: Opener = open_input) -> Iterator[bytes]:
     """One file of the config folder, for the output (tokenizer model, custom code), in 1 MiB pieces: a regular
-    file of bounded size, read from the fd that was checked (never reopened by name)."""
-    with open_input(src) as f:
+    file of bounded size, read from the file that was checked (never reopened by name); opened by `opener` (its
+    source's open)."""
+    with opener(src) as f:
         if f.size > cap:
             raise InputError(f"{src} is larger than distmerge copies ({cap:,} bytes): copy it yourself")
         copied = 0
