@@ -38,6 +38,7 @@ from distmerge import dtypes
 from distmerge.distributed.comm import Comm
 from distmerge.engine import plan as planning
 from distmerge.engine.finalize import main_dtype
+from distmerge.engine.inputs import scans
 from distmerge.engine.plan import Plan
 from distmerge.engine.reader import Reader
 from distmerge.engine.run import plan_checkpoint, run_rounds
@@ -86,7 +87,8 @@ def verify_checkpoint(opts: VerifyOptions, comm: Comm, role: str = "merged") -> 
         per_rank = comm.gather(lambda: sink.checks)
     finally:
         reader.close()
-    said = (found.scan.format, (*found.scan.notes, *plan.notes))
+    # an average's formats, in the order given ("fsdp + dcp")
+    said = (" + ".join(s.format for s in scans(found.scan)), (*found.scan.notes, *plan.notes))
     mine = dict(format=said[0], notes=said[1]) if role == "merged" else dict(
         format=None, notes=(), reference_format=said[0], reference_notes=said[1])
     return Compared(checks=[*listing.settled, *(c for mine in per_rank for c in mine)],
