@@ -89,7 +89,7 @@ def kinds(opts: VerifyOptions) -> tuple[bool, bool]:
     merged = averaged or _is_checkpoint(opts.merged, also_unmarked=True)
     reference = _is_checkpoint(opts.reference, also_unmarked=False)
     if opts.logits and (merged or reference):
-        which = f"--merged {name_of(opts.merged.location)}" if merged else f"--reference {opts.reference.location}"
+        which = f"--merged {opts.merged.named}" if merged else f"--reference {opts.reference.named}"
         raise InputError(f"--logits runs both models, and {which} is a checkpoint: merge it first (merge "
                          "--verify-against runs verify after the merge), then verify the merged folder with --logits")
     _refuse(_given(opts.merged, MERGE_FLAGS) if not merged else [], opts.merged, "--merged")
