@@ -71,9 +71,10 @@ def test_a_changed_tensor_fails_and_is_named(two, tmp_path, capsys):
 
 
 def test_the_api_takes_a_list_of_checkpoints(two, tmp_path):
-    ref = formula_model(two, tmp_path / "ref")
-    result = distmerge.verify([str(c) for c in two], ref, average=True)
-    assert result.passed and result.format == "fsdp + dcp" and "average of 2 inputs, weights 1/2 each" in result.notes
+    """The notes are the average's (its weights as given), the format each input's."""
+    ref = formula_model(two, tmp_path / "ref", [0.75, 0.25])
+    result = distmerge.verify([str(c) for c in two], ref, average=True, average_weights=[0.75, 0.25])
+    assert result.passed and result.format == "fsdp + dcp" and "average of 2 inputs, weights 0.75, 0.25" in result.notes
     assert not distmerge.verify(two, formula_model(two, tmp_path / "bad", bump=NAME), average=True).passed
 
 
