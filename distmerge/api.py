@@ -41,6 +41,7 @@ from distmerge.options.cli_options import base_model_dir, format_options, output
 
 if TYPE_CHECKING:
     from distmerge.distributed.comm import Comm
+    from distmerge.engine.inputs import InputSpec
     from distmerge.engine.run import MergeOptions
     from distmerge.results import MergeResult
     from distmerge.verifier.listing import VerifyOptions
@@ -56,6 +57,9 @@ RUNNING = frozenset({"device", "timeout", "progress", "group", "quiet", "debug",
                      "plot"})
 # (and each option that shapes the output, output_options.py: they are made into the request's `settings`)
 COMPUTED = frozenset({"budget", "atol", "rtol", "min_cosine"})
+# ... and the input options, made into the request's engine.inputs.InputSpec (one per side of a verify: input_spec)
+DESCRIBED = frozenset({"input", "merged", "reference", "format", "hf_config", "reference_format",
+                       "reference_hf_config"})
 # watch's own: the WatchOptions around the merge
 WATCHING = frozenset({"once", "poll", "steps", "hf_upload_path", "average_last"})
 
@@ -132,9 +136,7 @@ def merge_request(values: Mapping[str, Any]) -> MergeOptions:
     """engine.run.MergeOptions from the parsed options (each option of its own name goes to its field)."""
     from distmerge.engine.run import MergeOptions
 
-    first, *more = values["input"] if isinstance(values["input"], (list, tuple)) else (values["input"],)
-    return _fill(MergeOptions, values, format_options=format_options(values), settings=output_settings(values),
-                 base_model=base_model_dir(values), input=first, more_inputs=tuple(more))
+    return _fill(MergeOptions, values, input=input_spec(values, "input"), settings=output_settings(values))
 
 
 def watch_request(values: Mapping[str, Any]) -> WatchOptions:
@@ -166,16 +168,28 @@ def verify_request(values: Mapping[str, Any]) -> VerifyOptions:
     settings = output_settings(values)
     crit = Criteria(atol=values["atol"], rtol=values["rtol"], min_cosine=values["min_cosine"],
                     **output_options.criteria(settings))
-    return _fill(VerifyOptions, values, criteria=crit, format_options=format_options(values),
-                 reference_format_options=reference_format_options(values), settings=settings,
-                 base_model=base_model_dir(values))
+    return _fill(VerifyOptions, values, criteria=crit, settings=settings, merged=input_spec(values, "merged"),
+                 reference=input_spec(values, "reference"))
+
+
+def input_spec(values: Mapping[str, Any], side: str) -> InputSpec:
+    """merge's --input or verify's --merged (`side`), read with the input options; verify's --reference with their
+    --reference- twins (it has no --base-model)."""
+    from distmerge.engine.inputs import InputSpec
+
+    if side == "reference":
+        return InputSpec(locations=values["reference"], format=values["reference_format"],
+                         hf_config=values["reference_hf_config"], format_options=reference_format_options(values))
+    return InputSpec(locations=values[side], format=values["format"], hf_config=values["hf_config"],
+                     format_options=format_options(values), base_model=base_model_dir(values))
 
 
 def _fill(cls: type, values: Mapping[str, Any], **computed: Any) -> Any:
     """`cls` with each value under its own name and the computed fields; a value with no home is a bug (an option
     added to options.OPTIONS and to no request: tests/test_options_agree.py)."""
     names = {f.name for f in fields(cls)}
-    homeless = (set(values) - names - RUNNING - COMPUTED - output_options.names() - set(options.format_option_names())
+    homeless = (set(values) - names - RUNNING - COMPUTED - DESCRIBED - output_options.names()
+                - set(options.format_option_names())
                 - set(options.reference_format_option_names()))
     assert not homeless, f"options {sorted(homeless)} reach no field of {cls.__name__}"
     return cls(**{k: v for k, v in values.items() if k in names and k not in computed}, **computed)

@@ -56,6 +56,44 @@ def test_the_api_takes_a_source_object_as_its_input(fsdp_ckpts, tmp_path):
     assert tree_bytes(tmp_path / "api") == tree_bytes(tmp_path / "cli")
 
 
+def _counting_source():
+    """A folder's Source that counts the rank files it opens (as the test above)."""
+    from distmerge.input.local import LocalSource
+
+    class Counting(LocalSource):
+        opened: list[str] = []
+
+        def open(self, path):
+            found = super().open(path)
+            if found is not None and str(path).endswith(".pt"):
+                Counting.opened.append(os.path.basename(path))
+            return found
+
+    return Counting
+
+
+def test_verify_and_inspect_take_a_source_object_for_a_checkpoint(fsdp_ckpts, tmp_path):
+    """verify's sides and inspect's input are read as merge's: a Source given as --merged (or --reference) is a
+    checkpoint merged in memory through it, and inspect describes it as it describes the folder."""
+    from distmerge.front.cli import build_parser
+    from distmerge.front.inspect import describe
+
+    ckpt = fsdp_ckpts["fsdp2_llama_w2"]
+    ranks = {p.name for p in ckpt.glob("model_world_size_2_rank_*.pt")}
+    Counting = _counting_source()
+    assert distmerge.verify(Counting(ckpt), reference_dir(ckpt)).passed
+    assert set(Counting.opened) == ranks
+    Counting.opened.clear()
+    assert distmerge.verify(reference_dir(ckpt), Counting(ckpt)).passed
+    assert set(Counting.opened) == ranks
+    Counting.opened.clear()
+    args = build_parser().parse_args(["inspect", str(ckpt)])
+    by_folder = describe(args)
+    args.input = Counting(ckpt)
+    by_source = describe(args)
+    assert set(Counting.opened) == ranks and by_source == by_folder
+
+
 def test_the_api_takes_a_store_object_as_its_output(fsdp_ckpts, tmp_path):
     """The output's twin: `output=` takes a Store (output/store.py, docs/extending.md), here a folder's that counts
     the files it creates; the model is the folder's own, byte for byte, and the result names the store's url."""

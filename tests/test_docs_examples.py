@@ -349,6 +349,9 @@ RUN: dict[tuple[str, str], Run] = {
                 "fsdp2_llama_w1": "fsdp:fsdp2_llama_w1"}),
     ("average.md", "python -m distmerge verify --merged averaged --reference reference_average"): Run(
         layout={"averaged": averaged(*AVERAGED), "reference_average": reference_average(*AVERAGED)}),
+    ("average.md", "--merged fsdp2_llama_w4 --merged dcp_llama_w2 --average --reference averaged"): Run(
+        layout={**{spec.split(":")[1]: spec for spec in AVERAGED}, "averaged": averaged(*AVERAGED),
+                "reference_average": reference_average(*AVERAGED)}),
     ("average.md", "python -m distmerge merge --input ema_ckpt --output live"): Run(layout={"ema_ckpt": ema_ckpt}),
     ("average.md", "python -m distmerge merge --input lora_a --input lora_b"): Run(
         layout={"lora_a": "fsdp:fsdp2_llama_lora_w2", "lora_b": copied("fsdp:fsdp2_llama_lora_w2")}),

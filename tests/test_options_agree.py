@@ -146,7 +146,8 @@ def test_a_format_option_brings_its_reference_twin(monkeypatch):
     try:
         args = subparser("verify").parse_args([*REQUIRED["verify"], "--shard-tag", "a", "--reference-shard-tag", "b"])
         request = api.verify_request(options.from_namespace(args, "verify"))
-        assert request.format_options == {"shard_tag": "a"} and request.reference_format_options == {"shard_tag": "b"}
+        assert request.merged.format_options == {"shard_tag": "a"}
+        assert request.reference.format_options == {"shard_tag": "b"}
         assert options.signature("verify", "VerifyResult").parameters["reference_shard_tag"].default is None
         merge_help = subparser("merge").format_help()
         assert "--shard-tag" in merge_help and "--reference-shard-tag" not in merge_help

@@ -14,6 +14,7 @@ import pytest
 from distmerge import api, options
 from distmerge.average.units import AverageOptions
 from distmerge.engine import prepare, resume
+from distmerge.engine.inputs import InputSpec
 from distmerge.engine.prepare import OutputSettings
 from distmerge.errors import InputError
 from distmerge.families.base import LoraOptions
@@ -93,7 +94,7 @@ def test_verify_refuses_a_declared_option_where_no_merge_takes_it(tmp_path):
     with pytest.raises(InputError, match="is a finished model; --dtype, --lora-alpha: options of the merge"):
         kinds.kinds(opts)
     (tmp_path / "c").mkdir()  # no model files: a checkpoint to verify
-    opts = VerifyOptions(merged=tmp_path / "a", reference=tmp_path / "c", reference_format="fsdp",
+    opts = VerifyOptions(merged=tmp_path / "a", reference=InputSpec(locations=tmp_path / "c", format="fsdp"),
                          settings=OutputSettings(quantize="fp8-block"))
     with pytest.raises(InputError, match="--quantize: --merged .* is a finished model .* leave --quantize out"):
         kinds.kinds(opts)
@@ -174,10 +175,10 @@ def test_input_is_repeated_for_an_average():
     """One --input is what it always was (a path, no other input); several are the average's inputs, in order,
     from the command line as from a list in the API."""
     one = api.merge_request(options.from_namespace(subparser("merge").parse_args(REQUIRED["merge"]), "merge"))
-    assert one.input == Path(REQUIRED["merge"][1]) and one.more_inputs == ()
+    assert one.input.locations == (Path(REQUIRED["merge"][1]),)
     args = subparser("merge").parse_args([*REQUIRED["merge"], "--input", "b", "-i", "s3://c/d", "--average"])
     many = api.merge_request(options.from_namespace(args, "merge"))
-    assert many.inputs == (one.input, Path("b"), "s3://c/d")
-    keywords = api.merge_request(options.from_keywords("merge", {"input": [one.input, "b", "s3://c/d"],
+    assert many.input.locations == (one.input.location, Path("b"), "s3://c/d")
+    keywords = api.merge_request(options.from_keywords("merge", {"input": [one.input.location, "b", "s3://c/d"],
                                                                  "output": REQUIRED["merge"][3], "average": True}))
-    assert keywords.inputs == many.inputs
+    assert keywords.input == many.input

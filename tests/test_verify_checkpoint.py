@@ -162,14 +162,16 @@ def test_a_budget_of_one_byte_still_passes(megatron_ckpts, capsys):
 def test_python_entry_point(megatron_ckpts, tmp_path):
     """What another command (a verl-style `test`) calls: VerifyOptions with merge's options, inside a group."""
     from distmerge.distributed.comm import process_group
+    from distmerge.engine.inputs import InputSpec
     from distmerge.engine.prepare import OutputSettings
     from distmerge.verifier import VerifyOptions, verify_and_report
     from distmerge.verifier.run import verify as verify_api
 
     ckpt = megatron_ckpts["megatron_tp2pp2"]
     ref = reference_dir(ckpt)
-    opts = VerifyOptions(merged=ckpt, reference=ref, format="megatron", hf_config=ref / "huggingface",
-                         format_options={"iteration": "1"}, settings=OutputSettings(budget_bytes=2**20), quiet=True,
+    merged = InputSpec(locations=ckpt, format="megatron", hf_config=ref / "huggingface",
+                       format_options={"iteration": "1"})
+    opts = VerifyOptions(merged=merged, reference=ref, settings=OutputSettings(budget_bytes=2**20), quiet=True,
                          json=tmp_path / "r.json")
     with process_group(device="cpu", timeout_s=60) as comm:
         result = verify_api(opts, comm)

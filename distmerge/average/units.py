@@ -37,19 +37,20 @@ class AverageOptions:
         return self.weights if self.weights is not None else (1.0 / count,) * count
 
 
-def check(options: AverageOptions, count: int) -> list[str]:
-    """The inputs and the averaging options agree (rank 0, before anything is read or written); the notes."""
+def check(options: AverageOptions, count: int, flag: str = "--input") -> list[str]:
+    """The inputs and the averaging options agree (rank 0, before anything is read or written); the notes. `flag`:
+    the inputs' (merge's --input, verify's --merged)."""
     if count > 1 and not options.on:
-        raise InputError(f"{count} inputs given (--input, repeated): pass --average to average them, or one --input "
+        raise InputError(f"{count} inputs given ({flag}, repeated): pass --average to average them, or one {flag} "
                          "to merge one checkpoint")
     if options.on and count < 2:
-        raise InputError("--average needs two or more checkpoints: pass --input once for each, in the order to add "
+        raise InputError(f"--average needs two or more checkpoints: pass {flag} once for each, in the order to add "
                          "them")
     if options.weights is not None and not options.on:
-        raise InputError("--average-weights weighs the inputs of --average: pass --average and an --input per weight")
+        raise InputError(f"--average-weights weighs the inputs of --average: pass --average and an {flag} per weight")
     if options.weights is not None and len(options.weights) != count:
         raise InputError(f"--average-weights gives {len(options.weights)} weight(s) for {count} inputs: one per "
-                         "--input, in the same order")
+                         f"{flag}, in the same order")
     if not options.on:
         return []
     weights = options.of(count)

@@ -12,19 +12,69 @@ model, each read by its own format through its own source, in one plan.
                 average (average/units.py) joins their units
 
 One input is exactly a merge as before: check_inputs and discover_inputs of one input are check_input and discover.
+
+InputSpec is what the user says of an input (where it lives, how to read it): merge's input (engine/run.MergeOptions)
+and each side of a verify (verifier/listing.VerifyOptions) hold one, so it is written once.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from distmerge.average import units as average
 from distmerge.engine import discover as disc
 from distmerge.errors import InputError
 from distmerge.formats.base import Part, Scan
 from distmerge.input import source
+
+
+@dataclass(frozen=True, kw_only=True)
+class InputSpec:
+    """An input and how to read it: --input (or verify's --merged, --reference), --format, --hf-config, the format's
+    own options, --base-model. Several locations are an average's inputs, in the order given."""
+
+    locations: tuple[Any, ...]  # each a folder, s3://bucket/prefix, or a Source (input/source.py)
+    format: str = "auto"
+    hf_config: Path | None = None
+    format_options: dict[str, Any] = field(default_factory=dict)  # the format's own (Megatron's iteration ...)
+    base_model: Path | None = None  # a second input root: a LoRA-only save's base folder
+
+    def __post_init__(self) -> None:
+        # a caller's one location, or a str, works too (a URL stays a str: a Path would fold s3://b into s3:/b)
+        many = self.locations if isinstance(self.locations, (tuple, list)) else (self.locations,)
+        object.__setattr__(self, "locations", tuple(_location(each) for each in many))
+        for name in ("hf_config", "base_model"):
+            if isinstance(getattr(self, name), str):
+                object.__setattr__(self, name, Path(getattr(self, name)))
+
+    @property
+    def location(self) -> Any:
+        """The first (an average's first input: its config, tokenizer and notes are the output's)."""
+        return self.locations[0]
+
+    @property
+    def named(self) -> str:
+        """As reports name it: each location (a Source by its url), an average's joined by " + "."""
+        return " + ".join(source.name_of(each) for each in self.locations)
+
+
+def _location(value: Any) -> Any:
+    """A local folder as a Path; a URL (a str) and a Source as they are."""
+    return Path(value) if isinstance(value, os.PathLike) or (isinstance(value, str) and not source.is_url(value)) \
+        else value
+
+
+def discover_spec(spec: InputSpec, averaging: average.AverageOptions) -> disc.Discovery:
+    """Rank 0, for a merge in memory (verify): the inputs checked against the averaging options, each walked, and
+    discovered as merge discovers them (engine/run.py does the same steps around its output's lock)."""
+    notes = average.check(averaging, len(spec.locations))
+    found = discover_inputs(check_inputs(spec.locations), spec.format, spec.hf_config, spec.format_options,
+                            spec.base_model)
+    return replace(found, scan=replace(found.scan, notes=(*found.scan.notes, *notes))) if notes else found
 
 
 def check_inputs(locations: Sequence[Any]) -> list[Path]:

@@ -36,7 +36,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 from distmerge.average import units as average
 from distmerge.distributed.comm import Comm
@@ -48,7 +47,7 @@ from distmerge.engine.exchange import Exchanger, Pending
 from distmerge.engine.expect import Claim
 from distmerge.engine.finalize import finalize
 from distmerge.engine.fold import FoldBuild, unit_build
-from distmerge.engine.inputs import check_inputs, discover_inputs
+from distmerge.engine.inputs import InputSpec, check_inputs, discover_inputs
 from distmerge.engine.plan import Plan
 from distmerge.engine.prepare import OutputSettings, prepare_merge
 from distmerge.engine.reader import Reader
@@ -78,22 +77,13 @@ STALL = os.environ.get("DISTMERGE_TEST_STALL", "")
 
 @dataclass(frozen=True, kw_only=True)
 class MergeOptions:
-    input: Path | str  # a folder, or s3://bucket/prefix (or a Source)
-    more_inputs: tuple[Any, ...] = ()  # an average's other inputs (--input, repeated), in the order given
+    input: InputSpec  # the checkpoint (several: an average's, in the order given) and how to read it
     output: Path | str
-    format: str = "auto"
-    hf_config: Path | None = None
-    format_options: dict[str, Any] = field(default_factory=dict)  # the format's own (Megatron's iteration)
-    base_model: Path | None = None  # a second input root: --base-model DIR, the base of a LoRA-only save
     settings: OutputSettings = field(default_factory=OutputSettings)
     overwrite: bool = False
     resume: bool = False
     checksum: bool = False
     claims: tuple[Claim, ...] = ()  # what the user says the checkpoint is, checked with the plan (expect.py)
-
-    @property
-    def inputs(self) -> tuple[Any, ...]:
-        return (self.input, *self.more_inputs)
 
 
 def merge(opts: MergeOptions, comm: Comm, progress: Progress) -> MergeResult:
@@ -131,7 +121,7 @@ def _merge(opts: MergeOptions, comm: Comm, progress: Progress, store: Store, hel
         plan = plan_checkpoint(found, reader, comm, opts.settings, host=store.host, claims=opts.claims,
                                sharing=store.sharing, laps=laps)
         run = resume.describe(plan, scan.files, resume.output_options(opts.settings, scan.format,
-                                                                      opts.format_options, found.config))
+                                                                      opts.input.format_options, found.config))
         comm.phase("the start of the output (its checks for --resume)")
         begun = resume.start(store, plan, run, comm, resuming=opts.resume, checksum=opts.checksum)
         progress.say(begun.line)
@@ -278,15 +268,16 @@ def _discover(opts: MergeOptions, store: Store, held: list[Lease], say: Callable
     """Rank 0: the input checked (an average's inputs each, and against its options: engine/inputs.py), the
     output's lock taken (before anything is written there: output/lock.py), the output checked again under the
     lock (a merge that ended meanwhile may have filled it), discovery, and the output prepared."""
-    notes = average.check(opts.settings.average, len(opts.inputs))
-    roots = check_inputs(opts.inputs)
-    named = name_of(opts.input)
-    for each in opts.inputs:
+    spec = opts.input
+    notes = average.check(opts.settings.average, len(spec.locations))
+    roots = check_inputs(spec.locations)
+    named = name_of(spec.location)
+    for each in spec.locations:
         store.check_place(name_of(each))
     held.append(lock.take(store.lock(), lock.this_process(named), store.url,
                           take_over=opts.overwrite or opts.resume, say=say))
     store.check(named, opts.overwrite or opts.resume)
-    found = discover_inputs(roots, opts.format, opts.hf_config, opts.format_options, opts.base_model)
+    found = discover_inputs(roots, spec.format, spec.hf_config, spec.format_options, spec.base_model)
     store.prepare(keep_finished=opts.resume)
     return replace(found, scan=replace(found.scan, notes=(*found.scan.notes, *notes))) if notes else found
 

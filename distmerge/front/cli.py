@@ -134,7 +134,9 @@ and it equals the embedding on the other side.
 as it is assembled; nothing is written. A --dtype cast is accepted (values must equal the cast reference).
 --reference may be a checkpoint too (say a Megatron save of the model an FSDP --merged was trained as, or the
 checkpoint a finished --merged model came from), read with the --reference- twins of --format, --hf-config and
-the formats' options: merged in memory with the same --dtype, --lora and --budget, and compared, nothing written."""
+the formats' options: merged in memory with the same --dtype, --lora and --budget, and compared, nothing written.
+--merged given once per checkpoint with --average (and --average-weights): their average, built in memory exactly
+as `merge --input A --input B --average` writes it, compared with a finished --reference (docs/average.md)."""
 
 VERIFY_EPILOG = """examples:
   torchrun --nproc-per-node 8 -m distmerge verify --merged merged/ --reference hf_model/
@@ -145,6 +147,8 @@ VERIFY_EPILOG = """examples:
   torchrun --nproc-per-node 8 -m distmerge verify --merged fsdp_ckpt/ --reference megatron_ckpt/ \\
       --reference-hf-config hf_model/ --reference-iteration 1000
   torchrun --nproc-per-node 8 -m distmerge verify --merged hf_model/ --reference ckpts/global_step_1000/actor
+  torchrun --nproc-per-node 8 -m distmerge verify --merged ckpts/global_step_900/actor \
+      --merged ckpts/global_step_1000/actor --average --reference averaged/
 
 Each process checks the tensors of the merged files it owns (read a block at a time on both sides);
 rank 0 prints the worst tensors, the totals (names matched both ways, least cosine per kind of layer) and one

@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 from collections import Counter
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -15,6 +16,7 @@ from distmerge.engine.prepare import plan_merge
 from distmerge.engine.reader import Reader
 from distmerge.families.base import claim
 from distmerge.formats import registry
+from distmerge.input.source import name_of
 from distmerge.options.cli_options import base_model_dir, format_options, output_settings
 from distmerge.report import human_bytes
 
@@ -37,7 +39,7 @@ def describe(args: argparse.Namespace) -> dict:
     traits = claim([f.name for f in fragments], found.config, scan.hints).traits(found.config)
     targets = [t for f in plan.files for t in f.targets]
     return {
-        "input": str(root),
+        "input": str(root) if isinstance(args.input, Path) else name_of(args.input),  # a Source: its url
         "format": scan.format,
         "world_size": scan.world_size,
         "input_files": len(scan.files),

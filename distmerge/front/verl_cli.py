@@ -188,7 +188,9 @@ def merge_options(opts, verl: Verl | None):
     """MergeOptions with the backend's format and the claims."""
     if verl is None:
         return opts
-    return replace(opts, format=format_for(verl.backend, opts.input, opts.format), claims=verl.claims)
+    spec = opts.input
+    return replace(opts, input=replace(spec, format=format_for(verl.backend, spec.location, spec.format)),
+                   claims=verl.claims)
 
 
 def after_merge(verl: Verl | None, output: Path, rank: int, quiet: bool) -> None:
@@ -217,5 +219,6 @@ def check_claims(verl: Verl | None, opts, comm) -> None:
         return
     from distmerge.engine import expect
 
-    comm.root_only(lambda: expect.check_checkpoint(verl.claims, opts.merged, opts.format, opts.hf_config,
-                                                   opts.format_options))
+    side = opts.merged
+    comm.root_only(lambda: expect.check_checkpoint(verl.claims, side.location, side.format, side.hf_config,
+                                                   side.format_options))

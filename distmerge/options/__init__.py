@@ -100,10 +100,12 @@ WATCH = ("watch",)
 
 OPTIONS: tuple[Opt | str, ...] = (
     # verify's own (ungrouped), in --help's order
-    Opt(name="merged", flags=("--merged",), commands=("verify",), kind="path", required=True, metavar="DIR",
-        help="merged model folder (model.safetensors.index.json or model.safetensors), or a training checkpoint to "
-             "merge in memory (nothing written)"),
-    Opt(name="reference", flags=("--reference",), commands=("verify",), kind="path", required=True, metavar="PATH",
+    Opt(name="merged", flags=("--merged",), commands=("verify",), kind="location", required=True, metavar="DIR",
+        repeat=True, help="merged model folder (model.safetensors.index.json or model.safetensors), or a training "
+        "checkpoint to merge in memory (nothing written); once per checkpoint with --average: their average, as "
+        "merge --average writes it"),
+    Opt(name="reference", flags=("--reference",), commands=("verify",), kind="location", required=True,
+        metavar="PATH",
         help="reference: a Hugging Face folder (safetensors or pytorch_model*.bin, sharded or not) or one "
              ".safetensors / .bin / .index.json file; or a training checkpoint (detected, or named by "
              "--reference-format), merged in memory too"),

@@ -94,6 +94,13 @@ def _dtype_record(name: str) -> str:
     return hf_dtype_name(code) if (code := CAST_CHOICES[name]) else "keep"
 
 
+# verify --average: the --merged checkpoints' average against a finished model (a checkpoint --reference is merged
+# with the same settings, and the reference side is one checkpoint)
+AVERAGE_REFUSALS = {
+    "checkpoint": "--average checks the average of the --merged checkpoints against a finished model: pass a Hugging "
+                  "Face folder as --reference (merge --average's output), not a checkpoint",
+    "model": "--average averages training checkpoints: --merged {merged} is a finished model"}
+
 OUTPUT_OPTIONS: tuple[OutputOption, ...] = (
     OutputOption(name="dtype", flag="--dtype", default="keep", choices=CAST_NAMES, setting="dtype",
                  help="cast floating tensors (default: keep the checkpoint's dtype)",
@@ -123,12 +130,15 @@ OUTPUT_OPTIONS: tuple[OutputOption, ...] = (
                       "LoRA-only save (base model + adapter, or fused with --lora merge). Any value: "
                       "base_model_name_or_path in adapter_config.json (default: the config's)"),
     OutputOption(name="average", flag="--average", kind="switch", default=False, setting="average.on",
-                 commands=("merge",), help="write the weighted average of the inputs (--input, once per checkpoint "
+                 commands=("merge", "verify"), verify="merged", refusals=AVERAGE_REFUSALS,
+                 help="write the weighted average of the inputs (--input, once per checkpoint "
                  "of one model): each floating tensor summed in float64 in the order given, then cast "
-                 "(docs/average.md)"),
+                 "(docs/average.md); verify: the average of the --merged checkpoints, in memory"),
     OutputOption(name="average_weights", flag="--average-weights", kind="value", parse=average_weights,
-                 metavar="W1,W2,...", setting="average.weights", record=list, commands=("merge",),
-                 help="--average: each input's weight, in --input order (default: 1/K each; any finite numbers)"),
+                 metavar="W1,W2,...", setting="average.weights", record=list, commands=("merge", "verify"),
+                 verify="merged", refusals=AVERAGE_REFUSALS,
+                 help="--average: each input's weight, in --input (verify: --merged) order (default: 1/K each; any "
+                      "finite numbers)"),
 )
 
 

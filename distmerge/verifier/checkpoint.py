@@ -38,6 +38,7 @@ from distmerge import dtypes
 from distmerge.distributed.comm import Comm
 from distmerge.engine import plan as planning
 from distmerge.engine.finalize import main_dtype
+from distmerge.engine.inputs import scans
 from distmerge.engine.plan import Plan
 from distmerge.engine.reader import Reader
 from distmerge.engine.run import plan_checkpoint, run_rounds
@@ -45,7 +46,7 @@ from distmerge.errors import InputError
 from distmerge.formats import registry
 from distmerge.report import Progress
 from distmerge.verifier.kinds import checkpoint_side
-from distmerge.verifier.listing import Listing, VerifyOptions, merged_config, pair_sides
+from distmerge.verifier.listing import Listing, VerifyOptions, beside, merged_config, pair_sides
 from distmerge.verifier.report import Check
 from distmerge.verifier.sides import Loc, Side, TensorFiles, open_side
 from distmerge.verifier.stream import StreamSink
@@ -86,7 +87,8 @@ def verify_checkpoint(opts: VerifyOptions, comm: Comm, role: str = "merged") -> 
         per_rank = comm.gather(lambda: sink.checks)
     finally:
         reader.close()
-    said = (found.scan.format, (*found.scan.notes, *plan.notes))
+    # an average's formats, in the order given ("fsdp + dcp")
+    said = (" + ".join(s.format for s in scans(found.scan)), (*found.scan.notes, *plan.notes))
     mine = dict(format=said[0], notes=said[1]) if role == "merged" else dict(
         format=None, notes=(), reference_format=said[0], reference_notes=said[1])
     return Compared(checks=[*listing.settled, *(c for mine in per_rank for c in mine)],
@@ -96,28 +98,30 @@ def verify_checkpoint(opts: VerifyOptions, comm: Comm, role: str = "merged") -> 
 def _pair(plan: Plan, config: dict, opts: VerifyOptions, role: str) -> Listing:
     """Rank 0: the checkpoint's side as the plan describes it, paired with the other side's headers. The merged
     side's config.json says which heads are tied: the checkpoint's, or the finished model's own when it has one."""
-    path = Path(opts.merged if role == "merged" else opts.reference)
+    named = (opts.merged if role == "merged" else opts.reference).named
     if not plan.model_files:
-        raise InputError(f"{path} holds a LoRA adapter only: verify compares model weights; pass --base-model DIR "
+        raise InputError(f"{named} holds a LoRA adapter only: verify compares model weights; pass --base-model DIR "
                          "(the base model's folder) with it as --merged so that the model is made")
-    planned = planned_side(plan, path)
+    planned = planned_side(plan, named)
+    # the other side is a finished model: a local path (kinds.py)
+    finished = Path((opts.reference if role == "merged" else opts.merged).location)
     if role == "merged" and plan.quantized:
         # FP8 weights are compared dequantized; what they were quantized from is the dtype config.json would announce
         config = {**config, "torch_dtype": dtypes.hf_dtype_name(main_dtype(plan) or "F32")}
-        return pair_sides(planned, open_side(Path(opts.reference), role="reference", allow_torch=True), config,
+        return pair_sides(planned, open_side(finished, role="reference", allow_torch=True), config,
                           quantized=plan.quantized.scheme)
     if role == "merged":
-        return pair_sides(planned, open_side(Path(opts.reference), role="reference", allow_torch=True), config)
-    finished = open_side(Path(opts.merged), role="merged model", allow_torch=True)
-    own = merged_config(opts.merged / "config.json" if opts.merged.is_dir() else opts.merged.parent / "config.json")
-    return pair_sides(finished, planned, own if own is not None else config)
+        return pair_sides(planned, open_side(finished, role="reference", allow_torch=True), config)
+    own = merged_config(beside(finished))
+    return pair_sides(open_side(finished, role="merged model", allow_torch=True), planned,
+                      own if own is not None else config)
 
 
-def planned_side(plan: Plan, path: Path) -> Side:
+def planned_side(plan: Plan, named: str) -> Side:
     """The model files merge would write, listed as verify lists a merged folder (the adapter is not in it)."""
     files = plan.model_files
     tensors = {t.name: Loc(file=i, dtype=t.dtype, shape=t.shape) for i, f in enumerate(files) for t in f.targets}
-    return Side(path=str(path), kind="safetensors", files=tuple(f.name for f in files),
+    return Side(path=named, kind="safetensors", files=tuple(f.name for f in files),
                 sizes=tuple(f.nbytes for f in files), tensors=tensors)
 
 

@@ -9,9 +9,14 @@ refused here, in one line each.
     checkpoint    checkpoint     two_checkpoints.py
 
 --merged is read with --format, --hf-config, the formats' own options and --base-model; --reference with their
---reference- twins (options.py: REFERENCE_OPTIONS). The options that shape the output (output_options.py) say how
-verify takes them: --dtype, --lora, --max-shard-size (and --budget) shape every merge in memory; --quantize only a
---merged checkpoint's, compared with a Hugging Face --reference (fp8_compare.py).
+--reference- twins (options.py: REFERENCE_OPTIONS): each side one engine.inputs.InputSpec. --merged given several
+times with --average is an average of checkpoints, merged in memory as `merge --input A --input B --average` would
+(one --merged, or several without --average: refused with merge's words). A side given as s3://bucket/prefix or as
+a Source object is a checkpoint: verify reads finished models from local paths only.
+
+The options that shape the output (output_options.py) say how verify takes them: --dtype, --lora, --max-shard-size
+(and --budget) shape every merge in memory; --quantize only a --merged checkpoint's, compared with a Hugging Face
+--reference (fp8_compare.py), and --average only the --merged checkpoints'.
 """
 
 from __future__ import annotations
@@ -19,12 +24,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
+from distmerge.average.units import AverageOptions
+from distmerge.average.units import check as check_average
 from distmerge.engine import discover as disc
+from distmerge.engine.inputs import InputSpec, discover_spec
 from distmerge.engine.prepare import OutputSettings
 from distmerge.errors import DistmergeError, InputError
 from distmerge.formats import registry
+from distmerge.input.source import name_of
 from distmerge.options import output_options
 from distmerge.verifier.listing import VerifyOptions
 from distmerge.verifier.sides import LAYOUTS
@@ -32,11 +40,11 @@ from distmerge.verifier.sides import LAYOUTS
 # What marks a finished model (save_pretrained's or a merge's), and the model files of a merge that did not finish
 # (verify refuses that folder by name, as before, instead of trying it as a checkpoint).
 MODEL_MARKS = (*(name for _, index, single in LAYOUTS for name in (index, single)), "model-*-of-*.safetensors")
-# VerifyOptions fields that read --merged as a checkpoint, by their flags: given with a finished model, a mistake.
+# InputSpec fields that read --merged as a checkpoint, by their flags: given with a finished model, a mistake.
 MERGE_FLAGS = {"format": "--format", "hf_config": "--hf-config", "format_options": "the format's own options",
                "base_model": "--base-model"}
-REFERENCE_FLAGS = {"reference_format": "--reference-format", "reference_hf_config": "--reference-hf-config",
-                   "reference_format_options": "the format's own options for --reference (--reference-iteration ...)"}
+REFERENCE_FLAGS = {"format": "--reference-format", "hf_config": "--reference-hf-config",
+                   "format_options": "the format's own options for --reference (--reference-iteration ...)"}
 # ... and the settings of the merges themselves, a mistake when neither side is a checkpoint: those of the options
 # that shape the output (output_options.py: each says how verify treats it), and the run's --budget.
 RUN_SETTINGS = {"budget_bytes": "--budget"}
@@ -47,18 +55,14 @@ class CheckpointSide:
     """A side of a verify that is a training checkpoint, and how to read it (merge's input options)."""
 
     role: str  # "merged" or "reference": the user's name for the side
-    path: Path
-    format: str = "auto"
-    hf_config: Path | None = None
-    format_options: dict[str, Any] = field(default_factory=dict)
-    base_model: Path | None = None
+    spec: InputSpec
+    averaging: AverageOptions = field(default_factory=AverageOptions)  # --merged's, with several
 
     def discover(self) -> disc.Discovery:
-        """Rank 0: the checkpoint's format, files and config, as merge finds them. The errors of discovery name
-        merge's flags (--hf-config, --iteration ...): for --reference, their twins."""
+        """Rank 0: the checkpoint's format, files and config (an average's inputs: each one's), as merge finds them.
+        The errors of discovery name merge's flags (--hf-config, --iteration ...): for --reference, their twins."""
         try:
-            return disc.discover(disc.check_input(self.path), self.format, self.hf_config, self.format_options,
-                                 self.base_model)
+            return discover_spec(self.spec, self.averaging)
         except DistmergeError as err:
             if self.role == "merged":
                 raise
@@ -72,25 +76,26 @@ def _reference_flags(message: str) -> str:
 
 def checkpoint_side(opts: VerifyOptions, role: str) -> CheckpointSide:
     if role == "merged":
-        return CheckpointSide(role=role, path=opts.merged, format=opts.format, hf_config=opts.hf_config,
-                              format_options=opts.format_options, base_model=opts.base_model)
-    return CheckpointSide(role=role, path=opts.reference, format=opts.reference_format,
-                          hf_config=opts.reference_hf_config, format_options=opts.reference_format_options)
+        return CheckpointSide(role=role, spec=opts.merged, averaging=opts.settings.average)
+    return CheckpointSide(role=role, spec=opts.reference)
 
 
 def kinds(opts: VerifyOptions) -> tuple[bool, bool]:
     """Rank 0: is each side (merged, reference) a checkpoint? A folder a format detects is one; for --merged also
-    a folder without a model's files; a format named for the side (--format, --reference-format) says so too."""
-    merged = _is_checkpoint(opts.merged, opts.format, also_unmarked=True)
-    reference = _is_checkpoint(opts.reference, opts.reference_format, also_unmarked=False)
+    a folder without a model's files, and an average's inputs; a format named for the side (--format,
+    --reference-format), a URL or a Source object says so too."""
+    check_average(opts.settings.average, len(opts.merged.locations), flag="--merged")
+    averaged = len(opts.merged.locations) > 1
+    merged = averaged or _is_checkpoint(opts.merged, also_unmarked=True)
+    reference = _is_checkpoint(opts.reference, also_unmarked=False)
     if opts.logits and (merged or reference):
-        which = f"--merged {opts.merged}" if merged else f"--reference {opts.reference}"
+        which = f"--merged {opts.merged.named}" if merged else f"--reference {opts.reference.named}"
         raise InputError(f"--logits runs both models, and {which} is a checkpoint: merge it first (merge "
                          "--verify-against runs verify after the merge), then verify the merged folder with --logits")
-    _refuse(opts, _given(opts, MERGE_FLAGS) if not merged else [], opts.merged, "--merged")
-    _refuse(opts, _given(opts, REFERENCE_FLAGS) if not reference else [], opts.reference, "--reference")
+    _refuse(_given(opts.merged, MERGE_FLAGS) if not merged else [], opts.merged, "--merged")
+    _refuse(_given(opts.reference, REFERENCE_FLAGS) if not reference else [], opts.reference, "--reference")
     if not merged and not reference:
-        _refuse(opts, _settings_given(opts), opts.merged, "--merged")
+        _refuse(_settings_given(opts), opts.merged, "--merged")
     for opt in output_options.given(opts.settings):
         if reference and opt.verify == "merged":
             _refuse_merged_only(opts, opt, merged)
@@ -102,26 +107,28 @@ def _refuse_merged_only(opts: VerifyOptions, opt: output_options.OutputOption, m
     weights against full precision): the merge of a --reference checkpoint would be shaped by it too (the settings
     apply to every merge in memory). Its declaration's words."""
     said = opt.refusals["checkpoint" if merged else "model"]
-    raise InputError(said.format(merged=opts.merged, reference=opts.reference))
+    raise InputError(said.format(merged=name_of(opts.merged.location), reference=name_of(opts.reference.location)))
 
 
-def _is_checkpoint(path: Path, fmt: str, *, also_unmarked: bool) -> bool:
-    path = Path(path)
+def _is_checkpoint(spec: InputSpec, *, also_unmarked: bool) -> bool:
+    path = spec.location
+    if not isinstance(path, Path):  # a URL or a Source: read through its source, as merge reads it
+        return True
     if not path.is_dir():
         return False
-    return fmt != "auto" or registry.detect(path) is not None or (
+    return spec.format != "auto" or registry.detect(path) is not None or (
         also_unmarked and not any(any(path.glob(mark)) for mark in MODEL_MARKS))
 
 
-def _refuse(opts: VerifyOptions, given: list[str], path: Path, flag: str) -> None:
+def _refuse(given: list[str], spec: InputSpec, flag: str) -> None:
     if given:
-        raise InputError(f"{flag} {path} is a finished model; {', '.join(given)}: options of the merge of a training "
-                         f"checkpoint, leave them out (or pass the checkpoint as {flag})")
+        raise InputError(f"{flag} {spec.location} is a finished model; {', '.join(given)}: options of the merge of a "
+                         f"training checkpoint, leave them out (or pass the checkpoint as {flag})")
 
 
-def _given(opts: VerifyOptions, flags: dict[str, str]) -> list[str]:
-    default = VerifyOptions(merged=opts.merged, reference=opts.reference)
-    return [flag for name, flag in flags.items() if getattr(opts, name) != getattr(default, name)]
+def _given(spec: InputSpec, flags: dict[str, str]) -> list[str]:
+    default = InputSpec(locations=spec.locations)
+    return [flag for name, flag in flags.items() if getattr(spec, name) != getattr(default, name)]
 
 
 def _settings_given(opts: VerifyOptions) -> list[str]:

@@ -12,6 +12,7 @@ from distmerge import (
     dtypes,
     families,  # noqa: F401  (imports every family module, which registers itself)
 )
+from distmerge.engine.inputs import InputSpec
 from distmerge.engine.plan import natural_key
 from distmerge.engine.prepare import OutputSettings
 from distmerge.errors import ConfigError
@@ -28,39 +29,34 @@ from distmerge.verifier.sides import Side, open_side
 class VerifyOptions:
     """What `verify` compares (the API of verify.run.verify and verify_and_report, kept stable for callers).
 
-    `merged` is either a finished Hugging Face model (a folder holding model.safetensors.index.json or
-    model.safetensors, or one weights file), compared as it is, or any checkpoint `merge` reads (FSDP rank files,
-    DCP, Megatron, DeepSpeed, torchtitan, LoRA runs): that one is merged in memory, as `merge` with the options
-    below would, and each tensor compared with the reference; nothing is written (verifier/checkpoint.py).
-    `reference`: a Hugging Face folder or file, or a checkpoint too (detected, or named by `reference_format`),
-    read with the `reference_` fields as `merged` is with theirs (its config.json from `reference_hf_config` when
-    it has none of its own): merged in memory with the same `settings` and compared with `merged`, whichever
-    kind that is (verifier/kinds.py). The fields from `format` on are engine.run.MergeOptions's and apply to a
-    checkpoint only (given with a finished model they are an error): `format_options` are the format's own
-    (Megatron's iteration, DeepSpeed's tag, torchtitan's step), `base_model` a second input root (a LoRA-only
-    save's base folder), `settings` --dtype, --lora, --budget and the rest.
+    Each side is an engine.inputs.InputSpec: where it is and how to read it. `merged` is either a finished Hugging
+    Face model (a folder holding model.safetensors.index.json or model.safetensors, or one weights file), compared
+    as it is, or any checkpoint `merge` reads (FSDP rank files, DCP, Megatron, DeepSpeed, torchtitan, LoRA runs; a
+    folder, s3://bucket/prefix or a Source): that one is merged in memory, as `merge` with its spec and `settings`
+    would, and each tensor compared with the reference; nothing is written (verifier/checkpoint.py). Several
+    `merged` checkpoints with settings.average on are averaged in memory as `merge --average` averages them.
+    `reference`: a Hugging Face folder or file, or a checkpoint too (detected, or named by its spec's format; its
+    config.json from its spec's hf_config when it has none of its own): merged in memory with the same `settings`
+    and compared with `merged`, whichever kind that is (verifier/kinds.py). A spec's format, hf_config,
+    format_options and base_model apply to a checkpoint only (given with a finished model they are an error);
+    `settings`: --dtype, --lora, --budget and the rest.
     """
 
-    merged: Path
-    reference: Path
+    merged: InputSpec
+    reference: InputSpec
     criteria: Criteria = field(default_factory=Criteria)
     logits: bool = False
     json: Path | None = None
     quiet: bool = False
-    format: str = "auto"
-    hf_config: Path | None = None
-    format_options: dict[str, Any] = field(default_factory=dict)
-    base_model: Path | None = None
     settings: OutputSettings = field(default_factory=OutputSettings)
-    reference_hf_config: Path | None = None  # the config of a reference that is a checkpoint
-    reference_format: str = "auto"
-    reference_format_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        # a caller's str works too
-        for name in ("merged", "reference", "json", "hf_config", "base_model", "reference_hf_config"):
-            if isinstance(getattr(self, name), str):
-                object.__setattr__(self, name, Path(getattr(self, name)))
+        # a caller's path or str works too: a side read as it is found
+        for name in ("merged", "reference"):
+            if not isinstance(getattr(self, name), InputSpec):
+                object.__setattr__(self, name, InputSpec(locations=getattr(self, name)))
+        if isinstance(self.json, str):
+            object.__setattr__(self, "json", Path(self.json))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,10 +86,16 @@ class Listing:
 
 
 def make_listing(opts: VerifyOptions) -> Listing:
-    merged = open_side(opts.merged, role="merged model", allow_torch=False)
-    reference = open_side(opts.reference, role="reference", allow_torch=True)
-    config = merged_config(opts.merged / "config.json" if opts.merged.is_dir() else opts.merged.parent / "config.json")
-    return pair_sides(merged, reference, config)
+    """Rank 0: both sides finished models (kinds.py said so: each one local path)."""
+    path = Path(opts.merged.location)
+    merged = open_side(path, role="merged model", allow_torch=False)
+    reference = open_side(Path(opts.reference.location), role="reference", allow_torch=True)
+    return pair_sides(merged, reference, merged_config(beside(path)))
+
+
+def beside(model: Path) -> Path:
+    """The config.json of a finished model: in its folder, or beside its one weights file."""
+    return model / "config.json" if model.is_dir() else model.parent / "config.json"
 
 
 def pair_sides(merged: Side, reference: Side, config: dict | None, quantized: str | None = None) -> Listing:

@@ -17,6 +17,7 @@ import json
 import warnings
 from collections import Counter
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -36,7 +37,8 @@ FP8_LOGITS_COSINE = 0.99
 def compare_logits(listing: Listing, opts: VerifyOptions, device: torch.device) -> LogitsCheck:
     import transformers
 
-    folder = opts.merged if opts.merged.is_dir() else opts.merged.parent
+    path = Path(opts.merged.location)  # a finished model: a local path (kinds.py)
+    folder = path if path.is_dir() else path.parent
     dtype = _model_dtype(listing)
     auto_class = getattr(transformers, listing.traits.auto_class)  # the merged model's family says which
     with warnings.catch_warnings():  # "the model's own quantization_config will be used": what _dequantized wants

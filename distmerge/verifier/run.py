@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from distmerge.distributed.comm import Comm
+from distmerge.engine.inputs import InputSpec
 from distmerge.engine.plan import natural_key
 from distmerge.threads import one_thread
 from distmerge.verifier.checkpoint import verify_checkpoint
@@ -64,9 +65,9 @@ def verify(opts: VerifyOptions, comm: Comm) -> VerifyResult:
     """Collective: every rank calls it and gets the same result.
 
     `opts.merged` a finished model: its files are compared with the reference. A checkpoint (anything `merge`
-    reads): merged in memory with the merge options in `opts` (format, hf_config, format_options, base_model,
-    settings) and compared, nothing written (verifier/checkpoint.py); `opts.reference` likewise, with its own
-    reference_ options (kinds.py). The records are the same either way."""
+    reads; several with settings.average: their average): merged in memory as its InputSpec and `opts.settings`
+    say and compared, nothing written (verifier/checkpoint.py); `opts.reference` likewise (kinds.py). The records
+    are the same either way."""
     with one_thread():
         return _verify(opts, comm)
 
@@ -131,17 +132,23 @@ def verify_and_write(opts: VerifyOptions, comm: Comm, *, plot: Path | None, show
                          notes=result.notes, reference_from=result.reference_format,
                          reference_notes=result.reference_notes, totals=tuple(totals_lines(summary)))
         if opts.json is not None:
-            write_json(opts.json, report_json(merged=str(opts.merged), reference=str(opts.reference),
+            write_json(opts.json, report_json(merged=opts.merged.named, reference=opts.reference.named,
                                               crit=opts.criteria, checks=result.checks, logits=result.logits,
                                               run=_run_record(result), totals=totals_json(summary)))
         if plot is not None:
-            write_plot(plot, result.checks, opts.criteria, title=f"distmerge verify: {opts.merged.name or opts.merged}"
-                       f" vs {opts.reference.name or opts.reference}")
+            write_plot(plot, result.checks, opts.criteria, title=f"distmerge verify: {_short(opts.merged)} vs "
+                       f"{_short(opts.reference)}")
         sys.stdout.flush()  # before the other ranks go on: torchrun stops rank 0 when another rank exits 1
 
     comm.phase("the report (rank 0)")
     comm.root_only(report)
     return result
+
+
+def _short(spec: InputSpec) -> str:
+    """A side in a plot's title: a local folder by its name."""
+    return spec.named if len(spec.locations) > 1 or not isinstance(spec.location, Path) else (
+        spec.location.name or str(spec.location))
 
 
 def _run_record(result: VerifyResult) -> dict:

@@ -30,8 +30,6 @@ arrive (stream.StreamSink), a block at a time.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from distmerge.distributed.comm import Comm
@@ -79,11 +77,11 @@ def verify_two_checkpoints(opts: VerifyOptions, comm: Comm) -> Compared:
 
 def _pair(plan_a: Plan, plan_b: Plan, config: dict, opts: VerifyOptions) -> Listing:
     """Rank 0: both sides as their plans describe them (the files merge would write), paired by name."""
-    for plan, path in ((plan_a, opts.merged), (plan_b, opts.reference)):
+    for plan, spec in ((plan_a, opts.merged), (plan_b, opts.reference)):
         if not plan.model_files:
-            raise InputError(f"{path} holds a LoRA adapter only: verify compares model weights; compare a save "
+            raise InputError(f"{spec.named} holds a LoRA adapter only: verify compares model weights; compare a save "
                              "that holds the model (or merge it with --base-model first)")
-    return pair_sides(planned_side(plan_a, Path(opts.merged)), planned_side(plan_b, Path(opts.reference)), config)
+    return pair_sides(planned_side(plan_a, opts.merged.named), planned_side(plan_b, opts.reference.named), config)
 
 
 class HoldSink:

@@ -47,6 +47,6 @@ def _target(k: int, inputs: list[Path], sub: str, template: MergeOptions, output
     name = f"{folder(k)}/{sub}" if sub else folder(k)
     out = f"{str(output).rstrip('/')}/{name}" if isinstance(output, str) else Path(output) / name
     settings = replace(template.settings, output=out, average=AverageOptions(on=True))
-    opts = replace(template, input=inputs[0], more_inputs=tuple(inputs[1:]), output=out, settings=settings,
+    opts = replace(template, input=replace(template.input, locations=tuple(inputs)), output=out, settings=settings,
                    resume=True)
     return Target(name=name, number=number, opts=opts)

@@ -46,16 +46,16 @@ def merged_bytes(opts: MergeOptions) -> int | None:
 def expected_options(opts: MergeOptions) -> dict[str, Any] | None:
     """run.json's options for a merge with `opts` (less the config's digest); None when no format detects the
     input."""
-    fmt = opts.format
+    fmt = opts.input.format
     if fmt == "auto":
         try:
-            found = registry.detect(Path(opts.input))
+            found = registry.detect(Path(opts.input.location))
         except (DistmergeError, OSError):  # the merge says what is wrong with it
             found = None
         if found is None:
             return None
         fmt = found.name
-    return resume.output_options(opts.settings, fmt, opts.format_options, {})
+    return resume.output_options(opts.settings, fmt, opts.input.format_options, {})
 
 
 def _mine(options: Any) -> dict | None:
@@ -66,7 +66,7 @@ def _inputs_unchanged(opts: MergeOptions, recorded: dict[str, Any]) -> bool:
     """Every recorded input file unchanged, and every input of `opts` among them: an average's (watch
     --average-last) other inputs are recorded by their own folder's absolute path (engine/resume.py), so a record of
     other steps is never taken for these."""
-    inputs = [Path(p) for p in opts.inputs]
+    inputs = [Path(p) for p in opts.input.locations]
     covered = set()
     for path, seen in recorded.items():
         if not Path(path).is_absolute():

@@ -39,7 +39,8 @@ class Target:
 def target(template: MergeOptions, run: Path, output: Path | str, name: str, number: int | None) -> Target:
     out = f"{str(output).rstrip('/')}/{name}" if isinstance(output, str) else Path(output) / name
     settings = replace(template.settings, output=out)  # what a LoRA adapter names its base after, as merge does
-    return Target(name=name, number=number, opts=replace(template, input=run / name, output=out, settings=settings,
+    spec = replace(template.input, locations=(run / name,))
+    return Target(name=name, number=number, opts=replace(template, input=spec, output=out, settings=settings,
                                                          resume=True))
 
 
