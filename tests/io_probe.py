@@ -5,7 +5,11 @@
 Each rank writes RECORD_DIR/rank{R}.json with the growth of `rchar` (/proc/self/io) across
 `distmerge.front.cli.main`: every byte the process got from read, pread, readv, sendfile and copy_file_range,
 page-cache hits included, counted by the kernel, not by distmerge. Every distmerge module, and what the input's
-format imports lazily, is imported before the count starts, so Python reading its own modules stays out.
+format imports lazily, is imported before the count starts, so Python reading its own modules stays out. Two
+modules are left out: they import transformers (seconds per rank) and no merge imports them (were one to, the
+bytes of its modules would count as reads, and the promise tests would fail, not pass wrongly). What transformers
+brought in that a merge under torchrun imports later (torch.distributed.nn, on starting the process group) is
+imported by name.
 Used by tests/test_promises.py.
 """
 
@@ -28,8 +32,11 @@ def rchar() -> int:
 
 
 def import_everything(argv: list[str]) -> None:
+    import torch.distributed.nn  # noqa: F401  (imported when the process group starts)
+
     for module in pkgutil.walk_packages(distmerge.__path__, "distmerge."):
-        if not module.name.startswith("distmerge.verifier.logits"):  # transformers: never on the merge path
+        # transformers: never on the merge path (the HF Trainer callback is imported by training scripts only)
+        if not module.name.startswith(("distmerge.verifier.logits", "distmerge.hooks.hf_trainer")):
             importlib.import_module(module.name)
 
 

@@ -54,10 +54,24 @@ def proxied(s3, plan: FaultPlan):  # noqa: F811
             os.environ["AWS_ENDPOINT_URL_S3"] = saved
 
 
+QUICK_BODY_BACKOFF = 0.01
+
+
 @pytest.fixture
 def quick_retries(monkeypatch):
     """The waits between a broken body's tries shortened (their number is what the tests check)."""
-    monkeypatch.setattr(s3_client, "BODY_BACKOFF", 0.01)
+    monkeypatch.setattr(s3_client, "BODY_BACKOFF", QUICK_BODY_BACKOFF)
+
+
+@pytest.fixture
+def quick_sdk_retries(monkeypatch):
+    """The SDK's own waits before it retries a 503 SlowDown (1 s, doubling, times a random fraction) or a dropped
+    connection (50 ms, doubling) shortened a hundredfold in this process: each request is still retried, as many
+    times (the counts of faults are what the tests check)."""
+    from botocore.retries.standard import ExponentialBackoff
+
+    scales = {name: scale / 100 for name, scale in ExponentialBackoff._DEFAULT_BACKOFF_CONFIG.items()}
+    monkeypatch.setattr(ExponentialBackoff, "_DEFAULT_BACKOFF_CONFIG", scales)
 
 
 def test_input_bodies_cut_midway_are_continued(s3, fsdp, tmp_path, quick_retries):  # noqa: F811
@@ -77,7 +91,8 @@ def test_two_ranks_merge_bucket_to_bucket_through_every_transient_fault(s3, fsdp
     plan = FaultPlan(cut_body_every=3, slow_body_every=5, fail_503_every=6, drop_every=11)
     with proxied(s3, plan) as proxy:
         job = torchrun(2, "merge", "--quiet", "--input", "s3://ckpt/faults", "--output", "s3://models/faults-2",
-                       *SPLIT, "--budget", "64KB", env={"DISTMERGE_TEST_S3_PART": str(PART)})
+                       *SPLIT, "--budget", "64KB", env={"DISTMERGE_TEST_S3_PART": str(PART),
+                                                        "DISTMERGE_TEST_S3_BODY_BACKOFF": str(QUICK_BODY_BACKOFF)})
     assert job.returncode == 0, job.stderr[-3000:]
     assert all(proxy.faults[kind] >= 2 for kind in ("cut", "slow", "slowdown", "dropped")), proxy.faults
     got = without_records(download_tree(s3c, "models", "faults-2"))
@@ -85,7 +100,7 @@ def test_two_ranks_merge_bucket_to_bucket_through_every_transient_fault(s3, fsdp
     assert s3c.list_multipart_uploads(Bucket="models").get("Uploads") is None
 
 
-def test_output_slowdowns_and_dropped_connections_are_retried(s3, fsdp, monkeypatch):  # noqa: F811
+def test_output_slowdowns_and_dropped_connections_are_retried(s3, fsdp, monkeypatch, quick_sdk_retries):  # noqa: F811
     """Multipart uploads (parts of 64 KiB), config, records and index, some answered 503 SlowDown and some with
     the connection closed: every one retried, every object whole."""
     _, s3c = s3

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from distmerge.front.cli import main as distmerge_main
 from distmerge.input import tree as input_tree
 from distmerge.output import lock
 from tests.conftest import REPO, assert_exact, expected_tensors, load_merged, merge_inproc, torchrun, tree_bytes
@@ -54,10 +55,13 @@ def finished_files(out: Path) -> list[Path]:
     return [p for p in out.glob("model-*-of-*.safetensors") if (out / ".distmerge" / f"{p.name}.json").is_file()]
 
 
-def run_cli(*args) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "distmerge", *map(str, args)]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+def run_cli(capsys, *args) -> subprocess.CompletedProcess:
+    """A distmerge command in this process (the CLI's own code path, main(); the merge it meets or follows is
+    another process where that matters), what it printed taken from capsys."""
+    capsys.readouterr()
+    code = distmerge_main([*map(str, args)])
+    said = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, said.out, said.err)
 
 
 def error_lines(stderr: str) -> list[str]:
@@ -124,7 +128,7 @@ def test_racing_merges_of_two_models_never_lose_one(fsdp_ckpts, tmp_path):
         assert not (out / LOCK).exists()
 
 
-def test_a_killed_merges_lock_is_refused_then_taken_over_by_resume(fsdp_ckpts, tmp_path):
+def test_a_killed_merges_lock_is_refused_then_taken_over_by_resume(fsdp_ckpts, tmp_path, capsys):
     out = tmp_path / "out"
     job = start(fsdp_ckpts[A], out, *SLOW)
     wait_for(lambda: finished_files(out), job)
@@ -133,7 +137,7 @@ def test_a_killed_merges_lock_is_refused_then_taken_over_by_resume(fsdp_ckpts, t
     holder = json.loads((out / LOCK).read_text())
     assert holder["pid"] == job.pid
 
-    plain = run_cli("merge", "--quiet", "--input", fsdp_ckpts[A], "--output", out, *SLOW)
+    plain = run_cli(capsys, "merge", "--quiet", "--input", fsdp_ckpts[A], "--output", out, *SLOW)
     assert plain.returncode == 1
     assert error_lines(plain.stderr) == [
         f"distmerge: error: output {out} holds the lock of a merge that is gone (pid {job.pid} on "
@@ -141,7 +145,7 @@ def test_a_killed_merges_lock_is_refused_then_taken_over_by_resume(fsdp_ckpts, t
         "to finish its work, or --overwrite to start over"], plain.stderr
 
     kept = {p.name: p.stat().st_ino for p in finished_files(out)}
-    resumed = run_cli("merge", "--input", fsdp_ckpts[A], "--output", out, *SLOW, "--resume")
+    resumed = run_cli(capsys, "merge", "--input", fsdp_ckpts[A], "--output", out, *SLOW, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"lock: taking over {out / LOCK} from a merge that is gone (pid {job.pid} " in resumed.stdout
     assert {p.name: p.stat().st_ino for p in finished_files(out) if p.name in kept} == kept  # its work was kept
@@ -156,16 +160,16 @@ def forged_holder(machine: str, pid: int, pid_start: str = "") -> bytes:
                        "lease_s": 300.0}).encode()
 
 
-def test_a_lock_from_another_machine_holds_until_its_lease_runs_out(fsdp_ckpts, tmp_path):
+def test_a_lock_from_another_machine_holds_until_its_lease_runs_out(fsdp_ckpts, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
     (out / LOCK).write_bytes(forged_holder("node-7/boot", 4242))
-    refused = run_cli("merge", "--quiet", "--input", fsdp_ckpts[A], "--output", out, "--overwrite")
+    refused = run_cli(capsys, "merge", "--quiet", "--input", fsdp_ckpts[A], "--output", out, "--overwrite")
     assert refused.returncode == 1
     assert "is being written by another merge (pid 4242 on node-7, started 2026-05-28" in refused.stderr
     stale = time.time() - 301  # the record's lease is 300 s
     os.utime(out / LOCK, (stale, stale))
-    taken = run_cli("merge", "--input", fsdp_ckpts[A], "--output", out, "--overwrite")
+    taken = run_cli(capsys, "merge", "--input", fsdp_ckpts[A], "--output", out, "--overwrite")
     assert taken.returncode == 0, taken.stderr[-2000:]
     assert "lock: taking over" in taken.stdout and "pid 4242 on node-7" in taken.stdout
     assert_exact(load_merged(out), expected_tensors(fsdp_ckpts[A]))
@@ -329,11 +333,11 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
-def test_a_full_disk_is_one_line_and_resume_finishes_once_it_has_room(fsdp_ckpts, small_disk, tmp_path):
+def test_a_full_disk_is_one_line_and_resume_finishes_once_it_has_room(fsdp_ckpts, small_disk, tmp_path, capsys):
     mount, grow = small_disk
     out = mount / "out"
     split = ["--max-shard-size", "100KB", "--budget", "16KB"]  # files finished round by round, before the disk fills
-    full = run_cli("merge", "--quiet", "--input", fsdp_ckpts[A], "--output", out, *split)
+    full = run_cli(capsys, "merge", "--quiet", "--input", fsdp_ckpts[A], "--output", out, *split)
     assert full.returncode == 1
     lines = full.stderr.strip().splitlines()
     assert len(lines) == 1 and "No space left on device (is the disk full?)" in lines[0], full.stderr
@@ -342,7 +346,7 @@ def test_a_full_disk_is_one_line_and_resume_finishes_once_it_has_room(fsdp_ckpts
     kept = {p.name: p.stat().st_ino for p in finished_files(out)}
     assert kept, "the disk filled before any file was finished: make the tmpfs larger"
     grow("4m")
-    resumed = run_cli("merge", "--quiet", "--input", fsdp_ckpts[A], "--output", out, *split, "--resume")
+    resumed = run_cli(capsys, "merge", "--quiet", "--input", fsdp_ckpts[A], "--output", out, *split, "--resume")
     assert resumed.returncode == 0, resumed.stderr
     assert {name: (out / name).stat().st_ino for name in kept} == kept
     clean = tmp_path / "clean"
