@@ -107,3 +107,16 @@ def test_two_processes_carry_a_tensor_over_rounds(fsdp_ckpts, tmp_path):
     run = torchrun(2, "merge", *args, "--budget", "1KiB", "--output", tmp_path / "two", "--quiet")
     assert run.returncode == 0, run.stderr[-3000:]
     assert tree_bytes(tmp_path / "one") == tree_bytes(tmp_path / "two")
+
+
+def test_verify_in_memory_carries_a_tensor_over_rounds(fsdp_ckpts, tmp_path, capsys):
+    """verify's sink (each target compared as it is built) takes a carried tensor in the round that ends it."""
+    from distmerge.front.cli import main as distmerge_main
+
+    ckpts = [fsdp_ckpts[c] for c in THREE]
+    assert merge_inproc(*inputs(*ckpts), "--average", "--output", tmp_path / "avg") == 0
+    capsys.readouterr()
+    merged = [a for c in ckpts for a in ("--merged", str(c))]
+    args = ["verify", *merged, "--average", "--budget", "1KiB", "--reference", str(tmp_path / "avg")]
+    assert distmerge_main(args) == 0
+    assert "verify: PASS 21 tensors bit-exact" in capsys.readouterr().out
