@@ -358,15 +358,15 @@ def grid_blocks(n: int, skew: int = 0) -> list[Fragment]:
 
 def test_overlap_check_of_85k_chunks_takes_seconds():
     """44^3 = 85,184 chunks: the grid check is O(n log n) (the pairwise sweep it replaces took over 60 s)."""
-    from distmerge.engine.plan import _check_coverage
+    from distmerge.engine.coverage import check_coverage
     from distmerge.errors import LayoutError
 
     blocks = grid_blocks(44)
     with bounded(seconds=8):
-        _check_coverage("w", blocks[0].global_shape, tuple(blocks))
+        check_coverage("w", blocks[0].global_shape, tuple(blocks))
     skewed = grid_blocks(44, skew=1)
     with bounded(seconds=8), pytest.raises(LayoutError, match="overlap"):
-        _check_coverage("w", skewed[0].global_shape, tuple(skewed))
+        check_coverage("w", skewed[0].global_shape, tuple(skewed))
     assert math.prod(blocks[0].global_shape) == 8 * len(blocks)
 
 

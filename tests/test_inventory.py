@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from distmerge.engine import inventory
-from distmerge.engine.plan import _check_coverage, _tiled_in_order, assign_owners, assign_readers
+from distmerge.engine.coverage import check_coverage, tiled_in_order
+from distmerge.engine.plan import assign_owners, assign_readers
 from distmerge.errors import LayoutError
 from distmerge.formats import registry
 from distmerge.formats.base import Fragment, InputFile
@@ -76,7 +77,7 @@ def rows(shape, cuts, flat=False):
 
 def general_accepts(shape, blocks) -> bool:
     try:
-        _check_coverage("w", shape, blocks)
+        check_coverage("w", shape, blocks)
     except LayoutError:
         return False
     return True
@@ -102,7 +103,7 @@ def test_one_pass_coverage_accepts_only_what_the_general_check_accepts():
                                                       lengths=lengths, file_index=b.file_index, byte_offset=0,
                                                       key="w", flat=flat)]
             blocks = tuple(sorted([*blocks[:pick], *kept, *blocks[pick + 1:]], key=lambda f: f.region))
-        fast, general = _tiled_in_order(shape, blocks), general_accepts(shape, blocks)
+        fast, general = tiled_in_order(shape, blocks), general_accepts(shape, blocks)
         assert not fast or general, blocks
         if general:
             assert fast, blocks
@@ -111,7 +112,7 @@ def test_one_pass_coverage_accepts_only_what_the_general_check_accepts():
 def test_blocks_split_on_a_later_dimension_take_the_general_check():
     blocks = tuple(Fragment(name="w", dtype="F32", global_shape=(4, 8), offsets=(0, c), lengths=(4, 2), file_index=c,
                             byte_offset=0, key="w") for c in (0, 2, 4, 6))
-    assert not _tiled_in_order((4, 8), blocks) and general_accepts((4, 8), blocks)
+    assert not tiled_in_order((4, 8), blocks) and general_accepts((4, 8), blocks)
 
 
 def least_loaded(weights: list[int], world: int, most: int | None = None) -> list[int]:

@@ -15,7 +15,7 @@ LAYERS = {
         "options.output_options"),
     1: ("formats", "distributed.comm", "families.transforms", "quantize"),
     2: ("families", "quantize.table", "quantize.fused", "average"),
-    3: ("engine.plan", "engine.spread", "engine.inventory", "output"),
+    3: ("engine.plan", "engine.coverage", "engine.spread", "engine.inventory", "output"),  # coverage: the plan's
     4: ("engine", "report"),
     5: ("engine.run", "front.inspect", "verifier", "watcher", "options", "front.hub", "api"),
     6: ("front", "__main__", "hooks"),
