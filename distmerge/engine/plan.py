@@ -30,7 +30,6 @@ from distmerge.families.base import SourceMeta, Target, Unit
 from distmerge.formats.base import Fragment, InputFile
 from distmerge.output.names import GROUP_FILES, model_file_names
 from distmerge.output.store import Sharing
-from distmerge.quantize import schemes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,7 +70,7 @@ class Plan:
     extra_files: dict[str, dict] = field(default_factory=dict)  # relative path -> JSON, written by finalize
     notes: tuple[str, ...] = ()  # what the family decided (e.g. where a LoRA adapter went)
     config_updates: dict = field(default_factory=dict)  # config.json keys the family sets (written by finalize)
-    quantized: schemes.Quantized | None = None  # --quantize: the scheme, for config.json's quantization_config
+    config_later: dict = field(default_factory=dict)  # config.json keys made as finalize writes it (base.Later)
     # unit -> the sources each of its rounds brings, in round order, for a unit carried over several rounds (rounds
     # lists it in each); any other unit brings all its sources in its one round
     carried: dict[int, tuple[tuple[str, ...], ...]] = field(default_factory=dict)
