@@ -57,3 +57,9 @@ def is_float(code: str) -> bool:
 def hf_dtype_name(code: str) -> str:
     """The name config.json uses for the dtype ("bfloat16", "float32", ...)."""
     return str(_CODES[code]).removeprefix("torch.")
+
+
+def announced(code: str) -> bool:
+    """Whether config.json's dtype may name it: a floating dtype, but float8_e4m3fn, which holds scaled weights that
+    loaders dequantize into the dtype of the rest (DeepSeek-V3's FP8 config says bfloat16)."""
+    return is_float(code) and code != "F8_E4M3"

@@ -1,7 +1,7 @@
 """`distmerge verify` of a 4-bit output (merge --quantize nvfp4 | mxfp4) against the full-precision model: each
 weight's packed bytes are unpacked and dequantized on the fly with its group scales (and global scale) and judged
-against the e2m1 bound (verifier/fp4_compare.py); the same records from the folder, from the checkpoint merged and
-quantized in memory, and from the folder against the checkpoint it came from."""
+against the e2m1 bound (quantize/compare.py, verifier/bounded.py); the same records from the folder, from the
+checkpoint merged and quantized in memory, and from the folder against the checkpoint it came from."""
 
 from __future__ import annotations
 
@@ -84,8 +84,9 @@ def test_in_memory_and_against_the_checkpoint_give_the_folder_records(scheme, qu
 def test_block_by_block_is_the_whole_tensor(scheme, block, monkeypatch):
     """The comparison a block at a time gives the figures, the largest error / bound and the count beyond it of the
     whole tensor dequantized at once (fp4.Scheme.dequantize, fp4.bound)."""
+    from distmerge.quantize.compare import ENCODINGS
     from distmerge.verifier import blocks
-    from distmerge.verifier.fp4_compare import Fp4Running
+    from distmerge.verifier.bounded import Bounded
     from distmerge.verifier.report import Criteria
 
     monkeypatch.setitem(blocks.BLOCK, "cpu", block)
@@ -93,7 +94,9 @@ def test_block_by_block_is_the_whole_tensor(scheme, block, monkeypatch):
     r = torch.randn(96, 320, generator=gen).to(torch.bfloat16)
     shared = row.shared([r])
     packed, scale, *_ = row.quantize(r, shared)
-    run = Fp4Running(tuple(r.shape), row, scale, shared, 0.0, torch.device("cpu"), Criteria(), blocks.Scratch())
+    decoder = ENCODINGS[scheme].decoder(tuple(r.shape), [scale, *[shared] * (shared is not None)],
+                                            torch.device("cpu"))
+    run = Bounded(tuple(r.shape), decoder, 0.0, torch.device("cpu"), Criteria(), blocks.Scratch())
     blocks.whole(packed, lambda start, count: r.reshape(-1)[start : start + count], run, per=2)
     got = row.dequantize(packed, scale, shared)
     each = row.scales(scale, shared).repeat_interleave(row.group, dim=1)

@@ -98,12 +98,14 @@ def test_config_of_the_fp8_folder(quantized):
 @pytest.mark.parametrize("scheme", ["fp8-block", "fp8-channel"])
 @pytest.mark.parametrize("block", [1000, 2**14])  # 1000: blocks that start mid-row and mid 128-column block
 def test_block_by_block_is_the_whole_tensor(scheme, block, monkeypatch):
-    """verify's FP8 comparison a block at a time (verifier/fp8_compare.py, each element finding its own scale) gives
-    the figures, the largest error / bound and the count beyond it of the whole tensors dequantized at once (as
-    fp8.Scheme.dequantize and fp8.bound do); with one scale off by 5%, the elements it scales go beyond."""
+    """verify's FP8 comparison a block at a time (verifier/bounded.py with quantize/compare.py's decoder, each element
+    finding its own scale) gives the figures, the largest error / bound and the count beyond it of the whole tensors
+    dequantized at once (as fp8.Scheme.dequantize and fp8.bound do); with one scale off by 5%, the elements it scales
+    go beyond."""
     from distmerge.quantize import fp8
+    from distmerge.quantize.compare import ENCODINGS
     from distmerge.verifier import blocks
-    from distmerge.verifier.fp8_compare import Fp8Running
+    from distmerge.verifier.bounded import Bounded
     from distmerge.verifier.report import Criteria
 
     monkeypatch.setitem(blocks.BLOCK, "cpu", block)
@@ -111,7 +113,8 @@ def test_block_by_block_is_the_whole_tensor(scheme, block, monkeypatch):
     r = torch.randn(300, 257, generator=gen).to(torch.bfloat16)
     q, scale = grid.quantize(r)
     for s in (scale, scale.clone().index_put_((torch.tensor([1]), torch.tensor([0])), scale[1, 0] * 1.05)):
-        run = Fp8Running(tuple(r.shape), grid, s, 0.0, torch.device("cpu"), Criteria(), blocks.Scratch())
+        decoder = ENCODINGS[scheme].decoder(tuple(r.shape), [s], torch.device("cpu"))
+        run = Bounded(tuple(r.shape), decoder, 0.0, torch.device("cpu"), Criteria(), blocks.Scratch())
         blocks.whole(q, lambda start, count: r.reshape(-1)[start : start + count], run)
         got = grid.dequantize(q, s)
         err, limit = (got - r.float()).abs(), fp8.bound(r, grid.expand(s, tuple(r.shape)))

@@ -1,7 +1,7 @@
-"""The blocks of one source tensor, replicas removed, cover it exactly: inside its shape, no overlap, every element
-(plan.merge_inventories asks, for every tensor of every inventory). The common layouts pass in one step per block
-(tiled_in_order); any other goes through the general check, which words the error.
-"""
+"""The coverage check of a source tensor's blocks (plan.merge_inventories): after replicas are removed, the blocks
+must lie inside the tensor, not overlap, and add up to all of it. The common layouts (runs of whole rows or flat
+ranges, one after another) pass in one step per block (`tiled_in_order`); any other goes through the general check
+(`check_coverage`), which words the error."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def tiled_in_order(shape: tuple[int, ...], blocks: tuple[Fragment, ...]) -> bool
     """True when the blocks, in region order, are runs of whole rows (or flat ranges) that follow one another from
     the tensor's first element to its last: FSDP's Shard(0), Megatron's dim-0 splits, whole tensors, ZeRO ranges.
     Such blocks lie inside the tensor, do not overlap and cover it. False only says "not this simple case": the
-    general check (_check_coverage) then decides and words any error. At W=1024 this is 1.2 million blocks, where
+    general check (check_coverage) then decides and words any error. At W=1024 this is 1.2 million blocks, where
     the general check's per-block geometry cost seconds (tests/bench/bench_scale.py)."""
     if not blocks or not shape:
         return False

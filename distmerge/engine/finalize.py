@@ -15,20 +15,17 @@ from distmerge.input import tree
 from distmerge.input.source import Source
 from distmerge.output.names import INDEX_NAME, MODEL_FILES
 from distmerge.output.store import Store
-from distmerge.quantize import fp8
 
 # Files of huggingface/ that are weights or indexes, never copied (the merge writes its own).
 SKIP_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 
 
 def main_dtype(plan: Plan) -> str | None:
-    """The floating dtype holding most bytes: what config.json should announce. FP8 weights do not count: their
-    config's dtype is the one of the tensors left unquantized, which loaders dequantize into (DeepSeek-V3's says
-    bfloat16)."""
+    """The floating dtype holding most bytes: what config.json should announce (of those it can: dtypes.announced)."""
     by_bytes: Counter[str] = Counter()
     for f in plan.model_files:
         for t in f.targets:
-            if dtypes.is_float(t.dtype) and t.dtype != fp8.FP8:
+            if dtypes.announced(t.dtype):
                 by_bytes[t.dtype] += t.nbytes
     return by_bytes.most_common(1)[0][0] if by_bytes else None
 
@@ -92,8 +89,8 @@ def finalize(out: Store, plan: Plan, config: dict[str, Any], hf_source: Source, 
         write_extra_files(out, plan)
         return []
     copied = copy_hf_files(hf_source, out, skip)
-    quantization = {"quantization_config": plan.quantized.config()} if plan.quantized else {}
-    write_config(out, {**config, **plan.config_updates, **quantization}, main_dtype(plan))
+    later = {key: value.config() for key, value in plan.config_later.items()}  # made here, on rank 0 only
+    write_config(out, {**config, **plan.config_updates, **later}, main_dtype(plan))
     remove_strays(out, plan)
     write_extra_files(out, plan)
     write_manifest(out, plan)

@@ -22,14 +22,14 @@ from functools import cached_property
 from operator import attrgetter
 
 from distmerge import dtypes
-from distmerge.engine import coverage, spread
+from distmerge.engine import spread
+from distmerge.engine.coverage import check_coverage, tiled_in_order
 from distmerge.errors import LayoutError
 from distmerge.families import transforms
 from distmerge.families.base import SourceMeta, Target, Unit
 from distmerge.formats.base import Fragment, InputFile
 from distmerge.output.names import GROUP_FILES, model_file_names
 from distmerge.output.store import Sharing
-from distmerge.quantize import schemes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,7 +70,7 @@ class Plan:
     extra_files: dict[str, dict] = field(default_factory=dict)  # relative path -> JSON, written by finalize
     notes: tuple[str, ...] = ()  # what the family decided (e.g. where a LoRA adapter went)
     config_updates: dict = field(default_factory=dict)  # config.json keys the family sets (written by finalize)
-    quantized: schemes.Quantized | None = None  # --quantize: the scheme, for config.json's quantization_config
+    config_later: dict = field(default_factory=dict)  # config.json keys made as finalize writes it (base.Later)
     # unit -> the sources each of its rounds brings, in round order, for a unit carried over several rounds (rounds
     # lists it in each); any other unit brings all its sources in its one round
     carried: dict[int, tuple[tuple[str, ...], ...]] = field(default_factory=dict)
@@ -160,8 +160,8 @@ def _merge_one(name: str, frags: list[Fragment], files: tuple[InputFile, ...]) -
         if blocks.setdefault(f.region, f) is not f:  # replicas (HSDP, TP norms): lowest file wins
             replicas.append(f)
     chosen = tuple(blocks[k] for k in sorted(blocks))
-    if not coverage.tiled_in_order(first.global_shape, chosen):  # the common layouts pass in one step per block
-        coverage.check_coverage(name, first.global_shape, chosen)
+    if not tiled_in_order(first.global_shape, chosen):  # the common layouts pass in one step per block
+        check_coverage(name, first.global_shape, chosen)
     return SourceTensor(meta=SourceMeta(name=name, dtype=first.dtype, shape=first.global_shape), fragments=chosen,
                         replicas=tuple(replicas))
 

@@ -21,7 +21,7 @@ from distmerge.engine import plan as planning
 from distmerge.engine.discover import Discovery
 from distmerge.engine.plan import Plan
 from distmerge.errors import InputError
-from distmerge.families.base import FamilyContext, LoraOptions, SourceMeta, claim, quantize
+from distmerge.families.base import FamilyContext, LoraOptions, SourceMeta, claim, rewrite
 from distmerge.formats.base import BASE_MODEL_PREFIX, Fragment, input_prefix
 from distmerge.output import is_store, is_url
 from distmerge.output.store import Sharing
@@ -80,9 +80,9 @@ def prepare_merge(found: Discovery, fragments: list[Fragment], world: int, setti
     family, result = families[0], results[0]
     if scan.parts:
         result = average.combine(results, settings.average.of(len(results)), [s.root for s in inputs.scans(scan)])
-    quantized = None
-    if settings.quantize:  # after the family: its targets carry Hugging Face names, which the table matches
-        result, quantized = quantize(result, settings.quantize, family.traits(found.config), found.config)
+    # the options that rewrite any family's result (base.register_rewrite), after the family: its targets carry
+    # Hugging Face names, which their tables match
+    result = rewrite(result, settings, family.traits(found.config), found.config)
     if base and not any(s.startswith(BASE_MODEL_PREFIX) for u in result.units for s in u.sources):
         result = replace(result, notes=[*result.notes, "--base-model: the folder's weights were not needed (the "
                                                        "checkpoint holds its own), none was read"])
@@ -98,8 +98,8 @@ def prepare_merge(found: Discovery, fragments: list[Fragment], world: int, setti
         hosts=hosts,
         sharing=sharing,
     )
-    # finalize writes them into config.json, and the quantization_config when quantized
-    plan = replace(plan, config_updates=dict(result.config_updates), quantized=quantized)
+    # finalize writes them into config.json, those made late as it writes it
+    plan = replace(plan, config_updates=dict(result.config_updates), config_later=dict(result.config_later))
     return Prepared(plan=plan, left_out=dict(result.left_out), must_equal=tuple(result.must_equal))
 
 

@@ -8,6 +8,8 @@ Call order (distmerge/engine/prepare.py drives it, the same for merge and inspec
                                   every rank
     family.traits(config)         -> ModelTraits: what the written model is (tied heads, the transformers
                                   class to load it with, where its attention sizes live)
+    rewrite(result, settings, ...)  the result rewritten by each output option that registered a rewrite
+                                  (register_rewrite) and that the settings turn on
 
 A family module registers its instance with `register`; distmerge/families/__init__.py imports it. A family
 written as a table of rows (megatron/, torchtitan/) finds each source's row with `matched_rows`.
@@ -99,6 +101,15 @@ class FamilyResult:
     # config.json keys the written model needs in place of the input's (a value head: its architectures and one
     # label); finalize writes them over the input config
     config_updates: dict[str, Any] = field(default_factory=dict)
+    # config.json keys whose value is made only as finalize writes config.json, on rank 0 (making it may cost
+    # seconds: a library to import): key -> a record whose `config()` makes it
+    config_later: dict[str, Later] = field(default_factory=dict)
+
+
+class Later(Protocol):
+    """A config.json value made late (FamilyResult.config_later)."""
+
+    def config(self) -> Any: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -248,21 +259,26 @@ def register(family: Family) -> Family:
     return family
 
 
-# --quantize: rewrites any family's result (families/quantized.py registers itself, as the families do)
-Quantizer = Callable[[FamilyResult, str, ModelTraits, dict[str, Any]], tuple[FamilyResult, Any]]
-QUANTIZERS: list[Quantizer] = []
+# An output option's rewrite of any family's result, by the OutputSettings field that turns it on (its value given
+# to the rewrite); the rewriting part registers itself, as the families do, and prepare.py applies it after the family
+Rewrite = Callable[[FamilyResult, Any, ModelTraits, dict[str, Any]], FamilyResult]
+REWRITES: dict[str, Rewrite] = {}
 
 
-def register_quantizer(quantizer: Quantizer) -> Quantizer:
-    QUANTIZERS[:] = [quantizer]
-    return quantizer
+def register_rewrite(setting: str) -> Callable[[Rewrite], Rewrite]:
+    def register(rewrite: Rewrite) -> Rewrite:
+        REWRITES[setting] = rewrite
+        return rewrite
+
+    return register
 
 
-def quantize(result: FamilyResult, scheme: str, traits: ModelTraits, config: dict[str, Any]) -> tuple[
-        FamilyResult, Any]:
-    """The family's result with the linear weights in FP8 (`scheme`: a --quantize choice), and the fp8.Quantized
-    record config.json's quantization_config is made from."""
-    return QUANTIZERS[0](result, scheme, traits, config)
+def rewrite(result: FamilyResult, settings: object, traits: ModelTraits, config: dict[str, Any]) -> FamilyResult:
+    """The family's result rewritten by each registered option that `settings` turns on (a truthy field)."""
+    for setting, rewrite_ in REWRITES.items():
+        if value := getattr(settings, setting):
+            result = rewrite_(result, value, traits, config)
+    return result
 
 
 def claim(names: Collection[str], config: dict[str, Any], hints: Hints, *, skip: Family | None = None) -> Family:

@@ -24,7 +24,7 @@ import torch
 
 from distmerge import dtypes
 from distmerge.errors import InputError
-from distmerge.families.base import FamilyResult, ModelTraits, Target, Unit, register_quantizer
+from distmerge.families.base import FamilyResult, ModelTraits, Target, Unit, register_rewrite
 from distmerge.families.transforms import TRANSFORMS, after, transform
 from distmerge.quantize import fp8_compressed, fused, schemes
 
@@ -46,10 +46,10 @@ QUANTIZED_MODULES = (
 QUANTIZED = re.compile(LAYER + "(?:" + "|".join(QUANTIZED_MODULES) + r")\.weight")
 
 
-@register_quantizer
-def quantize(result: FamilyResult, scheme: str, traits: ModelTraits, config: dict[str, Any]) -> tuple[
-        FamilyResult, schemes.Quantized]:
-    """The family's result with the table's weights quantized, and what config.json must say about it."""
+@register_rewrite("quantize")  # OutputSettings.quantize: a --quantize choice
+def quantize(result: FamilyResult, scheme: str, traits: ModelTraits, config: dict[str, Any]) -> FamilyResult:
+    """The family's result with the table's weights quantized, and what config.json must say about it: its
+    quantization_config, made by finalize on rank 0 (schemes.Quantized.config: compressed-tensors' classes)."""
     row = schemes.SCHEMES[scheme]
     if scheme in schemes.COMPRESSED_TENSORS:
         fp8_compressed.require(scheme)
@@ -68,7 +68,8 @@ def quantize(result: FamilyResult, scheme: str, traits: ModelTraits, config: dic
     quantized = schemes.Quantized(scheme=scheme, unconverted=kept)
     note = (f"--quantize {scheme}: {count} linear weights quantized ({row.layout}); {len(kept)} modules kept in the "
             f"merge's dtype ({', '.join(kept[:4])}{', ...' * (len(kept) > 4)})")
-    return replace(result, units=units, notes=[*result.notes, note]), quantized
+    return replace(result, units=units, notes=[*result.notes, note],
+                   config_later={**result.config_later, "quantization_config": quantized})
 
 
 def _quantize_unit(unit: Unit, scheme: str, row: schemes.Scheme, sets: dict[str, str]) -> Unit:

@@ -4,7 +4,8 @@
     listing.py  rank 0 pairs the names (tied heads by the model family's traits)
     kinds.py    rank 0: which side is a finished model and which a checkpoint, and how each is read
     blocks.py   the figures block by block, the same whatever the pieces a tensor arrives in
-    fp8_compare.py   an FP8 weight (merge --quantize) dequantized block by block, judged by the FP8 bound
+    bounded.py  an encoded weight (merge --quantize) decoded block by block, judged by the bound its encoding
+                guarantees (the quantize part's compare.py decodes it; Listing.encoding says which)
     compare.py  two finished models: each rank computes the figures of the merged files it owns
     stream.py   a side merged in memory: each target compared as its bytes arrive, or once built (sink.Sink)
     checkpoint.py, two_checkpoints.py, components.py   one side or both merged in memory, in merge's rounds

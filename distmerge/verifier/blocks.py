@@ -144,7 +144,7 @@ def figures(m: torch.Tensor, r: torch.Tensor, atol: float, rtol: float) -> tuple
 def whole(m: torch.Tensor, other: Callable[[int, int], torch.Tensor], run: Running, merged_first: bool = True,
           per: int = 1) -> None:
     """A whole tensor `m` compared with `other(start, count)`, the other side's elements [start, start + count),
-    into `run` (a Running on m's device, or fp8_compare.Fp8Running): `m` is the merged side when `merged_first`,
+    into `run` (a Running on m's device, or bounded.Bounded): `m` is the merged side when `merged_first`,
     else the reference. `per`: the other side's elements per element of `m` (a 4-bit weight's bytes hold two);
     blocks are the other side's."""
     step, flat = block_size(m.device), m.reshape(-1)

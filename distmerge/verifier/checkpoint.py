@@ -105,13 +105,12 @@ def _pair(plan: Plan, config: dict, opts: VerifyOptions, role: str) -> Listing:
     planned = planned_side(plan, named)
     # the other side is a finished model: a local path (kinds.py)
     finished = Path((opts.reference if role == "merged" else opts.merged).location)
-    if role == "merged" and plan.quantized:
-        # FP8 weights are compared dequantized; what they were quantized from is the dtype config.json would announce
+    if role == "merged":
+        # config.json as merge would write it: its dtype (what encoded weights, compared decoded, were encoded from)
+        # and the values it makes late (a quantization_config's record: how the weights are encoded)
         config = {**config, "torch_dtype": dtypes.hf_dtype_name(main_dtype(plan) or "F32")}
         return pair_sides(planned, open_side(finished, role="reference", allow_torch=True), config,
-                          quantized=plan.quantized.scheme)
-    if role == "merged":
-        return pair_sides(planned, open_side(finished, role="reference", allow_torch=True), config)
+                          later=plan.config_later)
     own = merged_config(beside(finished))
     return pair_sides(open_side(finished, role="merged model", allow_torch=True), planned,
                       own if own is not None else config)

@@ -16,7 +16,7 @@ a Source object is a checkpoint: verify reads finished models from local paths o
 
 The options that shape the output (output_options.py) say how verify takes them: --dtype, --lora, --max-shard-size
 (and --budget) shape every merge in memory; --quantize only a --merged checkpoint's, compared with a Hugging Face
---reference (fp8_compare.py), and --average only the --merged checkpoints'.
+--reference (bounded.py), and --average only the --merged checkpoints'.
 """
 
 from __future__ import annotations

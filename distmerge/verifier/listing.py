@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 from distmerge import (
     dtypes,
@@ -20,7 +19,7 @@ from distmerge.families import hub_names
 from distmerge.families.base import ModelTraits, claim
 from distmerge.families.megatron import mtp
 from distmerge.formats.base import Hints
-from distmerge.quantize import fp4, fp8, schemes
+from distmerge.quantize.compare import Encoding, encoding_of
 from distmerge.verifier.report import Check, Criteria
 from distmerge.verifier.sides import Side, open_side
 
@@ -67,8 +66,9 @@ class Pair:
     merged_name: str  # differs from `name` only for a tied head: the embedding the model re-uses
     reference_name: str
     note: str = ""
-    scale: str = ""  # a quantized weight's scale tensor on the merged side: the weight is compared dequantized
-    shared: str = ""  # and its global scale (nvfp4)
+    # an encoded weight's (merge --quantize) tensors on the merged side it is decoded with, its scales: the weight is
+    # compared decoded (bounded.py)
+    parts: tuple[str, ...] = ()
     per: int = 1  # reference elements per stored element of the merged weight (2: e2m1 pairs in a byte)
 
 
@@ -81,8 +81,8 @@ class Listing:
     hub_rules: hub_names.Rules = ()  # a vision-language model's module <-> hub name prefixes (hub_names.py)
     pairs: tuple[Pair, ...]
     settled: tuple[Check, ...]  # decided from the headers alone (missing, extra, shape)
-    quantized: str | None = None  # the merged model's layout (schemes.SCHEMES), from its quantization_config
-    model_dtype: str | None = None  # its config.json's dtype: what its quantized weights were quantized from
+    encoding: Encoding | None = None  # how the merged model's weights are stored, when encoded (merge --quantize)
+    model_dtype: str | None = None  # its config.json's dtype: what its encoded weights were encoded from
 
 
 def make_listing(opts: VerifyOptions) -> Listing:
@@ -98,20 +98,22 @@ def beside(model: Path) -> Path:
     return model / "config.json" if model.is_dir() else model.parent / "config.json"
 
 
-def pair_sides(merged: Side, reference: Side, config: dict | None, quantized: str | None = None) -> Listing:
-    """`config`: the merged model's config.json (None: there is none, so nothing says a head is tied); `quantized`:
-    the layout of its quantized weights (default: what config.json's quantization_config says)."""
+def pair_sides(merged: Side, reference: Side, config: dict | None, later: dict | None = None) -> Listing:
+    """`config`: the merged model's config.json (None: there is none, so nothing says a head is tied); `later`: the
+    values merge would make late in it (Plan.config_later: a model merged in memory), which may say how its weights
+    are encoded."""
     traits = claim(list(merged.tensors), config or {}, Hints()).traits(config or {})
     ties = config is not None and traits.ties(config)  # no config.json: nothing says the head is tied
     # Both sides under the names save_pretrained writes (a reference saved with the module's names of a
     # vision-language model pairs with the merged hub names), each mapped back to the side's own name.
     rules = hub_names.rules_for(config or {})
-    scheme = schemes.SCHEMES[quantized] if quantized else schemes.scheme_of(config or {})
-    # stored weight -> its pair's quantized fields (its scales, compared dequantized), and the stored weight of each
-    # weight the reference names (a 4-bit one is stored as <module>.weight_packed)
-    quant, stored = _quantized(merged, scheme) if scheme else ({}, {})
-    scale_names = {n for q in quant.values() for n in (q["scale"], q.get("shared")) if n}
-    on_merged = {hub_names.to_hub(stored.get(n, n), rules): n for n in merged.tensors if n not in scale_names}
+    encoding = encoding_of(config or {}, later)
+    # stored weight -> its pair's fields (the tensors it is decoded with, compared decoded), and the stored weight of
+    # each weight the reference names (a 4-bit one is stored as <module>.weight_packed)
+    codes = {n: loc.dtype for n, loc in merged.tensors.items()}
+    encoded, stored = encoding.stored(codes) if encoding else ({}, {})
+    part_names = {n for fields in encoded.values() for n in fields["parts"]}
+    on_merged = {hub_names.to_hub(stored.get(n, n), rules): n for n in merged.tensors if n not in part_names}
     on_reference = {hub_names.to_hub(n, rules): n for n in reference.tensors}
     tied = _tied(traits, rules, {*on_merged, *on_reference}) if ties else {}
     pairs, settled = [], []
@@ -128,34 +130,14 @@ def pair_sides(merged: Side, reference: Side, config: dict | None, quantized: st
             settled.append(pair)
             continue
         m, r = merged.tensors[pair.merged_name], reference.tensors[pair.reference_name]
-        fields = quant.get(pair.merged_name, {})
+        fields = encoded.get(pair.merged_name, {})
         if _logical(m.shape, fields.get("per", 1)) == r.shape:
             pairs.append(replace(pair, **fields))
         else:
             settled.append(_settled(name, merged, reference, "shape", _shape_reason(m.shape, r.shape), pair))
     return Listing(merged=merged, reference=reference, traits=traits, ties=ties, hub_rules=rules, pairs=tuple(pairs),
-                   settled=tuple(settled), quantized=scheme.name if scheme else None,
+                   settled=tuple(settled), encoding=encoding,
                    model_dtype=_dtype_code((config or {}).get("torch_dtype") or (config or {}).get("dtype")))
-
-
-def _quantized(side: Side, scheme: fp8.Scheme | fp4.Scheme) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
-    """Quantized weights with their scale tensors beside them: stored name -> Pair fields, and stored name -> the
-    weight's own name (4-bit)."""
-    if isinstance(scheme, fp8.Scheme):
-        return {w: {"scale": s} for s in side.tensors if s.endswith(scheme.scale_suffix)
-                and (w := s.removesuffix(scheme.scale_suffix)) in side.tensors
-                and side.tensors[w].dtype == fp8.FP8}, {}
-    found, stored = {}, {}
-    for packed in side.tensors:
-        module = packed.removesuffix(".weight_packed")
-        if module == packed or f"{module}.weight_scale" not in side.tensors:
-            continue
-        shared = f"{module}.weight_global_scale" if scheme.global_scale else ""
-        if shared and shared not in side.tensors:
-            continue
-        found[packed] = {"scale": f"{module}.weight_scale", "shared": shared, "per": 2}
-        stored[packed] = f"{module}.weight"
-    return found, stored
 
 
 def _logical(shape: tuple[int, ...], per: int) -> tuple[int, ...]:

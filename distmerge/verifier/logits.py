@@ -13,8 +13,6 @@ differ in their weights only, and a reference without a config.json (a bare stat
 from __future__ import annotations
 
 import copy
-import json
-import warnings
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -29,9 +27,6 @@ from distmerge.verifier.report import Figures, LogitsCheck, judge
 from distmerge.verifier.sides import TensorFiles
 
 ROWS, SEQ = 2, 32
-# --logits of an FP8 folder (merge --quantize) without a tolerance given: the logits' cosine with the full-precision
-# model's must reach this (docs/quantize.md: 0.9972 at worst on the test fixtures, tiny random models)
-FP8_LOGITS_COSINE = 0.99
 
 
 def compare_logits(listing: Listing, opts: VerifyOptions, device: torch.device) -> LogitsCheck:
@@ -41,9 +36,8 @@ def compare_logits(listing: Listing, opts: VerifyOptions, device: torch.device) 
     folder = path if path.is_dir() else path.parent
     dtype = _model_dtype(listing)
     auto_class = getattr(transformers, listing.traits.auto_class)  # the merged model's family says which
-    with warnings.catch_warnings():  # "the model's own quantization_config will be used": what _dequantized wants
-        warnings.filterwarnings("ignore", message="You passed `quantization_config`")
-        merged = auto_class.from_pretrained(folder, **_dequantized(listing, folder, transformers))
+    encoding = listing.encoding  # encoded weights (merge --quantize): decoded by transformers as it loads them
+    merged = encoding.load(auto_class, folder, transformers) if encoding else auto_class.from_pretrained(folder)
     merged = merged.to(device=device, dtype=dtypes.torch_dtype(dtype)).eval()
     reference = copy.deepcopy(merged)
     problem, unexpected = _load_reference(reference, listing, dtype)
@@ -53,17 +47,16 @@ def compare_logits(listing: Listing, opts: VerifyOptions, device: torch.device) 
     with torch.no_grad():
         got, want = merged(ids.to(device)).logits, reference(ids.to(device)).logits
     crit = opts.criteria
-    fp8_default = listing.quantized is not None and crit.exact_only  # FP8 logits are never exact: a stated criterion
-    if fp8_default:
-        crit = replace(crit, min_cosine=FP8_LOGITS_COSINE)
+    default = encoding is not None and crit.exact_only  # encoded weights' logits are never exact: a stated criterion
+    if default:
+        crit = replace(crit, min_cosine=encoding.logits_cosine)
     exact, figs = figures(got, want, *crit.band())
     passed, _, reason = judge(dtype="", ref_dtype="", exact=exact, figs=figs, crit=crit)
     note = f"the reference's weights in the merged model's architecture, both in {dtypes.hf_dtype_name(dtype)}"
-    if listing.quantized:
-        bits = "FP8" if listing.quantized.startswith("fp8") else "4-bit"
-        note = (f"{bits} weights ({listing.quantized}) dequantized by transformers as it loads them; {note}"
-                + (f"; judged by cosine >= {FP8_LOGITS_COSINE} (--atol, --rtol or --min-cosine choose another)"
-                   if fp8_default else ""))
+    if encoding:
+        note = (f"{encoding.loaded}; {note}"
+                + (f"; judged by cosine >= {encoding.logits_cosine} (--atol, --rtol or --min-cosine choose another)"
+                   if default else ""))
     values = listing.traits.outputs == "values"  # a value head: one number per token, no distribution to compare
     if values:
         note = f"values ({auto_class.__name__}, one per token, no KL); {note}"
@@ -74,24 +67,12 @@ def compare_logits(listing: Listing, opts: VerifyOptions, device: torch.device) 
 
 
 def _model_dtype(listing: Listing) -> str:
-    """The merged files' most common floating dtype: both models run in it, as the tensors were compared. FP8
-    weights (merge --quantize) are dequantized into their config.json's dtype."""
-    if listing.quantized:
+    """The merged files' most common floating dtype: both models run in it, as the tensors were compared. Encoded
+    weights (merge --quantize) are decoded into their config.json's dtype."""
+    if listing.encoding:
         return listing.model_dtype or "F32"
     counts = Counter(loc.dtype for loc in listing.merged.tensors.values() if dtypes.is_float(loc.dtype))
     return counts.most_common(1)[0][0] if counts else "F32"
-
-
-def _dequantized(listing: Listing, folder, transformers) -> dict:
-    """FP8 weights (merge --quantize) are dequantized by transformers as it loads them, on any device: without a
-    GPU it does so by itself; with one it would keep FP8 modules, whose weights a reference could not load into.
-    The folder's own quantization_config, with transformers' `dequantize` set."""
-    if not listing.quantized:
-        return {}
-    quant = {**json.loads((folder / "config.json").read_text())["quantization_config"], "dequantize": True}
-    block = listing.quantized == "fp8-block"
-    cls = transformers.FineGrainedFP8Config if block else transformers.CompressedTensorsConfig
-    return {"quantization_config": cls.from_dict(quant)}
 
 
 def _load_reference(model: torch.nn.Module, listing: Listing, dtype: str) -> tuple[str, list[str]]:

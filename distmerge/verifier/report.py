@@ -77,7 +77,7 @@ class Check:
     bit_exact: bool = False
     note: str = ""
     figures: Figures | None = None
-    fp8_bound: float | None = None  # an FP8 weight (fp8_compare.py): the largest error / the FP8 bound, <= 1 passes
+    fp8_bound: float | None = None  # an encoded weight (bounded.py): the largest error / its bound, <= 1 passes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,11 +163,12 @@ def _pass_detail(checks: list[Check]) -> str:
     parts = [f"{counts['bit_exact']} bit-exact"] if counts["bit_exact"] else []
     if counts["within_tolerance"]:
         parts.append(f"{counts['within_tolerance']} within tolerance")
-    for kind in ("FP8", "FP4"):  # counts["within_fp8_bound"], by layout
-        bounded = [c.fp8_bound for c in checks if c.outcome == f"within {kind} bound" and not c.note]
-        if bounded:
-            parts.append(f"{len(bounded)} {kind} weights within the {kind} bound, dequantized (at most "
-                         f"{fmt(max(bounded))} of it)")
+    # counts["within_fp8_bound"], by the kind of weight its outcome names ("within FP8 bound"), as they come
+    for outcome in dict.fromkeys(c.outcome for c in checks if c.passed and c.fp8_bound is not None and not c.note):
+        kind = outcome.removeprefix("within ").removesuffix(" bound")
+        bounded = [c.fp8_bound for c in checks if c.outcome == outcome and not c.note]
+        parts.append(f"{len(bounded)} {kind} weights within the {kind} bound, dequantized (at most "
+                     f"{fmt(max(bounded))} of it)")
     if counts["not_in_reference"]:
         parts.append(f"{counts['not_in_reference']} not in the reference: its multi-token-prediction layer")
     tied = [c.name for c in checks if c.note]

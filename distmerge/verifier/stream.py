@@ -7,11 +7,11 @@ reader's 1 MiB bounce buffer or from the received fragment, as merge writes them
 what merge holds plus a few blocks. Other units (a QKV split, a cast, a GPU) are built whole, as merge builds them,
 and compared a block at a time.
 
-A quantized weight (verify --merged CHECKPOINT --quantize) is made by its unit's transform (table.quantized), so its
-unit is built whole, as merge builds it; the weight is held until its scales (and global scale), the next targets
-of the same unit, are built too, then compared dequantized a block at a time (fp8_compare.py, fp4_compare.py). A
-finished quantized model as --merged against a checkpoint: the weight is read a block at a time from its file, its
-(small) scales whole. A 4-bit weight's stored bytes hold two of the reference's elements each (Pair.per).
+An encoded weight (verify --merged CHECKPOINT --quantize) is made by its unit's transform, so its unit is built
+whole, as merge builds it; the weight is held until the tensors it is decoded with (Pair.parts: its scales), the
+next targets of the same unit, are built too, then compared decoded a block at a time (bounded.py). A finished
+encoded model as --merged against a checkpoint: the weight is read a block at a time from its file, its (small)
+parts whole. A 4-bit weight's stored bytes hold two of the reference's elements each (Pair.per).
 
 The streamed side is `merged` (verify of a checkpoint against a Hugging Face folder) or `reference` (the second
 checkpoint of two, compared with the first's targets held for the round; a checkpoint given as --reference of a
@@ -32,8 +32,7 @@ from distmerge import dtypes
 from distmerge.engine.plan import Plan
 from distmerge.families.base import Target, Unit
 from distmerge.verifier.blocks import Running, Scratch, Streamed, block_size, whole
-from distmerge.verifier.fp4_compare import fp4_running
-from distmerge.verifier.fp8_compare import Fp8Running, fp8_check, fp8_running
+from distmerge.verifier.bounded import Bounded, bounded_check, bounded_running
 from distmerge.verifier.listing import Listing, Pair
 from distmerge.verifier.report import Check, Criteria, judge
 
@@ -57,10 +56,10 @@ class StreamSink:
         self.pairs: dict[str, list[Pair]] = defaultdict(list)  # streamed side's name -> its pairs
         for pair in listing.pairs:
             self.pairs[pair.merged_name if self.merged_streams else pair.reference_name].append(pair)
-        self.streams: dict[str, tuple[Streamed, list[tuple[Pair, Running | Fp8Running]]]] = {}  # this round's
-        # merge --quantize: a weight's scales (and global scale) -> its pair
-        self.scale_of = {name: pair for pair in listing.pairs for name in (pair.scale, pair.shared) if name}
-        self.fp8_parts: dict[str, torch.Tensor] = {}  # a built quantized weight or its scales, until all are
+        self.streams: dict[str, tuple[Streamed, list[tuple[Pair, Running | Bounded]]]] = {}  # this round's
+        # an encoded weight's parts (its scales) -> its pair
+        self.part_of = {name: pair for pair in listing.pairs for name in pair.parts}
+        self.held: dict[str, torch.Tensor] = {}  # a built encoded weight or its parts, until all are
         self.scratch = Scratch()
         self.checks: list[Check] = []
 
@@ -77,15 +76,15 @@ class StreamSink:
             assert stream.done, f"{name}: {stream.got} of {stream.nbytes} bytes compared"
             self.checks.extend(self._check(pair, run) for pair, run in runs)
         self.streams.clear()
-        assert not self.fp8_parts, f"quantized weights or scales without the rest: {sorted(self.fp8_parts)}"
+        assert not self.held, f"encoded weights or their parts without the rest: {sorted(self.held)}"
 
     def stream(self, name: str) -> Streamed:
         return self.streams[name][0]
 
     def _stream(self, target: Target) -> None:
         """The target's bytes as they will arrive (a direct unit), compared one block at a time on the CPU."""
-        if self.merged_streams and any(p.scale for p in self.pairs.get(target.name, ())):
-            return  # a quantized weight: its unit quantizes, so it is built (whole), never a stream of bytes
+        if self.merged_streams and any(p.parts for p in self.pairs.get(target.name, ())):
+            return  # an encoded weight: its unit encodes, so it is built (whole), never a stream of bytes
         runs = [(p, self._running(p, math.prod(target.shape), torch.device("cpu")))
                 for p in self.pairs.get(target.name, ())]
 
@@ -99,12 +98,12 @@ class StreamSink:
     def whole(self, name: str, tensor: torch.Tensor) -> None:
         """A target built whole (a unit with a transform or a cast, or on a GPU): compared a block at a time."""
         self.streams.pop(name, None)  # its unit was not direct after all
-        if self.merged_streams and self._fp8_part(name, tensor):
+        if self.merged_streams and self._encoded_part(name, tensor):
             return
         for pair in self.pairs.get(name, ()):
             self._whole(pair, tensor, self._running(pair, tensor.numel(), tensor.device))
 
-    def _whole(self, pair: Pair, tensor: torch.Tensor, run: Running | Fp8Running) -> None:
+    def _whole(self, pair: Pair, tensor: torch.Tensor, run: Running | Bounded) -> None:
         other, per = self._other_name(pair), pair.per
         if self.merged_streams:  # the 4-bit weight is `tensor`, its bytes two reference elements each
             read = self.other.read
@@ -114,38 +113,32 @@ class StreamSink:
                   merged_first=False)
         self.checks.append(self._check(pair, run))
 
-    def _fp8_part(self, name: str, tensor: torch.Tensor) -> bool:
-        """A quantized weight or its scales, built by a quantizing unit: held until all are built (the scales follow
-        their weight in the unit), then the weight compared dequantized. False: neither."""
-        pair = self.scale_of.get(name) or next((p for p in self.pairs.get(name, ()) if p.scale), None)
+    def _encoded_part(self, name: str, tensor: torch.Tensor) -> bool:
+        """An encoded weight or one of its parts, built by an encoding unit: held until all are built (the parts
+        follow their weight in the unit), then the weight compared decoded. False: neither."""
+        pair = self.part_of.get(name) or next((p for p in self.pairs.get(name, ()) if p.parts), None)
         if pair is None:
             return False
-        self.fp8_parts[name] = tensor
-        parts = [n for n in (pair.merged_name, pair.scale, pair.shared) if n]
-        if all(n in self.fp8_parts for n in parts):
-            weight, scale, *shared = (self.fp8_parts.pop(n) for n in parts)
-            self._whole(pair, weight, self._quantized_running(pair, scale, shared[0] if shared else None,
-                                                              weight.device))
+        self.held[name] = tensor
+        names = (pair.merged_name, *pair.parts)
+        if all(n in self.held for n in names):
+            weight, *parts = (self.held.pop(n) for n in names)
+            self._whole(pair, weight, bounded_running(pair, self.listing, parts, weight.device, self.crit,
+                                                      self.scratch))
         return True
 
-    def _running(self, pair: Pair, numel: int, device: torch.device) -> Running | Fp8Running:
-        """A pair's running figures; a quantized weight's when the merged side is a finished quantized model (its
-        scales read whole from its file: the other side)."""
-        if not pair.scale:
+    def _running(self, pair: Pair, numel: int, device: torch.device) -> Running | Bounded:
+        """A pair's running figures; an encoded weight's when the merged side is a finished encoded model (its
+        parts read whole from its file: the other side)."""
+        if not pair.parts:
             return Running(numel, device, *self.crit.band(), self.scratch)
-        scale, *shared = (self._read_whole(n) for n in (pair.scale, pair.shared) if n)
-        return self._quantized_running(pair, scale, shared[0] if shared else None, device)
+        parts = [self._read_whole(n) for n in pair.parts]
+        return bounded_running(pair, self.listing, parts, device, self.crit, self.scratch)
 
     def _read_whole(self, name: str) -> torch.Tensor:
         """A copy: the next read reuses the buffer a file's tensor comes in (sides.TensorFiles.read)."""
         shape = self.listing.merged.tensors[name].shape
         return self.other.read(name, 0, math.prod(shape)).reshape(shape).clone()
-
-    def _quantized_running(self, pair: Pair, scale: torch.Tensor, shared: torch.Tensor | None,
-                           device: torch.device) -> Fp8Running:
-        if pair.per > 1 or pair.shared:
-            return fp4_running(pair, self.listing, scale, shared, device, self.crit, self.scratch)
-        return fp8_running(pair, self.listing, scale, device, self.crit, self.scratch)
 
     def _oriented(self, pair: Pair, start: int, mine: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.merged_streams:
@@ -155,18 +148,18 @@ class StreamSink:
     def _other_name(self, pair: Pair) -> str:
         return pair.reference_name if self.merged_streams else pair.merged_name
 
-    def _check(self, pair: Pair, run: Running | Fp8Running) -> Check:
+    def _check(self, pair: Pair, run: Running | Bounded) -> Check:
         m = self.listing.merged.tensors[pair.merged_name]
         r = self.listing.reference.tensors[pair.reference_name]
         return make_check(pair, run, file=Path(self.listing.merged.files[m.file]).name, crit=self.crit,
                           shapes=(m.shape, r.shape), dtypes_=(m.dtype, r.dtype))
 
 
-def make_check(pair: Pair, run: Running | Fp8Running, *, file: str, crit: Criteria,
+def make_check(pair: Pair, run: Running | Bounded, *, file: str, crit: Criteria,
                shapes: tuple[tuple[int, ...], ...], dtypes_: tuple[str, str]) -> Check:
     """One pair's record once every block is compared; `shapes`, `dtypes_`: (merged's, reference's)."""
-    if isinstance(run, Fp8Running):
-        return fp8_check(pair, run, file=file, crit=crit, shapes=shapes, ref_dtype=dtypes_[1])
+    if isinstance(run, Bounded):
+        return bounded_check(pair, run, file=file, crit=crit, shapes=shapes, ref_dtype=dtypes_[1])
     figs = run.figures()
     dtype, ref_dtype = dtypes_
     passed, outcome, reason = judge(dtype=dtype, ref_dtype=ref_dtype, exact=run.equal, figs=figs, crit=crit)
