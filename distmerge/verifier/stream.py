@@ -59,7 +59,7 @@ class StreamSink:
         self.streams: dict[str, tuple[Streamed, list[tuple[Pair, Running | Bounded]]]] = {}  # this round's
         # an encoded weight's parts (its scales) -> its pair
         self.part_of = {name: pair for pair in listing.pairs for name in pair.parts}
-        self.held: dict[str, torch.Tensor] = {}  # a built encoded weight or its parts, until all are
+        self.encoded_parts: dict[str, torch.Tensor] = {}  # a built encoded weight or its parts, until all are
         self.scratch = Scratch()
         self.checks: list[Check] = []
 
@@ -76,7 +76,7 @@ class StreamSink:
             assert stream.done, f"{name}: {stream.got} of {stream.nbytes} bytes compared"
             self.checks.extend(self._check(pair, run) for pair, run in runs)
         self.streams.clear()
-        assert not self.held, f"encoded weights or their parts without the rest: {sorted(self.held)}"
+        assert not self.encoded_parts, f"encoded weights or their parts without the rest: {sorted(self.encoded_parts)}"
 
     def stream(self, name: str) -> Streamed:
         return self.streams[name][0]
@@ -119,10 +119,10 @@ class StreamSink:
         pair = self.part_of.get(name) or next((p for p in self.pairs.get(name, ()) if p.parts), None)
         if pair is None:
             return False
-        self.held[name] = tensor
+        self.encoded_parts[name] = tensor
         names = (pair.merged_name, *pair.parts)
-        if all(n in self.held for n in names):
-            weight, *parts = (self.held.pop(n) for n in names)
+        if all(n in self.encoded_parts for n in names):
+            weight, *parts = (self.encoded_parts.pop(n) for n in names)
             self._whole(pair, weight, bounded_running(pair, self.listing, parts, weight.device, self.crit,
                                                       self.scratch))
         return True
