@@ -161,6 +161,25 @@ def test_api_spelling_leaves_the_flags_the_api_does_not_take():
     assert options.api_spelling("--reference-format and --reference", "verify") == "reference_format and reference"
 
 
+def test_a_script_merges_several_times_in_one_process(fsdp_ckpts, tmp_path):
+    """tests/jobs/merges_in_one_process.py: five merges one after another in each of 2 processes under torchrun,
+    each starting and ending distmerge's own group on torchrun's store: all succeed and write the CLI's bytes. Seen
+    failing without comm._own_store's prefix (the second group read the first's gloo addresses: "Gloo
+    connectFullMesh failed ... Connection refused", or a hang, in 3 of 4 runs of 3 merges)."""
+    ckpt = fsdp_ckpts["fsdp2_llama_w4"]
+    assert merge_inproc("--input", ckpt, "--output", tmp_path / "cli") == 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--nnodes", "1",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           str(REPO / "tests/jobs/merges_in_one_process.py"), str(ckpt), str(tmp_path / "job"), "5"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=REPO)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    said = sorted(re.findall(r"rank (\d): merge (\d): \d+ tensors with 2 processes", done.stdout))  # ranks interleave
+    assert said == [(r, str(k)) for r in "01" for k in range(5)], done.stdout
+    for k in range(5):
+        assert tree_bytes(tmp_path / "job" / str(k)) == tree_bytes(tmp_path / "cli")
+
+
 def test_a_running_job_calls_the_api_on_every_rank(fsdp_ckpts, tmp_path):
     """tests/jobs/api_in_job.py, 2 processes with gloo: two merges and two verifies in the job's processes (the
     second pair through a gloo side group, as an NCCL job gets), each leaving the process as it found it, the same

@@ -20,6 +20,7 @@ the side group and drops distmerge's references, never the job's group.
 
 from __future__ import annotations
 
+import itertools
 import os
 import pickle
 import sys
@@ -125,12 +126,14 @@ class Comm:
         # takes the GIL, Python ends it (pthread_exit through a noexcept destructor) and the runtime aborts
         # ("terminate called without an active exception") in ~1 merge of 15 (docs/reliability.md). Imported
         # first, the defaults are None (torch's "the default group", looked up per call). 2 ms.
+        store, rank, world = _own_store(timeout)
         if self.device.type != "cuda":
-            dist.init_process_group("gloo", timeout=timeout)
+            dist.init_process_group("gloo", timeout=timeout, store=store, rank=rank, world_size=world)
             self._control = self._data = dist.group.WORLD
             return
         try:  # device_id: NCCL connects now, so a refusal is reported here, not at the first exchange
-            dist.init_process_group("nccl", timeout=timeout, device_id=self.device)
+            dist.init_process_group("nccl", timeout=timeout, device_id=self.device, store=store, rank=rank,
+                                    world_size=world)
             self._control = dist.new_group(backend="gloo", timeout=timeout)  # objects stay on the CPU
         except Exception as err:
             if dist.is_initialized():
@@ -286,6 +289,17 @@ class Comm:
             err.origin_rank = first.rank
             raise err
         return outcomes
+
+
+_GROUPS = itertools.count()  # groups this process started: the same sequence on every rank, so a store prefix each
+
+def _own_store(timeout: timedelta) -> tuple[Any, int, int]:
+    """The job's rendezvous store (env://, made with `timeout`), rank and world size, under a prefix of this group's
+    own: torch keys each default group alike ("default_pg", group "0" again once destroyed), so a second merge in one
+    process read the first's gloo addresses left there (refused, or a hang, in half the runs: tests/test_api.py)."""
+    import torch.distributed as dist
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    return dist.PrefixStore(f"distmerge/group/{next(_GROUPS)}", store), rank, world
 
 
 @contextmanager
