@@ -177,8 +177,10 @@ def test_nccl_refusal_is_one_line(monkeypatch):
 
     def refuse(backend, **kwargs):
         assert backend == "nccl" and kwargs["device_id"] == torch.device("cuda", 0) and chosen
+        assert kwargs["store"] == "the job's store, prefixed" and (kwargs["rank"], kwargs["world_size"]) == (1, 2)
         raise dist.DistBackendError("NCCL error: invalid usage (run with NCCL_DEBUG=WARN for details)\nmore")
 
+    monkeypatch.setattr(comm_mod, "_own_store", lambda timeout: ("the job's store, prefixed", 1, 2))  # no torchrun
     monkeypatch.setattr(dist, "init_process_group", refuse)
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     for name, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
