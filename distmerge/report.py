@@ -98,11 +98,14 @@ def summary_table(result: MergeResult) -> Table:
     from rich.table import Table
 
     table = Table()
-    for column in ("rank", "read", "written", "files", "peak RSS"):
+    several = result.nodes > 1  # then: each rank's node, and what reached it from the others' disks
+    for column in ("rank", *("node",) * several, "read", *("from other nodes",) * several, "written", "files",
+                   "peak RSS"):
         table.add_column(column, justify="right")
     for r in result.ranks:
         table.add_row(
-            str(r.rank), human_bytes(r.bytes_read), human_bytes(r.bytes_written), str(r.files_written),
+            str(r.rank), *(str(r.node),) * several, human_bytes(r.bytes_read),
+            *(human_bytes(r.bytes_from_other_nodes),) * several, human_bytes(r.bytes_written), str(r.files_written),
             human_bytes(r.peak_rss),
         )
     return table
@@ -120,10 +123,18 @@ def print_summary(result: MergeResult) -> None:
     console.print(
         f"distmerge: {result.tensors} tensors, {len(result.files)} file(s), {human_bytes(result.total_bytes)}{kept} "
         f"in {result.seconds:.2f} s ({human_bytes(write_rate(result))}/s), {result.processes} process(es) on "
-        f"{result.device} -> {result.output}",
+        f"{result.device}{_across(result)} -> {result.output}",
         markup=False,
         soft_wrap=True,  # one line whatever the terminal width: scripts grep it
     )
+
+
+def _across(result: MergeResult) -> str:
+    """On several nodes: how many, and the bytes that crossed between them."""
+    if result.nodes < 2:
+        return ""
+    crossed = sum(r.bytes_from_other_nodes for r in result.ranks)
+    return f" across {result.nodes} nodes ({human_bytes(crossed)} crossed nodes)"
 
 
 def write_rate(result: MergeResult) -> float:

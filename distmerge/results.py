@@ -15,6 +15,8 @@ class RankStats:
     bytes_written: int
     files_written: int
     peak_rss: int
+    node: int = 0  # its node (engine/nodes.py), with several
+    bytes_from_other_nodes: int = 0  # source bytes this rank's units received from ranks on other nodes
     phases: dict[str, float] = field(default_factory=dict)  # wall seconds of each phase on this rank (Laps)
     phases_cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds of the same (steadier on a busy machine)
     phases_rss: dict[str, int] = field(default_factory=dict)  # peak RSS in bytes as each phase ended
@@ -55,3 +57,4 @@ class MergeResult:
     bytes_written: int = 0  # tensor bytes this run wrote (total_bytes less the kept files')
     resume: str = ""  # what --resume found and did, one line
     already_complete: bool = False  # --resume found this very merge finished: nothing was written
+    nodes: int = 1  # the nodes the ranks ran on (engine/nodes.py: each node's disk read where it lies)

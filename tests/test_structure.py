@@ -14,7 +14,7 @@ MAX_LINES = 400
 LAYERS = {
     0: ("errors", "dtypes", "results", "threads", "input", "s3_client", "distributed.watchdog",
         "options.output_options"),
-    1: ("formats", "distributed.comm", "families.transforms", "quantize"),
+    1: ("formats", "distributed.comm", "distributed.requests", "families.transforms", "quantize"),
     2: ("families", "quantize.table", "quantize.fused", "average"),
     3: ("engine.plan", "engine.coverage", "engine.spread", "engine.inventory", "output"),  # coverage: the plan's
     4: ("engine", "report"),

@@ -120,12 +120,9 @@ class Comm:
         import torch.distributed.nn.functional  # noqa: F401  (before the group: see below)
 
         # torch.distributed.nn.functional's collectives take `group=group.WORLD` as a default argument, evaluated
-        # when the module is first imported: imported while our group is up (transformers imports it, so
-        # compressed-tensors does, on rank 0 at finalize with --quantize fp8-channel), ten functions hold the
-        # group past close() until Python finalizes; a gloo worker dropping the last collective's tensors then
-        # takes the GIL, Python ends it (pthread_exit through a noexcept destructor) and the runtime aborts
-        # ("terminate called without an active exception") in ~1 merge of 15 (docs/reliability.md). Imported
-        # first, the defaults are None (torch's "the default group", looked up per call). 2 ms.
+        # at its first import: imported while our group is up (transformers imports it), ten functions hold the
+        # group past close(), and a gloo worker ending at exit aborts the runtime in ~1 merge of 15
+        # (docs/reliability.md). Imported first, the defaults are None (looked up per call). 2 ms.
         store, rank, world = _own_store(timeout)
         if self.device.type != "cuda":
             dist.init_process_group("gloo", timeout=timeout, store=store, rank=rank, world_size=world)
@@ -144,6 +141,11 @@ class Comm:
             raise _before_group(DistmergeError(f"NCCL could not start on {self.device} ({type(err).__name__}: "
                                                f"{_first_line(err)}): {hint}, or use --device cpu")) from None
         self._data = dist.group.WORLD
+
+    @property
+    def control(self) -> Any:
+        """The group of the small messages (gloo, CPU): distributed/requests.py's point-to-point ones travel in it."""
+        return self._control
 
     # -- what the engine tells the watchdog ------------------------------------------------------------
     def phase(self, words: str) -> None:
@@ -242,14 +244,11 @@ class Comm:
     def close(self) -> None:
         """Destroy the groups now, while this process still runs.
 
-        Our own references go too: a ProcessGroupGloo that outlives destroy_process_group() (held here, or
-        by anything still pointing at this Comm) is destroyed at interpreter exit with its worker threads
-        running, and the C++ runtime aborts ("terminate called without an active exception", SIGABRT),
-        which hid distmerge's own error under torchrun in a third of failed runs.
+        Our own references go too: a ProcessGroupGloo that outlives destroy_process_group() is destroyed at
+        interpreter exit with its worker threads running, and the C++ runtime aborts (SIGABRT), which hid
+        distmerge's own error under torchrun in a third of failed runs.
 
-        A borrowed group (borrow) is the caller's: it stays up, and only our references go (and the side group
-        we made beside it).
-        """
+        A borrowed group (borrow) is the caller's: it stays up; only our references (and our side group) go."""
         if self._watchdog is not None:  # first: under srun rank 0's process serves the store it reads
             self._watchdog.stop()
             self._watchdog = None

@@ -120,9 +120,27 @@ def natural_key(name: str) -> list:
     return [int(t) if i % 2 else t for i, t in enumerate(re.split(r"(\d+)", name))]
 
 
-def assign_readers(files: tuple[InputFile, ...], world: int) -> tuple[int, ...]:
+@dataclass(frozen=True, kw_only=True)
+class Placement:
+    """Where the ranks are, for a checkpoint on the nodes' own disks (input/nodes.py): each rank's node, and per
+    input file the ranks of the nodes that hold it (() where any rank may read it)."""
+
+    node_of_rank: tuple[int, ...]
+    may_read: tuple[tuple[int, ...], ...]
+
+    def crossing(self, plan: Plan, rank: int) -> int:
+        """Bytes of source that reach `rank`'s units from readers on other nodes (what crosses the network)."""
+        node = self.node_of_rank[rank]
+        return sum(frag.nbytes for i, unit in enumerate(plan.units) if plan.owner_of_unit[i] == rank
+                   for name in unit.sources for frag in plan.sources[name].fragments
+                   if self.node_of_rank[plan.readers[frag.file_index]] != node)
+
+
+def assign_readers(files: tuple[InputFile, ...], world: int, placement: Placement | None = None) -> tuple[int, ...]:
     """Each input file is read by exactly one rank; the costliest to read first, onto the least-loaded rank that
-    opens fewer than ceil(files / world) + 1 files."""
+    opens fewer than ceil(files / world) + 1 files. With a `placement`, only a rank of a node that holds it."""
+    if placement is not None:
+        return _readers_on_holders(files, world, placement)
     readers = [0] * len(files)
     loads = [(0, r) for r in range(world)]  # a heap of (load, rank): the least-loaded, then lowest, rank first
     most = -(-len(files) // world) + 1  # files one rank may open: uneven weights must not pile small files on one
@@ -133,6 +151,21 @@ def assign_readers(files: tuple[InputFile, ...], world: int) -> tuple[int, ...]:
         count[rank] += 1
         if count[rank] < most:  # a full rank leaves the heap
             heapq.heappush(loads, (load + f.read_weight, rank))
+    return tuple(readers)
+
+
+def _readers_on_holders(files: tuple[InputFile, ...], world: int, placement: Placement) -> tuple[int, ...]:
+    """assign_readers among the ranks that may read each file: the least-loaded of them under the count, else the
+    least-loaded of them (a node holding more files than its share reads them all)."""
+    readers, loads, count = [0] * len(files), [0] * world, [0] * world
+    most = -(-len(files) // world) + 1
+    for f in sorted(files, key=lambda f: (-f.read_weight, f.index)):
+        allowed = placement.may_read[f.index] or range(world)
+        under = [r for r in allowed if count[r] < most]
+        rank = min(under or allowed, key=lambda r: (loads[r], r))
+        readers[f.index] = rank
+        loads[rank] += f.read_weight
+        count[rank] += 1
     return tuple(readers)
 
 
@@ -204,9 +237,11 @@ def make_plan(
     notes: tuple[str, ...] = (),
     hosts: tuple[int, ...] | None = None,
     sharing: Sharing | None = None,
+    placement: Placement | None = None,
 ) -> Plan:
     """`hosts[r]`: the host of rank r (ranks of one host may share a file); None: all on one host. `sharing`: what
-    the output store lets several ranks do with one file (None: a local folder's rule)."""
+    the output store lets several ranks do with one file (None: a local folder's rule). `placement`: the input on
+    the nodes' own disks: each file read on a node that holds it, each output file owned near its reads."""
     model = [i for i, u in enumerate(units) if u.targets[0].group == "model"]
     groups = split_files(units, max_shard_bytes, model) if model else []  # only an adapter: no model files
     names = model_file_names(len(groups))
@@ -216,12 +251,13 @@ def make_plan(
             groups.append(split_files(units, 2**62, members)[0])
             names.append(name)
     sizes = [sum(t.nbytes for i in g for t in units[i].targets) for g in groups]
-    owners = assign_owners(sizes, world)
+    readers = assign_readers(files, world, placement)
+    owners = assign_owners(sizes, world) if placement is None else owners_near_reads(
+        sizes, [_node_bytes(g, units, sources, readers, placement) for g in groups], placement.node_of_rank)
     owner_of = [0] * len(units)
     for f, group in enumerate(groups):
         for i in group:
             owner_of[i] = owners[f]
-    readers = assign_readers(files, world)
     sharing = sharing or Sharing(within="host")
     if world > 1 and sharing.within != "none" and not spread.balanced(_loads(sizes, owners, world)):
         owner_of, owners = spread.spread(units, groups, [sum(t.nbytes for t in u.targets) for u in units],
@@ -250,6 +286,29 @@ def make_plan(
         notes=notes,
         carried=carried,
     )
+
+
+def owners_near_reads(sizes: list[int], node_bytes: list[dict[int, int]], node_of_rank: tuple[int, ...]) -> list[int]:
+    """Largest file first onto the least-loaded rank of the node that reads most of its sources (so that as few
+    bytes cross nodes as the layout allows; nodes tie to the lowest)."""
+    owners, loads = [0] * len(sizes), [0] * len(node_of_rank)
+    for f in sorted(range(len(sizes)), key=lambda f: (-sizes[f], f)):
+        home = min(node_bytes[f].items(), key=lambda kv: (-kv[1], kv[0]))[0] if node_bytes[f] else None
+        ranks = [r for r, n in enumerate(node_of_rank) if home is None or n == home]
+        owners[f] = min(ranks, key=lambda r: (loads[r], r))
+        loads[owners[f]] += sizes[f]
+    return owners
+
+
+def _node_bytes(group: list[int], units: list[Unit], sources: dict[str, SourceTensor], readers: tuple[int, ...],
+                placement: Placement) -> dict[int, int]:
+    """Bytes of a file's sources each node reads."""
+    out: dict[int, int] = defaultdict(int)
+    for i in group:
+        for name in units[i].sources:
+            for frag in sources[name].fragments:
+                out[placement.node_of_rank[readers[frag.file_index]]] += frag.nbytes
+    return out
 
 
 def _loads(sizes: list[int], owners: list[int], world: int) -> list[int]:

@@ -59,9 +59,11 @@ def plan_merge(found: Discovery, fragments: list[Fragment], world: int, settings
 
 
 def prepare_merge(found: Discovery, fragments: list[Fragment], world: int, settings: OutputSettings,
-                  hosts: tuple[int, ...] | None = None, sharing: Sharing | None = None) -> Prepared:
+                  hosts: tuple[int, ...] | None = None, sharing: Sharing | None = None,
+                  placement: planning.Placement | None = None) -> Prepared:
     """`hosts[r]`: the host of rank r, for plan.make_plan (None: every rank on one host); `sharing`: what the
-    output store lets several ranks do with one file (None: a local folder's rule)."""
+    output store lets several ranks do with one file (None: a local folder's rule); `placement`: the input on the
+    nodes' own disks (plan.Placement)."""
     scan = found.scan
     sources = planning.merge_inventories(fragments, scan.files)
     # The checkpoint's own tensors go to the family's claim; a second input root's (--base-model) ride along.
@@ -97,6 +99,7 @@ def prepare_merge(found: Discovery, fragments: list[Fragment], world: int, setti
         notes=tuple(result.notes),
         hosts=hosts,
         sharing=sharing,
+        placement=placement,
     )
     # finalize writes them into config.json, those made late as it writes it
     plan = replace(plan, config_updates=dict(result.config_updates), config_later=dict(result.config_later))

@@ -40,7 +40,7 @@ from pathlib import Path
 from distmerge.average import units as average
 from distmerge.distributed.comm import Comm
 from distmerge.engine import discover as disc
-from distmerge.engine import expect, inventory, replicas, resume, unwritten
+from distmerge.engine import expect, inventory, nodes, replicas, resume, unwritten
 from distmerge.engine import plan as planning
 from distmerge.engine.assemble import UnitBuild
 from distmerge.engine.exchange import Exchanger, Pending
@@ -105,12 +105,30 @@ def _release(held: list[Lease]) -> None:
 
 def _merge(opts: MergeOptions, comm: Comm, progress: Progress, store: Store, held: list[Lease],
            start: float) -> MergeResult:
+    comm.phase("discovery")
+    spread = nodes.spread_inputs(comm, [*opts.input.locations, opts.input.hf_config])
+    try:
+        return _merge_on(spread, opts, comm, progress, store, held, start)
+    finally:
+        if spread is not None:
+            spread.close()
+
+
+def _merge_on(spread: nodes.Spread | None, opts: MergeOptions, comm: Comm, progress: Progress, store: Store,
+              held: list[Lease], start: float) -> MergeResult:
+    """The merge, its input on one node or `spread` over several (engine/nodes.py: rank 0's work alone then
+    reads other nodes' files through them, and each file is read on a node that holds it)."""
     laps = Laps()
     said: list[str] = []
-    comm.phase("discovery")
-    found = comm.root_only(lambda: _discover(opts, store, held, said.append))
+    root_only = comm.root_only if spread is None else (lambda work: spread.root_only(comm, work))
+    here = opts if spread is None else replace(opts, input=spread.input_of(opts.input))
+    found = root_only(lambda: _discover(here, store, held, said.append))
     for line in said:
         progress.say(line)
+    placement = None
+    if spread is not None:
+        nodes.check_output_shared(comm, store, spread.nodes, root_only)
+        placement = nodes.placement(found.scan, spread.nodes)
     laps.lap("discover")
     scan = found.scan
     reader = Reader(scan, registry.get(scan.format))
@@ -119,7 +137,7 @@ def _merge(opts: MergeOptions, comm: Comm, progress: Progress, store: Store, hel
     gc.disable()  # millions of long-lived fragments walked in every full collection (W=256: 30% of the CPU)
     try:
         plan = plan_checkpoint(found, reader, comm, opts.settings, host=store.host, claims=opts.claims,
-                               sharing=store.sharing, laps=laps)
+                               sharing=store.sharing, laps=laps, placement=placement)
         run = resume.describe(plan, scan.files, resume.output_options(opts.settings, scan.format,
                                                                       opts.input.format_options, found.config))
         comm.phase("the start of the output (its checks for --resume)")
@@ -135,9 +153,12 @@ def _merge(opts: MergeOptions, comm: Comm, progress: Progress, store: Store, hel
         laps.lap("rounds")
         comm.phase("the commit of the output files")
         receipts = comm.gather(sink.receipts) if sink.needs_receipts else None
-        ranks = comm.gather(lambda: sink.commit_shared(receipts) or _stats(comm.rank, reader, sink.writers, laps))
+        crossed = placement.crossing(todo, comm.rank) if placement is not None else 0
+        node = placement.node_of_rank[comm.rank] if placement is not None else 0
+        ranks = comm.gather(lambda: sink.commit_shared(receipts) or replace(
+            _stats(comm.rank, reader, sink.writers, laps), node=node, bytes_from_other_nodes=crossed))
         comm.phase("finalize (rank 0 writes config.json and the index)")
-        copied = [] if begun.complete else comm.root_only(
+        copied = [] if begun.complete else root_only(
             lambda: _still_ours(held, store) or finalize(store, plan, found.config, disc.config_source(found.hf_dir),
                                                           scan.not_model_files))
     except BaseException as err:
@@ -168,20 +189,22 @@ def _merge(opts: MergeOptions, comm: Comm, progress: Progress, store: Store, hel
         bytes_written=sum(r.bytes_written for r in ranks),
         resume=begun.line,
         already_complete=begun.complete,
+        nodes=len(spread.nodes.keys) if spread is not None else 1,
     )
 
 
 def plan_checkpoint(found: disc.Discovery, reader: Reader, comm: Comm, settings: OutputSettings,
                     host: Callable[[], str], claims: tuple[Claim, ...] = (), sharing: Sharing | None = None,
-                    laps: Laps | None = None) -> Plan:
+                    laps: Laps | None = None, placement: planning.Placement | None = None) -> Plan:
     """Collective, after discovery, before any round (merge, and verify of a checkpoint): each rank opens the input
     files it reads and the inventories are gathered; every rank plans the same; the checks of small replicas and
     of the sources the family wrote into no unit run. Returns the plan with their notes, the same on every rank.
     `host()`: this rank's machine, as spread.py groups ranks that may write one file; `claims`: what the user
     says the checkpoint is, checked against the plan (expect.py); `sharing`: what the output store lets several
-    ranks do with one file (None: what a local folder allows); `laps`: the phases' times, when kept."""
+    ranks do with one file (None: what a local folder allows); `laps`: the phases' times, when kept;
+    `placement`: the input on the nodes' own disks (engine/nodes.py), each file read on a node that holds it."""
     laps = laps if laps is not None else Laps()
-    readers = planning.assign_readers(found.scan.files, comm.world)
+    readers = planning.assign_readers(found.scan.files, comm.world, placement)
     mine = [i for i, r in enumerate(readers) if r == comm.rank]
     comm.phase("the opening of the input files")
     # inventories travel as columns (inventory.py says why), with the host of each rank (spread.py)
@@ -190,7 +213,7 @@ def plan_checkpoint(found: disc.Discovery, reader: Reader, comm: Comm, settings:
     hosts = _host_numbers([name for name, _ in gathered])
     comm.phase("planning")
     prepared = comm.agree(lambda: _prepare(found, inventory.unpack([part for _, part in gathered]), comm.world,
-                                           settings, hosts, claims, sharing))
+                                           settings, hosts, claims, sharing, placement))
     laps.lap("plan")
     plan = prepared.plan
     checked = unwritten.check(plan, prepared.left_out, prepared.must_equal, comm, reader)
@@ -198,8 +221,8 @@ def plan_checkpoint(found: disc.Discovery, reader: Reader, comm: Comm, settings:
 
 
 def _prepare(found: disc.Discovery, fragments, world: int, settings: OutputSettings, hosts: tuple[int, ...],
-             claims: tuple[Claim, ...], sharing: Sharing | None):
-    prepared = prepare_merge(found, fragments, world, settings, hosts=hosts, sharing=sharing)
+             claims: tuple[Claim, ...], sharing: Sharing | None, placement: planning.Placement | None = None):
+    prepared = prepare_merge(found, fragments, world, settings, hosts=hosts, sharing=sharing, placement=placement)
     expect.check(claims, found.config, prepared.plan)
     return prepared
 

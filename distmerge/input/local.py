@@ -15,7 +15,7 @@ from typing import Any
 from distmerge.errors import InputError
 from distmerge.input import source, tree
 from distmerge.input.reads import FileBatch
-from distmerge.input.tree import InputTree, Opened, host_id
+from distmerge.input.tree import InputTree, Opened, host_id, node_key
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,6 +31,9 @@ class Walked:
     files: dict[str, tuple[str, int, int, int]] = field(default_factory=dict)  # path -> (inside, size, dev, ino)
     folders: dict[str, str] = field(default_factory=dict)  # folders whose unlisted files are opened (scan root)
     listing: Any = None  # a source's own record (s3.Listing): what other ranks make the source again from
+    # a folder on several nodes (input/nodes.py): node_key -> that node's files (a file only its holders open);
+    # empty for one node
+    nodes: dict[str, Any] = field(default_factory=dict)
 
     def source(self) -> source.Source:
         """The source a rank that did not walk opens these files by."""
@@ -149,6 +152,8 @@ class LocalSource:
         for walked in self.records:
             if full in walked.files:
                 rel, size, dev, ino = walked.files[full]
+                if walked.nodes:
+                    return self._on_this_node(walked, path, full, rel, size)
                 return self._file(path, rel, size, (dev, ino) if walked.host == host_id() else None)
             folder = next((f for f in walked.folders if Path(full).is_relative_to(f)), None)
             if folder is not None:  # an unlisted file of the save (DCP's .metadata): no link on the way, regular
@@ -156,8 +161,21 @@ class LocalSource:
                                                                       os.path.relpath(full, folder))), None, None)
         return None
 
-    def _file(self, shown: Path | str, rel: str, size: int | None, ident: tuple[int, int] | None) -> Any:
-        return Opened(tree.open_beneath(shown, self.root, rel, size, ident), self.root / rel)
+    def _file(self, shown: Path | str, rel: str, size: int | None, ident: tuple[int, int] | None,
+              root: Path | None = None) -> Any:
+        root = root if root is not None else self.root
+        return Opened(tree.open_beneath(shown, root, rel, size, ident), root / rel)
+
+    @staticmethod
+    def _on_this_node(walked: Walked, shown: Path | str, full: str, rel: str, size: int) -> Any:
+        """A file of a folder on several nodes, opened by this node's own record of it (the plan gives each file to
+        a rank of a node that holds it: input/nodes.py)."""
+        mine = walked.nodes.get(node_key())
+        if mine is None or full not in mine.files:
+            raise InputError(f"{shown} is not on this node's disk ({node_key()}): the plan gives each file to a node "
+                             "that holds it (report this)")
+        root = Path(mine.root)
+        return Opened(tree.open_beneath(shown, root, rel, size, mine.files[full]), root / rel)
 
     # -- the read policy ---------------------------------------------------------------------------------------
     def batch(self, reader: Any) -> FileBatch:

@@ -282,6 +282,7 @@ class Session:
 
     def __init__(self) -> None:
         self.sources: list[Source] = []
+        self.standing: list[Source] = []  # kept by use(): a config folder the nodes joined (engine/nodes.py)
 
     def use(self, source: Source) -> Source:
         """The input of a new merge: replaces any earlier one (a later command never judges by a stale walk)."""
@@ -310,7 +311,7 @@ class Session:
 
     def find(self, path: Path | str) -> Source | None:
         full = os.path.abspath(path)
-        found = [s for s in self.sources if s.holds(full)]
+        found = [s for s in (*self.sources, *self.standing) if s.holds(full)]
         return max(found, key=lambda s: len(str(s.root))) if found else None
 
     @contextmanager

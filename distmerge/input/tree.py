@@ -46,6 +46,7 @@ class Entry:
     ino: int = 0
     size: int = 0
     why: str = ""  # for "refused": what it is ("a link to /x", "a FIFO")
+    mtime_ns: int = 0  # what another node's lookups of this entry answer (input/nodes.py)
 
 
 class InputTree:
@@ -144,9 +145,9 @@ def _leaves(rel: str) -> bool:
 
 def _entry_of(st: os.stat_result) -> Entry:
     if stat.S_ISREG(st.st_mode):
-        return Entry(kind="file", dev=st.st_dev, ino=st.st_ino, size=st.st_size)
+        return Entry(kind="file", dev=st.st_dev, ino=st.st_ino, size=st.st_size, mtime_ns=st.st_mtime_ns)
     if stat.S_ISDIR(st.st_mode):
-        return Entry(kind="dir", dev=st.st_dev, ino=st.st_ino)
+        return Entry(kind="dir", dev=st.st_dev, ino=st.st_ino, mtime_ns=st.st_mtime_ns)
     return Entry(kind="refused", why=_special(st.st_mode))
 
 
@@ -166,6 +167,16 @@ def host_id() -> str:
     except OSError:
         boot = ""
     return f"{socket.gethostname()}/{boot}"
+
+
+def node_key() -> str:
+    """This process's node: its machine (and boot) and mount namespace, which together decide what a path shows
+    (input/nodes.py: two torchrun agents on one machine, each in a mount namespace of its own, are two nodes)."""
+    try:
+        namespace = os.stat("/proc/self/ns/mnt").st_ino
+    except OSError:
+        namespace = 0
+    return f"{host_id()}/mnt:{namespace}"
 
 
 # -- opening: through the record, never by a path the file system resolves --------------------------------

@@ -17,6 +17,7 @@ INDEX_NAME = "model.safetensors.index.json"
 MANIFEST = "distmerge.manifest.json"
 RECORDS = ".distmerge"
 RUN_RECORD = f"{RECORDS}/run.json"
+NODES_PROBE = f"{RECORDS}/nodes.probe"  # rank 0 writes it, every node must read it: the output is shared (nodes.py)
 LOCK = ".distmerge.lock"  # beside the records, not among them: --overwrite removes the records folder
 ADAPTER_DIR = "lora_adapter"
 # Output files of the non-model groups (the model group is split by size, see model_file_names).
