@@ -362,8 +362,11 @@ def _report_error(err: DistmergeError, debug: bool) -> None:
     # Every rank holds the same error (agreed through a collective, or found by every rank alike before
     # the group exists): rank 0 speaks for all.
     shared = hasattr(err, "origin_rank") or getattr(err, "before_group", False)
-    if shared and _rank() != 0 and os.environ.get("LOCAL_RANK") == "0":  # another node's first: its log says it too
+    if shared and _rank() != 0 and os.environ.get("LOCAL_RANK") == "0":
+        # the first process of another node: its node's log says the line too, and it exits at once (its agent
+        # then ends the node's other processes; rank 0's node is another agent's, which this exit does not stop)
         print(f"distmerge: error: {err}", file=sys.stderr, flush=True)
+        return
     if shared:
         let_rank_0_speak()  # at once on rank 0 (but for the test aid)
     if shared and _rank() != 0:

@@ -1,0 +1,116 @@
+"""Checkpoints where the nodes left them: two simulated nodes (tests/two_nodes.py), each seeing only its own files
+at the input's path, merge them where they lie. The output must be what one node merges from all the files, byte
+for byte, and every refusal the same one line on every node."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import assert_exact, expected_tensors, load_merged, merge_inproc, reference_dir
+from tests.two_nodes import can_simulate, error_lines, last_error, run_two_nodes, split_files
+
+pytestmark = pytest.mark.skipif(not can_simulate(), reason="needs root and unshare (mount namespaces)")
+
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "config.json")
+
+
+def by_rank(pattern: str, node_of_rank: Callable[[int], Iterable[int]], rest: Iterable[int] = (0,)):
+    """A file whose name carries a training rank goes to node_of_rank(rank), any other file to `rest`."""
+    def node_of(rel: str) -> Iterable[int]:
+        m = re.search(pattern, rel)
+        return node_of_rank(int(m.group(1))) if m else rest
+    return node_of
+
+
+def merge_where_they_lie(ckpt: Path, node_of, tmp: Path, nproc=(2, 2), extra: tuple[str, ...] = ()):
+    disks = [tmp / "node0", tmp / "node1"]
+    split_files(ckpt, disks, node_of)
+    out = tmp / "out"
+    runs = run_two_nodes(disks, tmp / "ckpt", ["merge", "--input", tmp / "ckpt", "--output", out, *extra],
+                         nproc=nproc)
+    return runs, out
+
+
+def one_node_bytes(ckpt: Path, tmp: Path, *extra: str) -> dict[str, bytes]:
+    out = tmp / "one-node"
+    assert merge_inproc("--input", ckpt, "--output", out, *extra) == 0
+    return {name: (out / name).read_bytes() for name in WEIGHTS}
+
+
+def assert_same_output(out: Path, expected: dict[str, bytes]) -> None:
+    for name, data in expected.items():
+        assert (out / name).read_bytes() == data, name
+
+
+def crossed(log: str) -> str:
+    found = re.search(r"across 2 nodes \(([\d.]+ [KMG]?B) crossed nodes\)", log)
+    assert found, log[-2000:]
+    return found.group(1)
+
+
+def test_fsdp2_rank_files_on_two_nodes_markers_on_the_other(fsdp_ckpts, tmp_path):
+    """verl's FSDP2 save, W=4: ranks 0-1 (with fsdp_config.json and huggingface/, as training rank 0 leaves them)
+    on node 1, ranks 2-3 on node 0, where merge rank 0 runs, so its discovery and finalize read node 1's files
+    through node 1; rank 1's model file on both nodes, read once. N=3 (1 + 2) against W=4."""
+    ckpt = fsdp_ckpts["fsdp2_llama_w4"]
+    node_of = by_rank(r"rank_(\d+)\.pt$", lambda r: (1,) if r == 0 else (0, 1) if r == 1 else (0,), rest=(1,))
+    runs, out = merge_where_they_lie(ckpt, node_of, tmp_path, nproc=(1, 2))
+    assert [r.returncode for r in runs] == [0, 0], runs[0].log[-3000:] + runs[1].log[-3000:]
+    assert_exact(load_merged(out), expected_tensors(ckpt))
+    assert_same_output(out, one_node_bytes(ckpt, tmp_path))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):  # finalize, from node 1
+        assert (out / name).read_bytes() == (ckpt / "huggingface" / name).read_bytes(), name
+    assert crossed(runs[0].log)
+    assert "│ node │" in runs[0].log.replace("┃", "│")
+
+
+def test_dcp_save_on_two_nodes(dcp_ckpts, tmp_path):
+    """dcp.save of FSDP2, W=4: each rank's __R_0.distcp on its node (ranks 0-1 node 0, 2-3 node 1), .metadata and
+    huggingface/ on node 0. Node 1 alone lists files .metadata names, node 0 a .metadata missing half its files:
+    joined, they are one checkpoint."""
+    ckpt = dcp_ckpts["dcp_llama_wrapped_w4"]
+    runs, out = merge_where_they_lie(ckpt, by_rank(r"__(\d+)_\d+\.distcp$", lambda r: (r // 2,)), tmp_path,
+                                     nproc=(2, 1))
+    assert [r.returncode for r in runs] == [0, 0], runs[0].log[-3000:] + runs[1].log[-3000:]
+    assert_exact(load_merged(out), expected_tensors(ckpt))
+    assert_same_output(out, one_node_bytes(ckpt, tmp_path))
+
+
+def test_a_file_no_node_holds_is_one_line_on_every_node(fsdp_ckpts, tmp_path):
+    """Rank 3's files on neither node: every node's log ends in the same line naming only rank 3, nothing is
+    written, both exit non-zero."""
+    ckpt = fsdp_ckpts["fsdp2_llama_w4"]
+    runs, out = merge_where_they_lie(ckpt, by_rank(r"rank_(\d+)\.pt$", lambda r: () if r == 3 else (r // 2,)),
+                                     tmp_path, nproc=(1, 1))
+    assert [r.returncode != 0 for r in runs] == [True, True]
+    lines = [last_error(r.log) for r in runs]
+    assert lines[0] == lines[1], lines
+    assert re.search(r"missing for ranks? 3 of world size 4", lines[0]), lines[0]  # only the rank no node holds
+    assert not re.search(r'distmerge/[\w/]+\.py", line', runs[0].log + runs[1].log)  # torchrun's own summary only
+    assert not (out / "model.safetensors.index.json").exists()
+    assert not list(out.glob("*.safetensors")) if out.exists() else True
+
+
+def test_an_output_some_nodes_cannot_see_is_refused(fsdp_ckpts, tmp_path):
+    """The output on each node's own disk (a tmpfs of its own at the output's path): node 1 cannot see rank 0's
+    probe; refused on both nodes in one line naming node 1, before any tensor is written."""
+    ckpt = fsdp_ckpts["fsdp2_llama_w4"]
+    disks = [tmp_path / "node0", tmp_path / "node1"]
+    split_files(ckpt, disks, by_rank(r"rank_(\d+)\.pt$", lambda r: (r // 2,)))
+    out = tmp_path / "merged"
+    out.mkdir()
+    own = f"mount -t tmpfs none {out} && mkdir {out}/merged"  # each node's: what it writes there stays there
+    runs = run_two_nodes(disks, tmp_path / "ckpt", ["merge", "--input", tmp_path / "ckpt", "--output", out / "merged"],
+                         nproc=(1, 1), before=(own, own))
+    assert [r.returncode != 0 for r in runs] == [True, True]
+    lines = [last_error(r.log) for r in runs]
+    assert lines[0] == lines[1], lines
+    assert "is not shared" in lines[0] and "node 1 (" in lines[0] and "node 0 (" not in lines[0], lines[0]
+    assert all(len(error_lines(r.log)) == 1 for r in runs)
+    assert json.loads((ckpt / "fsdp_config.json").read_text())  # the input untouched
+    assert reference_dir(ckpt).exists()
