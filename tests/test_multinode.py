@@ -114,3 +114,56 @@ def test_an_output_some_nodes_cannot_see_is_refused(fsdp_ckpts, tmp_path):
     assert all(len(error_lines(r.log)) == 1 for r in runs)
     assert json.loads((ckpt / "fsdp_config.json").read_text())  # the input untouched
     assert reference_dir(ckpt).exists()
+
+
+def test_megatron_torch_dist_on_two_nodes_config_on_the_other(megatron_ckpts, tmp_path):
+    """megatron-core's torch_dist save, TP=2 x PP=2: each rank's __R_*.distcp on its node (ranks 0-1 node 0, 2-3
+    node 1), the tracker, metadata.json and common.pt on node 0; --hf-config names a folder only node 1 holds."""
+    ckpt = megatron_ckpts["megatron_dist_tp2pp2"]
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    node1_hf = tmp_path / "hf-node1"
+    split_files(reference_dir(ckpt) / "huggingface", [node1_hf, node1_hf], lambda rel: (0,))
+    disks = [tmp_path / "node0", tmp_path / "node1"]
+    split_files(ckpt, disks, by_rank(r"__(\d+)_\d+\.distcp$", lambda r: (r // 2,)))
+    out = tmp_path / "out"
+    runs = run_two_nodes(disks, tmp_path / "ckpt", ["merge", "--input", tmp_path / "ckpt", "--output", out,
+                                                    "--hf-config", hf], nproc=(1, 2),
+                         before=("", f"mount --bind {node1_hf} {hf}"))
+    assert [r.returncode for r in runs] == [0, 0], runs[0].log[-3000:] + runs[1].log[-3000:]
+    assert_same_output(out, one_node_bytes(ckpt, tmp_path, "--hf-config", reference_dir(ckpt) / "huggingface"))
+    assert crossed(runs[0].log)
+
+
+def test_deepspeed_zero3_on_two_nodes(ds_ckpts, tmp_path):
+    """DeepSpeed ZeRO-3 saved with node-local storage, W=2: each rank's model and optimizer states on its own
+    node; `latest`, huggingface/ and the scripts on node 0. N=2 (1 + 1)."""
+    ckpt = ds_ckpts["ds_z3_fp32_w2"]
+    runs, out = merge_where_they_lie(ckpt, by_rank(r"zero_pp_rank_(\d+)_", lambda r: (r,)), tmp_path, nproc=(1, 1))
+    assert [r.returncode for r in runs] == [0, 0], runs[0].log[-3000:] + runs[1].log[-3000:]
+    assert_same_output(out, one_node_bytes(ckpt, tmp_path))
+
+
+def test_a_node_killed_mid_merge_is_named_and_resume_finishes(fsdp_ckpts, tmp_path):
+    """Node 1 killed once the first output file is finished: node 0's line names the ranks it lost, no index is
+    written, and --resume over both nodes keeps the finished files and ends byte-identical to one node's merge."""
+    ckpt = fsdp_ckpts["fsdp2_llama_w4"]
+    disks = [tmp_path / "node0", tmp_path / "node1"]
+    split_files(ckpt, disks, by_rank(r"rank_(\d+)\.pt$", lambda r: (r // 2,)))
+    out = tmp_path / "out"
+    args = ["merge", "--input", tmp_path / "ckpt", "--output", out, "--max-shard-size", "100KB", "--budget", "16KB",
+            "--timeout", "8"]
+    runs = run_two_nodes(disks, tmp_path / "ckpt", args, nproc=(1, 1), env={"DISTMERGE_TEST_ROUND_DELAY": "0.3"},
+                         kill=(1, lambda: bool(list((out / ".distmerge").glob("model-*.json")))))
+    assert runs[0].returncode != 0
+    line = last_error(runs[0].log)
+    assert re.search(r"rank 1 \(.*\) is gone during round", line), runs[0].log[-3000:]
+    assert not (out / "model.safetensors.index.json").exists()
+    kept = sorted(p.name for p in (out / ".distmerge").glob("model-*.json"))
+    runs = run_two_nodes(disks, tmp_path / "ckpt", [*args, "--resume"], nproc=(1, 1))
+    assert [r.returncode for r in runs] == [0, 0], runs[0].log[-3000:] + runs[1].log[-3000:]
+    assert kept and f"resume: kept {len(kept)} of 6 file(s)" in runs[0].log, runs[0].log[-2000:]
+    one = tmp_path / "one-node"
+    assert merge_inproc("--input", ckpt, "--output", one, "--max-shard-size", "100KB") == 0
+    for f in sorted(one.glob("model*")):
+        assert (out / f.name).read_bytes() == f.read_bytes(), f.name

@@ -4,11 +4,14 @@ node of a cluster without a shared file system sees its own disk at the checkpoi
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,10 +43,12 @@ def split_files(ckpt: Path, nodes: list[Path], node_of: Callable[[str], Iterable
 
 def run_two_nodes(disks: list[Path | None], at: Path, args: list[str], nproc: tuple[int, int] = (2, 2),
                   timeout: float = 240, env: dict[str, str] | None = None,
-                  before: tuple[str, str] = ("", "")) -> list[NodeRun]:
+                  before: tuple[str, str] = ("", ""), kill: tuple[int, Callable[[], bool]] | None = None
+                  ) -> list[NodeRun]:
     """`python -m distmerge ARGS` as one job over two simulated nodes: node k's processes see `disks[k]` at `at`
     (None: nothing there). `before[k]`: a shell line node k runs first, inside its namespace. The paths outside
-    `at` are the machine's, shared by both (the output, unless a test says otherwise)."""
+    `at` are the machine's, shared by both (the output, unless a test says otherwise). `kill=(k, when)`: node k's
+    agent and processes are killed (SIGKILL) once `when()` holds, as a node that fails."""
     port = free_port()
     at.mkdir(parents=True, exist_ok=True)
     procs = []
@@ -58,8 +63,11 @@ def run_two_nodes(disks: list[Path | None], at: Path, args: list[str], nproc: tu
         script = f"{mount} && {before[k] or 'true'} && exec {shlex.join(torchrun)}"
         procs.append(subprocess.Popen(["unshare", "-m", "--propagation", "private", "sh", "-c", script],
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                                      start_new_session=True,
                                       env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
                                            **(env or {})}))
+    if kill is not None:
+        _kill_when(procs[kill[0]], kill[1], timeout)
     runs = []
     for p in procs:
         try:
@@ -70,6 +78,32 @@ def run_two_nodes(disks: list[Path | None], at: Path, args: list[str], nproc: tu
             raise
         runs.append(NodeRun(p.returncode, out))
     return runs
+
+
+def _kill_when(proc: subprocess.Popen, when: Callable[[], bool], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not when():
+        if time.monotonic() > deadline or proc.poll() is not None:
+            raise AssertionError("the moment to kill the node never came")
+        time.sleep(0.05)
+    for pid in _tree(proc.pid):  # torchrun starts its processes in sessions of their own: each one by its pid
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _tree(top: int) -> list[int]:
+    """`top` and every process below it."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [top]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, ()))
+    return out
 
 
 def error_lines(log: str) -> list[str]:

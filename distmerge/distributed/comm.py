@@ -304,8 +304,8 @@ def _own_store(timeout: timedelta) -> tuple[Any, int, int]:
 @contextmanager
 def process_group(*, device: str, timeout_s: float, borrow: bool = False, group: Any = None,
                   on_silence: Callable[[str, bool], None] | None = None) -> Iterator[Comm]:
-    """A Comm for one command. An unexpected exception (a peer died, a collective timed out) becomes
-    this rank's one-line error (the watchdog's verdict when it found a silent rank); the group is destroyed and
+    """A Comm for one command. An unexpected exception (a peer died, a collective timed out) becomes this rank's
+    one-line error (the watchdog's verdict, or the ranks it finds gone); the group is destroyed and
     stdout flushed on success and on failure. `borrow`: use the running job's `group` (None: its default group)
     instead, and leave it up (Comm.borrow); `device` is then auto, cpu or cuda, resolved against that group; no
     watchdog runs, and `on_silence` (Comm's) is not used."""
@@ -321,7 +321,8 @@ def process_group(*, device: str, timeout_s: float, borrow: bool = False, group:
         if comm is not None and comm.silence is not None:
             comm._watchdog.await_end()  # a command's: the watchdog ends the process and says why, once
             raise DistmergeError(comm.silence) from err
-        raise DistmergeError(f"rank {rank}: {type(err).__name__}: {_first_line(err)}") from err
+        lost = comm._watchdog.lost(err) if comm is not None and comm._watchdog is not None else None  # who is gone
+        raise DistmergeError(lost or f"rank {rank}: {type(err).__name__}: {_first_line(err)}") from err
     finally:
         if comm is not None:
             comm.close()

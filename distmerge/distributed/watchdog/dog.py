@@ -15,11 +15,13 @@ from datetime import timedelta
 from typing import Any
 
 from distmerge.distributed.watchdog.pulse import Pulse
-from distmerge.distributed.watchdog.verdict import Reading, Record, Verdict, judge, verdict_line
+from distmerge.distributed.watchdog.verdict import Reading, Record, Verdict, judge, lost_line, verdict_line
 
 log = logging.getLogger("distmerge")
 
 SPEAKER_WAIT_S = 10.0  # how long a rank that found the verdict waits for the lowest live rank to print it
+# What gloo and NCCL say when a peer's connection closes (its process killed, its node lost): Watchdog.lost
+LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited")
 CLEANUP_WAIT_S = 5.0  # the most the on_abort callbacks may take before the process ends anyway
 _COMMS = itertools.count()  # Comms started by this process: the same sequence on every rank, so a namespace each
 
@@ -215,6 +217,20 @@ class Watchdog:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(1)
+
+    def lost(self, err: BaseException) -> str | None:
+        """In the main thread, after a collective failed: when the transport says a peer closed its connection, the
+        ranks whose heartbeat stopped, from two readings `window` apart (None: not that, or all answer)."""
+        if not any(words in str(err) for words in LOST_PEER):
+            return None
+        try:
+            first = self._read((self.pulse.step, 0.0))
+            time.sleep(self.window)
+            second = self._read((self.pulse.step, 0.0))
+        except Exception:  # noqa: BLE001  (the store is gone too: the transport's own line stays)
+            return None
+        stopped = judge(first, second, self.rank)[0]
+        return lost_line(stopped, second, phase=self.pulse.during()) if stopped else None
 
     def await_end(self) -> None:
         """In the main thread, when its collective failed (the backstop) while this thread ends the process: let it

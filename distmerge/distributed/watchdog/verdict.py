@@ -93,6 +93,17 @@ def verdict_line(stopped: list[int], stuck: list[Record], reading: Reading, *, p
     return f"{head}: {'; '.join(why)}"
 
 
+def lost_line(stopped: list[int], reading: Reading, *, phase: str) -> str:
+    """One line for the ranks whose connection closed and whose heartbeat stopped: a process, or a node, gone."""
+    known = {r: rec for r, rec in reading.records.items() if rec is not None}
+    names = [known[r].who if r in known else f"rank {r}" for r in stopped[:NAMED_AT_MOST]]
+    who = names[0] if len(stopped) == 1 else "ranks " + ", ".join(n.removeprefix("rank ") for n in names)
+    who += f" and {len(stopped) - NAMED_AT_MOST} more" if len(stopped) > NAMED_AT_MOST else ""
+    return (f"{who} {'is' if len(stopped) == 1 else 'are'} gone during {phase}: the connection closed and the "
+            "heartbeat stopped (a killed process, or a lost node); nothing was committed: rerun with --resume to keep "
+            "the files already finished")
+
+
 def _ranks(ranks: list[int]) -> str:
     shown = ", ".join(str(r) for r in ranks[:NAMED_AT_MOST])
     return ("rank " if len(ranks) == 1 else "ranks ") + shown + (f" and {len(ranks) - NAMED_AT_MOST} more"
