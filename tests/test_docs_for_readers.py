@@ -59,22 +59,19 @@ def test_user_docs_hold_no_issue_numbers_commit_hashes_or_dates():
     assert notes == [], "lab notes in user docs (they belong in docs/dev/):\n" + "\n".join(notes)
 
 
-def test_the_patterns_find_lab_notes_and_spare_the_rest():
+def test_the_patterns_find_lab_notes_and_spare_the_rest(tmp_path):
     """The patterns are checked on lines written here: a check whose pattern matches nothing would always pass."""
-    def notes_in(text: str, tmp: Path) -> list[str]:
-        page = tmp / "page.md"
+    def notes_in(text: str) -> list[str]:
+        page = tmp_path / "page.md"
         page.write_text(text)
         return sorted(note.split(": ", 1)[1] for note in lab_notes(page))
 
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        found = notes_in("a fix (issue #35), issue 27 and #12; verl#3050 wrote 0\nverl `b178a3c`, torch `d98e8a6`\n"
-                         "re-checked 2026-12-01\n```\nstarted 2026-12-05 07:59:09 UTC\n```\n", Path(tmp))
-        spared = notes_in("[4-bit](#4-bit-nvfp4-and-mxfp4), [it](quantize.md#4-bit-nvfp4) &#8594; 40185634 bytes, 0.9999856748116313, e4m3fn, "
-                          "deadbeef, facade, 1,137 units, a 64-digit sha256 "
-                          "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855\n", Path(tmp))
+    found = notes_in("a fix (issue #35), issue 27 and #12; verl#3050 wrote 0\nverl `b178a3c`, torch `d98e8a6`\n"
+                     "re-checked 2026-12-01\n```\nstarted 2026-12-05 07:59:09 UTC\n```\n")
     assert found == sorted(["issue #35", "issue 27", "#12", "verl#3050", "b178a3c", "d98e8a6", "2026-12-01"])
+    spared = notes_in("[4-bit](#4-bit-nvfp4-and-mxfp4), [it](quantize.md#4-bit-nvfp4) &#8594; 40185634 bytes, "
+                      "0.9999856748116313, e4m3fn, deadbeef, facade, 1,137 units, a 64-digit sha256 "
+                      "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855\n")
     assert spared == []
 
 
