@@ -49,7 +49,7 @@ def test_the_readme_is_short():
     """Counted in bytes, as `wc -c` counts (the box-drawing characters of a transcript are 3 each). Shown to fail
     on the README of before docs/cli.md (33,079 bytes)."""
     size = len((REPO / "README.md").read_bytes())
-    assert size <= README_LIMIT, f"README.md has {size} characters, more than {README_LIMIT}: move details to docs/"
+    assert size <= README_LIMIT, f"README.md has {size} bytes, more than {README_LIMIT} bytes: move details to docs/"
 
 
 def test_user_docs_hold_no_issue_numbers_commit_hashes_or_dates():
