@@ -60,7 +60,7 @@ class Example:
 
 def examples() -> list[Example]:
     found = []
-    for page in sorted(DOCS.glob("*.md")):
+    for page in sorted(DOCS.rglob("*.md")):  # the user docs and the maintainers' (docs/dev/)
         lines = page.read_text().splitlines()
         i = 0
         while i < len(lines):
@@ -71,7 +71,7 @@ def examples() -> list[Example]:
             end = next(j for j in range(i + 1, len(lines)) if lines[j].strip().startswith("```"))
             body = tuple(text[len(fence[1]):] for text in lines[i + 1:end])
             if fence[2] in LANGS or any(COMMAND.match(text) for text in body):
-                found.append(Example(page.name, i + 1, fence[2], body))
+                found.append(Example(page.relative_to(DOCS).as_posix(), i + 1, fence[2], body))
             i = end + 1
     return found
 
@@ -500,10 +500,10 @@ ELSEWHERE: dict[tuple[str, str], str] = {
 }
 
 NOT_RUN: dict[tuple[str, str], str] = {
-    ("benchmarks-history.md", "python tests/bench/bench_fsdp.py"): BENCHMARK,
-    ("benchmarks-history.md", "python tests/bench/bench_megatron.py"): BENCHMARK,
-    ("benchmarks-history.md", "python tests/bench/bench_deepspeed.py"): BENCHMARK,
-    ("benchmarks-history.md", "torchrun --standalone --nproc-per-node 16 tests/bench/make_ckpt.py"): BENCHMARK,
+    ("dev/benchmarks-history.md", "python tests/bench/bench_fsdp.py"): BENCHMARK,
+    ("dev/benchmarks-history.md", "python tests/bench/bench_megatron.py"): BENCHMARK,
+    ("dev/benchmarks-history.md", "python tests/bench/bench_deepspeed.py"): BENCHMARK,
+    ("dev/benchmarks-history.md", "torchrun --standalone --nproc-per-node 16 tests/bench/make_ckpt.py"): BENCHMARK,
     ("quantize.md", "python tests/bench/bench_quantize.py --size 0.8GB"): BENCHMARK,
     ("quantize.md", "python tests/bench/bench_quantize.py --scheme nvfp4"): BENCHMARK,
     ("extending.md", "@register"): "a skeleton with `...` bodies, the shape of a format; what a registered format "
@@ -557,15 +557,15 @@ def test_the_tests_named_elsewhere_exist():
 
 
 def test_every_link_between_pages_reaches_its_heading():
-    """A link from a page of docs/ or the README to a page of docs/ (and a heading in it) finds them: moving runs to
-    benchmarks-history.md moved the headings other pages pointed at."""
+    """A link from a page of docs/ (docs/dev/ too) or the README to a page of docs/ (and a heading in it) finds them:
+    moving runs to benchmarks-history.md moved the headings other pages pointed at."""
     def anchors(page: Path) -> set[str]:
         return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
                 for h in re.findall(r"^#+ (.*)$", page.read_text(), re.M)}
 
     broken = []
-    for page in [REPO / "README.md", *sorted(DOCS.glob("*.md"))]:
-        for target, anchor in re.findall(r"\]\(((?:docs/)?[\w-]+\.md)?(?:#([\w-]+))?\)", page.read_text()):
+    for page in [REPO / "README.md", *sorted(DOCS.rglob("*.md"))]:
+        for target, anchor in re.findall(r"\]\(((?:\.\./|[\w-]+/)*[\w-]+\.md)?(?:#([\w-]+))?\)", page.read_text()):
             if not target and not anchor:
                 continue
             dest = (page.parent / target) if target else page

@@ -1,4 +1,4 @@
-"""The options are defined once (distmerge/options.py): `--help`, the API's signatures, docs/api.md and the README's
+"""The options are defined once (distmerge/options/): `--help`, the API's signatures, docs/api.md and docs/cli.md's
 options table cannot drift from that table, nor from each other. Each option is in all of them, with one default."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from distmerge.errors import InputError
 from distmerge.front.cli import build_parser
 from distmerge.options import Opt
 from tests.conftest import REPO
-from tests.test_readme_options import documented, readme_rows
+from tests.test_readme_options import TABLE_PAGE, documented, readme_rows
 
 REQUIRED = {"merge": ["--input", "x", "--output", "y"], "inspect": ["x"],
             "verify": ["--merged", "x", "--reference", "y"], "watch": ["--input", "x", "--output", "y"]}
@@ -26,7 +26,7 @@ def subparser(command: str) -> argparse.ArgumentParser:
 
 
 def spelled(default) -> str:
-    """A default as the README and --help spell it (600.0 is "600")."""
+    """A default as docs/cli.md and --help spell it (600.0 is "600")."""
     return str(int(default)) if isinstance(default, float) and default.is_integer() else str(default)
 
 
@@ -74,9 +74,9 @@ def test_the_api_takes_every_option_with_the_same_default(command):
 
 
 def test_readme_states_each_default():
-    """Each option with a default says it in its README row ("default `5GB`", "(default 600)"). Shown to fail: with
-    the --lora row's "default `auto`" taken out."""
-    rows = readme_rows((REPO / "README.md").read_text())
+    """Each option with a default says it in its row of docs/cli.md ("default `5GB`", "(default 600)"). Shown to fail:
+    with the --lora row's "default `auto`" taken out."""
+    rows = readme_rows(TABLE_PAGE.read_text())
     unstated = []
     for command in options.COMMANDS:
         for row in options.cli_rows(command):

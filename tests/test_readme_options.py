@@ -1,6 +1,6 @@
-"""The README's options table lists every option of every command, for the commands that have it, with its
-choices; and no option that does not exist. Read from the parsers themselves, so a new option fails here
-until it is documented."""
+"""The options table (docs/cli.md, linked from the README) lists every option of every command, for the commands that
+have it, with its choices; and no option that does not exist. Read from the parsers themselves, so a new option
+fails here until it is documented."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import re
 from distmerge.front.cli import build_parser
 from tests.conftest import REPO
 
+TABLE_PAGE = REPO / "docs" / "cli.md"
 HEADER = "| option | commands | meaning |"
 TOP = "distmerge"  # the row's command for options of `distmerge` itself (--version)
 
@@ -50,16 +51,16 @@ def documented(rows, command: str, option: str) -> list[str]:
 
 
 def test_every_option_is_in_the_readme_table():
-    """Shown to fail: with the `--lora-alpha` row taken out of the README, this listed (merge, --lora-alpha)
+    """Shown to fail: with the `--lora-alpha` row taken out of the table, this listed (merge, --lora-alpha)
     and (inspect, --lora-alpha); with `inspect` taken out of the `--debug` row's commands, (inspect, --debug)."""
-    rows = readme_rows((REPO / "README.md").read_text())
+    rows = readme_rows(TABLE_PAGE.read_text())
     missing = [key for key in parser_options() if not documented(rows, *key)]
-    assert missing == [], f"options missing from the README's options table (option, commands): {missing}"
+    assert missing == [], f"options missing from docs/cli.md's options table (option, commands): {missing}"
 
 
 def test_every_choice_is_in_its_row():
     """Shown to fail: with `dcp-hf` taken out of the --format row, this listed it."""
-    rows = readme_rows((REPO / "README.md").read_text())
+    rows = readme_rows(TABLE_PAGE.read_text())
     absent = []
     for (command, option), action in parser_options().items():
         for choice in action.choices or ():
@@ -73,6 +74,6 @@ def test_the_table_lists_no_option_that_does_not_exist():
     """A row for a removed option, or one that names a command lacking it, misleads. Shown to fail: with
     `inspect` added to the --budget row's commands."""
     known = parser_options()
-    wrong = [(command, name) for names, commands, _ in readme_rows((REPO / "README.md").read_text())
+    wrong = [(command, name) for names, commands, _ in readme_rows(TABLE_PAGE.read_text())
              for name in names for command in commands if (command, name) not in known]
     assert wrong == []

@@ -37,7 +37,7 @@ class OutputSettings:
     budget_bytes: int = 128 * 2**20
     lora: LoraOptions = field(default_factory=LoraOptions)
     output: Path | str = Path()  # a folder, or an object-store URL
-    quantize: str | None = None  # a --quantize choice (fp8.SCHEMES): linear weights in FP8
+    quantize: str | None = None  # a --quantize choice (quantize.schemes.SCHEMES): linear weights in FP8 or 4 bits
     average: AverageOptions = field(default_factory=AverageOptions)  # --average, --average-weights
 
 

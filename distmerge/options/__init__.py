@@ -7,7 +7,7 @@ checked against them (tests/test_options_agree.py):
                    command line parses it (from_keywords)
     the request    api.merge_request / api.verify_request: the typed values, by name (the same for the CLI and
                    the API), into engine.run.MergeOptions and verify.VerifyOptions
-    README.md      its options table lists each row's flags for its commands, and the default
+    docs/cli.md    its options table lists each row's flags for its commands, and the default
 
 Adding an option is one row (a format's own options are rows of the format registry, put at FORMAT_OPTIONS;
 verify's --reference- twins of the input rows are made at REFERENCE_OPTIONS, a new format option's with it; an

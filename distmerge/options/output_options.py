@@ -3,7 +3,7 @@ option, and each place that needs one iterates over the declarations instead of 
 
     what                             read by
     its row: flag, API keyword,      options.rows (at options.OUTPUT_OPTIONS): argparse (cli_options.add_options),
-      kind, default, choices, help     the API's signature and checks (options.signature, from_keywords), README
+      kind, default, choices, help     the API's signature and checks (options.signature, from_keywords), docs/cli.md
     the OutputSettings it sets       settings(): cli_options.output_settings, for merge, inspect, verify
     what run.json records            recorded(): engine.resume.output_options (the resume fingerprint, and the
                                        `--dtype (keep -> bfloat16) differs` line)

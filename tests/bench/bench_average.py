@@ -200,7 +200,7 @@ def main() -> int:
     ])
     cmdline = (f"python tests/bench/bench_average.py --size {args.size / 1e9:g}GB --world {args.world} --k {args.k} "
                f"--repeats {args.repeats}")
-    print("\n----- markdown for docs/benchmarks-history.md (and its row of the table in docs/benchmarks.md) -----")
+    print("\n----- markdown for docs/dev/benchmarks-history.md (and its row of the table in docs/benchmarks.md) -----")
     print(f"### Average of {args.k} FSDP2 (W={args.world}) saves, Llama-shaped {gb(shape['params'] * 4)} fp32 each\n")
     print(f"- command: `{cmdline}`")
     print(machine_line())

@@ -100,7 +100,7 @@ def main() -> int:
     for budget, cmd in commands.items():
         print(f"  {budget}: {cmd}")
     shape = llama_shape(args.size)
-    print("\n----- markdown for docs/benchmarks-history.md (and its row of the table in docs/benchmarks.md) -----")
+    print("\n----- markdown for docs/dev/benchmarks-history.md (and its row of the table in docs/benchmarks.md) -----")
     print(f"- command: `python tests/bench/bench_budget.py --size {args.size / 1e9:g}GB --world {args.world} "
           f"--nproc {args.nproc} --budgets {args.budgets} --repeats {args.repeats}`")
     print(machine_line())

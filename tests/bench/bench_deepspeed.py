@@ -231,7 +231,7 @@ def main() -> int:
     states = model_state_files(ckpt)
     cmdline = (f"python tests/bench/bench_deepspeed.py --size {args.size / 1e9:g}GB --world {args.world} "
                f"--stage {args.stage} --repeats {args.repeats} --max-shard-size {args.max_shard_size}")
-    print("\n----- markdown for docs/benchmarks-history.md (and its row of the table in docs/benchmarks.md) -----")
+    print("\n----- markdown for docs/dev/benchmarks-history.md (and its row of the table in docs/benchmarks.md) -----")
     print(f"### DeepSpeed ZeRO-{args.stage} (bf16, W={args.world}) → safetensors, Llama-shaped "
           f"{gb(shape['params'] * 4)} fp32\n")
     print(f"- command: `{cmdline}`")

@@ -199,7 +199,7 @@ def main() -> int:
 
     cmdline = (f"python tests/bench/bench_megatron.py --size {args.size / 1e9:g}GB --tp {args.tp} --pp {args.pp} "
                f"--repeats {args.repeats} --max-shard-size {args.max_shard_size}")
-    print("\n----- markdown for docs/benchmarks-history.md (and its row of the table in docs/benchmarks.md) -----")
+    print("\n----- markdown for docs/dev/benchmarks-history.md (and its row of the table in docs/benchmarks.md) -----")
     print(f"### Megatron legacy (TP={args.tp} x PP={args.pp}) → safetensors, Llama-shaped "
           f"{gb(shape['params'] * 4)} fp32\n")
     print(f"- command: `{cmdline}`")

@@ -12,7 +12,7 @@ summary's `seconds`: the merge without start-up) per run and its median, and the
 revision's, and the same for the whole process (wall clock from launch to exit: start-up and imports included,
 which the own timer leaves out). Every run's output is digested (sha256 of each file) and compared with the first
 revision's, byte for byte. Made for a machine whose
-speed drifts from minute to minute (see docs/benchmarks-history.md on this VM): only runs interleaved in one session
+speed drifts from minute to minute (see docs/dev/benchmarks-history.md on this VM): only runs interleaved in one session
 compare.
 """
 

@@ -12,7 +12,7 @@ discovery costs). DCP adds `.metadata`: reading and checking it, once per rank (
 seconds, best of 3, measured apart from the files. `plan` = inventory.unpack + prepare.prepare_merge for N
 processes (CPU seconds, best of 3), on the real inventory and on the simulated one; `inventory` = pickled
 packed parts, all ranks. The merge itself (output bytes for N = 1, 2, 4) is run with the CLI, see
-docs/benchmarks-history.md.
+docs/dev/benchmarks-history.md.
 """
 
 from __future__ import annotations

@@ -236,7 +236,7 @@ def main() -> int:
     ok = check(bench)
     cmdline = (f"python tests/bench/bench_torchtitan.py --size {args.size / 1e9:g}GB --world {args.world} "
                f"--repeats {args.repeats} --max-shard-size {args.max_shard_size}")
-    print("\n----- markdown for docs/benchmarks-history.md (and its row of the table in docs/benchmarks.md) -----")
+    print("\n----- markdown for docs/dev/benchmarks-history.md (and its row of the table in docs/benchmarks.md) -----")
     print(f"### torchtitan (llama3, FSDP2 W={args.world}, model-only export) → safetensors, {gb(shape['params'] * 4)} "
           "fp32\n")
     print(f"- command: `{cmdline}`")

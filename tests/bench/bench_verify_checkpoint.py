@@ -151,7 +151,7 @@ def main() -> int:
     ok = check(bench)
     cmdline = (f"python tests/bench/bench_verify_checkpoint.py --size {args.size / 1e9:g}GB --world {args.world} "
                f"--repeats {args.repeats} --max-shard-size {args.max_shard_size}")
-    print("\n----- markdown for docs/benchmarks-history.md (and its row of the table in docs/benchmarks.md) -----")
+    print("\n----- markdown for docs/dev/benchmarks-history.md (and its row of the table in docs/benchmarks.md) -----")
     print(f"### verify of an FSDP2 (W={args.world}) checkpoint in memory vs merge + verify, {gb(ckpt_bytes)} fp32\n")
     print(f"- command: `{cmdline}`")
     print(machine_line())
