@@ -440,6 +440,9 @@ RUN: dict[tuple[str, str], Run] = {
 }
 
 ELSEWHERE: dict[tuple[str, str], str] = {
+    ("multinode.md", "slurm/multinode_example.sh 123456"):
+        "tests/test_multinode.py::test_the_slurm_example_submits_on_the_training_nodes",
+    ("multinode.md", "torchrun --nnodes 2 --node-rank 0"): "tests/test_multinode.py::test_the_transcript_in_the_docs",
     ("watch.md", "torchrun --nproc-per-node 2 -m distmerge watch --input ckpts --output merged --poll 1"):
         "tests/test_watch.py::test_live_watcher_beside_training_merges_each_step_exactly_once_finished",
     ("watch.md", "sbatch --nodes=1 slurm/watch.sbatch"): "tests/test_slurm.py::test_watch_once_after_training",

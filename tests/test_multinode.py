@@ -5,13 +5,17 @@ for byte, and every refusal the same one line on every node."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import shlex
+import socket
+import subprocess
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import assert_exact, expected_tensors, load_merged, merge_inproc, reference_dir
+from tests.conftest import REPO, assert_exact, expected_tensors, load_merged, merge_inproc, reference_dir
 from tests.two_nodes import can_simulate, error_lines, last_error, run_two_nodes, split_files
 
 pytestmark = pytest.mark.skipif(not can_simulate(), reason="needs root and unshare (mount namespaces)")
@@ -91,6 +95,7 @@ def test_a_file_no_node_holds_is_one_line_on_every_node(fsdp_ckpts, tmp_path):
     lines = [last_error(r.log) for r in runs]
     assert lines[0] == lines[1], lines
     assert re.search(r"missing for ranks? 3 of world size 4", lines[0]), lines[0]  # only the rank no node holds
+    assert lines[0] == as_run(page_line("distmerge: error: /tmp/multinode/ckpt: rank files"), tmp_path)
     assert not re.search(r'distmerge/[\w/]+\.py", line', runs[0].log + runs[1].log)  # torchrun's own summary only
     assert not (out / "model.safetensors.index.json").exists()
     assert not list(out.glob("*.safetensors")) if out.exists() else True
@@ -104,13 +109,15 @@ def test_an_output_some_nodes_cannot_see_is_refused(fsdp_ckpts, tmp_path):
     split_files(ckpt, disks, by_rank(r"rank_(\d+)\.pt$", lambda r: (r // 2,)))
     out = tmp_path / "merged"
     out.mkdir()
-    own = f"mount -t tmpfs none {out} && mkdir {out}/merged"  # each node's: what it writes there stays there
-    runs = run_two_nodes(disks, tmp_path / "ckpt", ["merge", "--input", tmp_path / "ckpt", "--output", out / "merged"],
-                         nproc=(1, 1), before=(own, own))
+    own = f"mount -t tmpfs none {out}"  # each node's own: what it writes there stays there
+    runs = run_two_nodes(disks, tmp_path / "ckpt", ["merge", "--input", tmp_path / "ckpt", "--output", out],
+                         nproc=(2, 2), before=(own, own))
     assert [r.returncode != 0 for r in runs] == [True, True]
     lines = [last_error(r.log) for r in runs]
     assert lines[0] == lines[1], lines
     assert "is not shared" in lines[0] and "node 1 (" in lines[0] and "node 0 (" not in lines[0], lines[0]
+    assert lines[0] == as_run(page_line("distmerge: error: output /tmp/multinode/merged"), tmp_path,
+                              socket.gethostname())
     assert all(len(error_lines(r.log)) == 1 for r in runs)
     assert json.loads((ckpt / "fsdp_config.json").read_text())  # the input untouched
     assert reference_dir(ckpt).exists()
@@ -167,3 +174,67 @@ def test_a_node_killed_mid_merge_is_named_and_resume_finishes(fsdp_ckpts, tmp_pa
     assert merge_inproc("--input", ckpt, "--output", one, "--max-shard-size", "100KB") == 0
     for f in sorted(one.glob("model*")):
         assert (out / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+def test_the_slurm_example_submits_on_the_training_nodes(tmp_path):
+    """slurm/multinode_example.sh asks sacct for the training job's nodes and submits merge.sbatch on exactly
+    those, one task each (a stand-in sacct, scontrol and sbatch record what it runs: no cluster has two nodes in
+    CI); with no such job it says so in one line."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    record = tmp_path / "calls"
+    stubs = {"sacct": 'echo "$*" >> {rec}; [ "$2" = 42 ] && echo "gpu[3-4]" || true',
+             "scontrol": 'echo gpu3; echo gpu4',
+             "sbatch": 'echo "sbatch $*" >> {rec}; echo 77'}
+    for name, body in stubs.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body.format(rec=record)}\n")
+        (bin_dir / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    script = str(REPO / "slurm" / "multinode_example.sh")
+    run = subprocess.run([script, "42", "/local/ckpt", str(tmp_path / "out"), "--dtype", "bf16"], env=env,
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    submitted = record.read_text().splitlines()[-1]
+    assert submitted == (f"sbatch --nodes=2 --nodelist=gpu[3-4] --exclusive {REPO}/slurm/merge.sbatch --input "
+                         f"/local/ckpt --output {tmp_path / 'out'} --dtype bf16"), submitted
+    run = subprocess.run([script, "41", "/local/ckpt", "out"], env=env, capture_output=True, text=True)
+    assert run.returncode == 2 and run.stderr.strip().splitlines() == [
+        "multinode_example.sh: error: sacct knows no nodes of job 41: is it the training job's id?"], run.stderr
+
+
+PAGE = REPO / "docs" / "multinode.md"
+TIMING = re.compile(r" in [\d.]+ s \([\d.]+ [KMG]?B/s\)|\s+[\d.]+ [KMG]?B/s$|│\s+[\d.]+ [KMG]?B │$")
+
+
+def page_block(starts: str) -> list[str]:
+    """The lines of the page's fenced block whose first line starts with `starts`."""
+    blocks = re.findall(r"```[a-z]*\n(.*?)```", PAGE.read_text(), re.S)
+    return next(b.splitlines() for b in blocks if b.startswith(starts))
+
+
+def page_line(starts: str) -> str:
+    return next(line for line in PAGE.read_text().splitlines() if line.startswith(starts))
+
+
+def as_run(line: str, tmp: Path, host: str = "") -> str:
+    """A line of the page as this run prints it: its folder, host and timings aside."""
+    line = line.replace("/tmp/multinode", str(tmp)).replace("host vm,", f"host {host},")
+    return TIMING.sub("", line.rstrip())
+
+
+def test_the_transcript_in_the_docs(fsdp_ckpts, tmp_path):
+    """docs/multinode.md's two-node merge is what the page says: its command (node 0's; node 1's with
+    --node-rank 1), its table but the peak RSS and its summary line but the timing."""
+    block = page_block("$ torchrun --nnodes 2")
+    command = shlex.split(block[0].removeprefix("$ "))
+    args = command[command.index("distmerge") + 1:]
+    assert command[:3] == ["torchrun", "--nnodes", "2"] and "--nproc-per-node" in command
+    ckpt = fsdp_ckpts["fsdp2_qwen2_tied_w4"]
+    disks = [tmp_path / "node0-disk", tmp_path / "node1-disk"]
+    split_files(ckpt, disks, by_rank(r"rank_(\d+)\.pt$", lambda r: (r // 2,)))
+    runs = run_two_nodes(disks, tmp_path / "ckpt", [a.replace("/tmp/multinode", str(tmp_path)) for a in args],
+                         nproc=(2, 2))
+    assert [r.returncode for r in runs] == [0, 0], runs[0].log[-3000:]
+    shown = [as_run(line, tmp_path) for line in block[1:] if not line.startswith("  100.0%")]
+    printed = [as_run(line, tmp_path) for line in runs[0].log.splitlines() if not line.startswith("  ")]
+    assert printed[:len(shown)] == shown
