@@ -14,13 +14,15 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import pytest
+from safetensors import safe_open
 
 from tests.conftest import REPO, assert_exact, expected_tensors, load_merged, merge_inproc, reference_dir
 from tests.two_nodes import can_simulate, error_lines, last_error, run_two_nodes, split_files
 
 pytestmark = pytest.mark.skipif(not can_simulate(), reason="needs root and unshare (mount namespaces)")
 
-WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "config.json")
+WEIGHTS = ("model.safetensors.index.json", "config.json")
+SMALL_FILES = ("--max-shard-size", "100KB")  # several output files: each given an owner near its reads
 
 
 def by_rank(pattern: str, node_of_rank: Callable[[int], Iterable[int]], rest: Iterable[int] = (0,)):
@@ -41,20 +43,23 @@ def merge_where_they_lie(ckpt: Path, node_of, tmp: Path, nproc=(2, 2), extra: tu
 
 
 def one_node_bytes(ckpt: Path, tmp: Path, *extra: str) -> dict[str, bytes]:
+    """The files one node's merge of every file writes: model files, index, config."""
     out = tmp / "one-node"
     assert merge_inproc("--input", ckpt, "--output", out, *extra) == 0
-    return {name: (out / name).read_bytes() for name in WEIGHTS}
+    return {p.name: p.read_bytes() for p in out.iterdir() if p.name.startswith("model") or p.name in WEIGHTS}
 
 
 def assert_same_output(out: Path, expected: dict[str, bytes]) -> None:
+    assert sorted(p.name for p in out.glob("model*")) == sorted(n for n in expected if n.startswith("model"))
     for name, data in expected.items():
         assert (out / name).read_bytes() == data, name
 
 
-def crossed(log: str) -> str:
-    found = re.search(r"across 2 nodes \(([\d.]+ [KMG]?B) crossed nodes\)", log)
+def crossed(log: str) -> float:
+    """The bytes the summary line says crossed nodes."""
+    found = re.search(r"across 2 nodes \(([\d.]+) ([KMG]?)B crossed nodes\)", log)
     assert found, log[-2000:]
-    return found.group(1)
+    return float(found.group(1)) * 1000 ** " KMG".index(found.group(2) or " ")
 
 
 def test_fsdp2_rank_files_on_two_nodes_markers_on_the_other(fsdp_ckpts, tmp_path):
@@ -69,7 +74,8 @@ def test_fsdp2_rank_files_on_two_nodes_markers_on_the_other(fsdp_ckpts, tmp_path
     assert_same_output(out, one_node_bytes(ckpt, tmp_path))
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):  # finalize, from node 1
         assert (out / name).read_bytes() == (ckpt / "huggingface" / name).read_bytes(), name
-    assert crossed(runs[0].log)
+    # Shard(0) splits every tensor's rows over the four ranks: some of every tensor crosses, never all of it
+    assert 0 < crossed(runs[0].log) < sum(p.stat().st_size for p in out.glob("*.safetensors"))
     assert "│ node │" in runs[0].log.replace("┃", "│")
 
 
@@ -118,14 +124,16 @@ def test_an_output_some_nodes_cannot_see_is_refused(fsdp_ckpts, tmp_path):
     assert "is not shared" in lines[0] and "node 1 (" in lines[0] and "node 0 (" not in lines[0], lines[0]
     assert lines[0] == as_run(page_line("distmerge: error: output /tmp/multinode/merged"), tmp_path,
                               socket.gethostname())
-    assert all(len(error_lines(r.log)) == 1 for r in runs)
+    assert [len(error_lines(r.log)) for r in runs] == [1, 1], runs[0].log + runs[1].log
     assert json.loads((ckpt / "fsdp_config.json").read_text())  # the input untouched
     assert reference_dir(ckpt).exists()
 
 
 def test_megatron_torch_dist_on_two_nodes_config_on_the_other(megatron_ckpts, tmp_path):
-    """megatron-core's torch_dist save, TP=2 x PP=2: each rank's __R_*.distcp on its node (ranks 0-1 node 0, 2-3
-    node 1), the tracker, metadata.json and common.pt on node 0; --hf-config names a folder only node 1 holds."""
+    """megatron-core's torch_dist save, TP=2 x PP=2: each rank's __R_*.distcp on its node (ranks 0-1, pipeline
+    stage 0, on node 0; 2-3, stage 1, on node 1), the tracker, metadata.json and common.pt on node 0; --hf-config
+    names a folder only node 1 holds. Each output file is written on the node holding its layers' stage, so next to
+    nothing crosses nodes."""
     ckpt = megatron_ckpts["megatron_dist_tp2pp2"]
     hf = tmp_path / "hf"
     hf.mkdir()
@@ -135,11 +143,28 @@ def test_megatron_torch_dist_on_two_nodes_config_on_the_other(megatron_ckpts, tm
     split_files(ckpt, disks, by_rank(r"__(\d+)_\d+\.distcp$", lambda r: (r // 2,)))
     out = tmp_path / "out"
     runs = run_two_nodes(disks, tmp_path / "ckpt", ["merge", "--input", tmp_path / "ckpt", "--output", out,
-                                                    "--hf-config", hf], nproc=(1, 2),
+                                                    "--hf-config", hf, *SMALL_FILES], nproc=(1, 2),
                          before=("", f"mount --bind {node1_hf} {hf}"))
     assert [r.returncode for r in runs] == [0, 0], runs[0].log[-3000:] + runs[1].log[-3000:]
-    assert_same_output(out, one_node_bytes(ckpt, tmp_path, "--hf-config", reference_dir(ckpt) / "huggingface"))
-    assert crossed(runs[0].log)
+    one = one_node_bytes(ckpt, tmp_path, "--hf-config", reference_dir(ckpt) / "huggingface", *SMALL_FILES)
+    assert_same_output(out, one)
+    assert len(json.loads(one["model.safetensors.index.json"])["weight_map"]) == 21
+    assert crossed(runs[0].log) == pytest.approx(stages_apart(out), rel=0.05, abs=512)
+
+
+def stages_apart(out: Path) -> int:
+    """What must cross when pipeline stage 0 (the embedding, the first half of the layers) lies on node 0 and stage 1
+    (the rest, the final norm, the head) on node 1: in each output file, the bytes of the stage it holds less of."""
+    weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    layers = 1 + max(int(m[1]) for name in weight_map if (m := re.search(r"layers\.(\d+)\.", name)))
+    per_file: dict[str, list[int]] = {}
+    for name, file in weight_map.items():
+        with safe_open(out / file, framework="pt") as f:
+            nbytes = f.get_tensor(name).nbytes
+        m = re.search(r"layers\.(\d+)\.", name)
+        stage = int(int(m[1]) >= layers // 2) if m else int("embed" not in name)
+        per_file.setdefault(file, [0, 0])[stage] += nbytes
+    return sum(min(both) for both in per_file.values())
 
 
 def test_deepspeed_zero3_on_two_nodes(ds_ckpts, tmp_path):

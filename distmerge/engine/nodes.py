@@ -170,6 +170,10 @@ def check_output_shared(comm: Comm, store: Store, nodes: Nodes, root_only: Calla
     finally:
         root_only(lambda: store.remove(NODES_PROBE))
     blind = [n for n in range(len(nodes.keys)) if not seen[nodes.first_rank(n)]]
+    comm.root_only(lambda: _refuse_blind(store, nodes, blind))  # rank 0 says it, every rank raises it as one
+
+
+def _refuse_blind(store: Store, nodes: Nodes, blind: list[int]) -> None:
     if blind:
         raise OutputError(f"output {store.url} is not shared: {nodes.named(blind)} cannot see what rank 0 writes "
                           "there (a node-local disk); write the output to a folder every node shares, or a bucket")

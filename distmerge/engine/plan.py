@@ -260,9 +260,11 @@ def make_plan(
             owner_of[i] = owners[f]
     sharing = sharing or Sharing(within="host")
     if world > 1 and sharing.within != "none" and not spread.balanced(_loads(sizes, owners, world)):
-        owner_of, owners = spread.spread(units, groups, [sum(t.nbytes for t in u.targets) for u in units],
-                                         _local_bytes(units, sources, readers), hosts or (0,) * world,
-                                         min_run=sharing.min_run, key=natural_key)
+        # on the nodes' own disks, a file is shared only by ranks of its owner's node (the node of its reads)
+        owner_of, owners = spread.spread(
+            units, groups, [sum(t.nbytes for t in u.targets) for u in units], _local_bytes(units, sources, readers),
+            (placement.node_of_rank if placement else hosts) or (0,) * world, min_run=sharing.min_run,
+            key=natural_key, host_of_file=[placement.node_of_rank[o] for o in owners] if placement else None)
     out, file_of = [], [0] * len(units)
     for f, group in enumerate(groups):
         targets = sorted((t for i in group for t in units[i].targets), key=lambda t: natural_key(t.name))

@@ -42,15 +42,16 @@ def balanced(loads: Sequence[int], tolerance: float = TOLERANCE) -> bool:
 
 def spread(units: Sequence[Unit], groups: Sequence[Sequence[int]], unit_bytes: Sequence[int],
            local: Sequence[dict[int, int]], hosts: Sequence[int], min_run: int = 0,
-           key: Callable[[str], Any] = str) -> tuple[list[int], list[int]]:
+           key: Callable[[str], Any] = str, host_of_file: Sequence[int] | None = None) -> tuple[list[int], list[int]]:
     """(owner of each unit, owner of each file). `groups[f]` = the units of file f, `local[u]` = {rank: bytes of
     unit u's sources that rank reads}, `hosts[r]` = the host of rank r (any hashable numbering); `min_run`: the
-    shortest run of bytes a writer may have (but a file's last), `key`: the order of target names in a file."""
+    shortest run of bytes a writer may have (but a file's last), `key`: the order of target names in a file;
+    `host_of_file`: step 1 made already (an input on the nodes' own disks: each file on the node of its reads)."""
     ranks_of: dict[int, list[int]] = defaultdict(list)
     for rank, host in enumerate(hosts):
         ranks_of[host].append(rank)
     file_bytes = [sum(unit_bytes[u] for u in g) for g in groups]
-    host_of_file = _files_to_hosts(file_bytes, ranks_of)
+    host_of_file = list(host_of_file) if host_of_file is not None else _files_to_hosts(file_bytes, ranks_of)
     owner_of_unit = [0] * len(units)
     for host, ranks in ranks_of.items():
         mine = [u for f, g in enumerate(groups) if host_of_file[f] == host for u in g]
