@@ -68,12 +68,16 @@ def test_fsdp2_rank_files_on_two_nodes_markers_on_the_other(fsdp_ckpts, tmp_path
     through node 1; rank 1's model file on both nodes, read once. N=3 (1 + 2) against W=4."""
     ckpt = fsdp_ckpts["fsdp2_llama_w4"]
     node_of = by_rank(r"rank_(\d+)\.pt$", lambda r: (1,) if r == 0 else (0, 1) if r == 1 else (0,), rest=(1,))
+    big = os.urandom(3 << 20)  # a tokenizer model of several MiB: finalize copies it from node 1 piece by piece
+    (tmp_path / "node1" / "huggingface").mkdir(parents=True)
+    (tmp_path / "node1" / "huggingface" / "tokenizer.model").write_bytes(big)
     runs, out = merge_where_they_lie(ckpt, node_of, tmp_path, nproc=(1, 2))
     assert [r.returncode for r in runs] == [0, 0], runs[0].log[-3000:] + runs[1].log[-3000:]
     assert_exact(load_merged(out), expected_tensors(ckpt))
     assert_same_output(out, one_node_bytes(ckpt, tmp_path))
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):  # finalize, from node 1
         assert (out / name).read_bytes() == (ckpt / "huggingface" / name).read_bytes(), name
+    assert (out / "tokenizer.model").read_bytes() == big
     # Shard(0) splits every tensor's rows over the four ranks: some of every tensor crosses, never all of it
     assert 0 < crossed(runs[0].log) < sum(p.stat().st_size for p in out.glob("*.safetensors"))
     assert "│ node │" in runs[0].log.replace("┃", "│")
