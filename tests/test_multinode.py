@@ -267,3 +267,15 @@ def test_the_transcript_in_the_docs(fsdp_ckpts, tmp_path):
     shown = [as_run(line, tmp_path) for line in block[1:] if not line.startswith("  100.0%")]
     printed = [as_run(line, tmp_path) for line in runs[0].log.splitlines() if not line.startswith("  ")]
     assert printed[:len(shown)] == shown
+
+
+def test_verify_of_a_checkpoint_on_two_nodes(dcp_ckpts, tmp_path):
+    """verify --merged CHECKPOINT, the checkpoint split over two nodes, merged in memory where it lies and compared
+    with its reference (on a folder both nodes see): bit-exact, each file read on its own node."""
+    ckpt = dcp_ckpts["dcp_llama_wrapped_w4"]
+    disks = [tmp_path / "node0", tmp_path / "node1"]
+    split_files(ckpt, disks, by_rank(r"__(\d+)_\d+\.distcp$", lambda r: (1 - r // 2,), rest=(1,)))
+    runs = run_two_nodes(disks, tmp_path / "ckpt", ["verify", "--merged", tmp_path / "ckpt", "--reference",
+                                                    reference_dir(ckpt)], nproc=(1, 1))
+    assert [r.returncode for r in runs] == [0, 0], runs[0].log[-3000:] + runs[1].log[-3000:]
+    assert re.search(r"^verify: PASS \d+ tensors bit-exact", runs[0].log, re.M), runs[0].log[-2000:]

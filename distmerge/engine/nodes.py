@@ -31,7 +31,7 @@ from distmerge.engine.plan import Placement
 from distmerge.errors import OutputError
 from distmerge.formats.base import Scan
 from distmerge.input import source
-from distmerge.input.nodes import Answers, NodesSource, list_here
+from distmerge.input.nodes import Answers, NodesSource, list_here, same_files
 from distmerge.input.tree import node_key
 from distmerge.output.names import NODES_PROBE
 from distmerge.output.store import Store
@@ -118,6 +118,29 @@ class Spread:
         if self.answers is not None:
             self.answers.close()
 
+    def comm(self, comm: Comm) -> NodesComm:
+        return NodesComm(comm, self)
+
+
+class NodesComm:
+    """A Comm whose root_only lets the other nodes answer rank 0's reads of their files (Spread.root_only): what
+    merge and verify hand their phases, so that discovery, the pairing of verify's sides and finalize read the
+    joined folder; every other call is the Comm's own."""
+
+    def __init__(self, comm: Comm, spread: Spread) -> None:
+        self.base, self.spread = comm, spread
+
+    def root_only(self, work: Callable[[], T]) -> T:
+        return self.spread.root_only(self.base, work)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.base, name)
+
+
+def placement_of(comm: Comm | NodesComm, scan: Scan) -> Placement | None:
+    """The placement of a scan's files when the ranks are on several nodes (a NodesComm), else None."""
+    return placement(scan, comm.spread.nodes) if isinstance(comm, NodesComm) else None
+
 
 def spread_inputs(comm: Comm, locations: list[Any]) -> Spread | None:
     """Collective: the local folders among `locations` (the inputs, --hf-config, --base-model) listed by each node
@@ -132,9 +155,11 @@ def spread_inputs(comm: Comm, locations: list[Any]) -> Spread | None:
     if first and comm.rank != 0:
         spread.answers = Answers({w: lst.tree for w, lst in listed[comm.rank].items() if lst.tree is not None})
     by_node = [listed[nodes.first_rank(n)] for n in range(len(nodes.keys))]
-    # rank 0 joins (a folder no node holds is refused here), every rank learns of its refusal
+    # a folder every node lists alike is shared (or copied alike): read as on one node; the others are joined on
+    # rank 0 (a folder no node holds is refused there), and every rank learns of a refusal
+    apart = [where for where in local if not same_files([b[where] for b in by_node])]
     spread.sources = comm.agree(lambda: {where: NodesSource(where, [b[where] for b in by_node], list(nodes.keys), 0,
-                                                            spread.fetch(where)) for where in local}
+                                                            spread.fetch(where)) for where in apart}
                                 if comm.rank == 0 else {})
     return spread
 
@@ -159,16 +184,16 @@ def placement(scan: Scan, nodes: Nodes) -> Placement:
     return Placement(node_of_rank=nodes.of_rank, may_read=tuple(may_read))
 
 
-def check_output_shared(comm: Comm, store: Store, nodes: Nodes, root_only: Callable) -> None:
+def check_output_shared(comm: NodesComm, store: Store, nodes: Nodes) -> None:
     """Collective, before anything but the lock is written: rank 0 writes a probe into the output and the first
     rank of every node reads it back. An output some nodes do not see (a node-local disk) is refused on every rank
     in one line naming them."""
-    token = root_only(lambda: _write_probe(store))
+    token = comm.root_only(lambda: _write_probe(store))
     first = comm.rank == nodes.first_rank(nodes.of_rank[comm.rank])
     try:
         seen = comm.gather(lambda: store.read(NODES_PROBE) == token if first else True)
     finally:
-        root_only(lambda: store.remove(NODES_PROBE))
+        comm.root_only(lambda: store.remove(NODES_PROBE))
     blind = [n for n in range(len(nodes.keys)) if not seen[nodes.first_rank(n)]]
     comm.root_only(lambda: _refuse_blind(store, nodes, blind))  # rank 0 says it, every rank raises it as one
 

@@ -120,15 +120,14 @@ def _merge_on(spread: nodes.Spread | None, opts: MergeOptions, comm: Comm, progr
     reads other nodes' files through them, and each file is read on a node that holds it)."""
     laps = Laps()
     said: list[str] = []
-    root_only = comm.root_only if spread is None else (lambda work: spread.root_only(comm, work))
-    here = opts if spread is None else replace(opts, input=spread.input_of(opts.input))
-    found = root_only(lambda: _discover(here, store, held, said.append))
+    if spread is not None:
+        comm, opts = spread.comm(comm), replace(opts, input=spread.input_of(opts.input))
+    found = comm.root_only(lambda: _discover(opts, store, held, said.append))
     for line in said:
         progress.say(line)
-    placement = None
     if spread is not None:
-        nodes.check_output_shared(comm, store, spread.nodes, root_only)
-        placement = nodes.placement(found.scan, spread.nodes)
+        nodes.check_output_shared(comm, store, spread.nodes)
+    placement = nodes.placement_of(comm, found.scan)
     laps.lap("discover")
     scan = found.scan
     reader = Reader(scan, registry.get(scan.format))
@@ -158,7 +157,7 @@ def _merge_on(spread: nodes.Spread | None, opts: MergeOptions, comm: Comm, progr
         ranks = comm.gather(lambda: sink.commit_shared(receipts) or replace(
             _stats(comm.rank, reader, sink.writers, laps), node=node, bytes_from_other_nodes=crossed))
         comm.phase("finalize (rank 0 writes config.json and the index)")
-        copied = [] if begun.complete else root_only(
+        copied = [] if begun.complete else comm.root_only(
             lambda: _still_ours(held, store) or finalize(store, plan, found.config, disc.config_source(found.hf_dir),
                                                           scan.not_model_files))
     except BaseException as err:

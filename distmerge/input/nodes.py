@@ -54,6 +54,13 @@ def list_here(location: Path | str) -> Listing:
     return Listing(tree=InputTree(root))
 
 
+def same_files(listings: list[Listing]) -> bool:
+    """Whether every node lists the same files, of the same sizes (a shared folder: nothing to join)."""
+    def files(lst: Listing) -> set[tuple[str, int]] | None:
+        return None if lst.tree is None else {(rel, e.size) for rel, e in lst.tree.entries.items() if e.kind == "file"}
+    return all(files(lst) is not None and files(lst) == files(listings[0]) for lst in listings)
+
+
 @dataclass(frozen=True, kw_only=True)
 class NodeFiles:
     """One node's view of the files a scan lists: its root (resolved there) and, per file, its device and inode,

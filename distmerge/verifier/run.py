@@ -26,10 +26,11 @@ from __future__ import annotations
 import resource
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from distmerge.distributed.comm import Comm
+from distmerge.engine import nodes
 from distmerge.engine.inputs import InputSpec
 from distmerge.engine.plan import natural_key
 from distmerge.threads import one_thread
@@ -73,8 +74,21 @@ def verify(opts: VerifyOptions, comm: Comm) -> VerifyResult:
 
 
 def _verify(opts: VerifyOptions, comm: Comm) -> VerifyResult:
-    start = time.perf_counter()
     comm.phase("discovery")
+    # a checkpoint side on the nodes' own disks (engine/nodes.py): read where it lies, as merge reads it
+    spread = nodes.spread_inputs(comm, [*opts.merged.locations, opts.merged.hf_config, *opts.reference.locations,
+                                        opts.reference.hf_config])
+    if spread is None:
+        return _verify_on(opts, comm)
+    try:
+        return _verify_on(replace(opts, merged=spread.input_of(opts.merged),
+                                  reference=spread.input_of(opts.reference)), spread.comm(comm))
+    finally:
+        spread.close()
+
+
+def _verify_on(opts: VerifyOptions, comm: Comm) -> VerifyResult:
+    start = time.perf_counter()
     merged_ckpt, reference_ckpt = comm.root_only(lambda: kinds(opts))
     if merged_ckpt or reference_ckpt:
         got = verify_two_checkpoints(opts, comm) if merged_ckpt and reference_ckpt else verify_checkpoint(

@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from distmerge.distributed.comm import Comm
+from distmerge.engine import nodes
 from distmerge.engine.plan import Plan
 from distmerge.engine.reader import Reader
 from distmerge.engine.run import Work, plan_checkpoint, run_in_lockstep
@@ -54,8 +55,10 @@ def verify_two_checkpoints(opts: VerifyOptions, comm: Comm) -> Compared:
     reader_a = Reader(found_a.scan, registry.get(found_a.scan.format))
     reader_b = Reader(found_b.scan, registry.get(found_b.scan.format), second=True)
     try:
-        plan_a = plan_checkpoint(found_a, reader_a, comm, opts.settings, host=lambda: "")
-        plan_b = plan_checkpoint(found_b, reader_b, comm, opts.settings, host=lambda: "")
+        plan_a = plan_checkpoint(found_a, reader_a, comm, opts.settings, host=lambda: "",
+                                 placement=nodes.placement_of(comm, found_a.scan))
+        plan_b = plan_checkpoint(found_b, reader_b, comm, opts.settings, host=lambda: "",
+                                 placement=nodes.placement_of(comm, found_b.scan))
         listing = comm.root_only(lambda: _pair(plan_a, plan_b, {**found_a.config, **plan_a.config_updates}, opts))
         pairs = [(p.merged_name, p.reference_name) for p in listing.pairs]
         todo_a, todo_b = comm.agree(lambda: comparison_plans(plan_a, plan_b, pairs, comm.world,
