@@ -279,3 +279,21 @@ def test_verify_of_a_checkpoint_on_two_nodes(dcp_ckpts, tmp_path):
                                                     reference_dir(ckpt)], nproc=(1, 1))
     assert [r.returncode for r in runs] == [0, 0], runs[0].log[-3000:] + runs[1].log[-3000:]
     assert re.search(r"^verify: PASS \d+ tensors bit-exact", runs[0].log, re.M), runs[0].log[-2000:]
+
+
+def test_watch_a_run_on_two_nodes(fsdp_ckpts, tmp_path):
+    """watch --once over a verl run whose steps' rank files lie on both nodes (ranks 0-1 on node 0, where merge rank
+    0 runs; 2-3 and verl's tracker on node 1, training rank 0's): each step is finished by the tracker only node 1
+    sees, and merged where it lies, byte-identical to one node's merge of it."""
+    disks = [tmp_path / "node0", tmp_path / "node1"]
+    for step in (2, 4):
+        split_files(fsdp_ckpts["fsdp2_llama_w4"], [d / f"global_step_{step}" / "actor" for d in disks],
+                    by_rank(r"rank_(\d+)\.pt$", lambda r: (r // 2,)))
+    (disks[1] / "latest_checkpointed_iteration.txt").write_text("4")  # verl's tracker, by training rank 0
+    out = tmp_path / "merged"
+    runs = run_two_nodes(disks, tmp_path / "run", ["watch", "--once", "--input", tmp_path / "run", "--output", out],
+                         nproc=(1, 1))
+    assert [r.returncode for r in runs] == [0, 0], runs[0].log[-3000:] + runs[1].log[-3000:]
+    one = one_node_bytes(fsdp_ckpts["fsdp2_llama_w4"], tmp_path)
+    for step in (2, 4):
+        assert_same_output(out / f"global_step_{step}" / "actor", one)

@@ -142,6 +142,17 @@ def placement_of(comm: Comm | NodesComm, scan: Scan) -> Placement | None:
     return placement(scan, comm.spread.nodes) if isinstance(comm, NodesComm) else None
 
 
+def each_node(comm: Comm, work: Callable[[], T]) -> list[T] | None:
+    """Collective: `work()` on the first rank of each node, every node's result on every rank (node order); None
+    when every rank is on one node (nothing is run then)."""
+    nodes = find(comm) if comm.world > 1 else None
+    if nodes is None or not nodes.many:
+        return None
+    first = comm.rank == nodes.first_rank(nodes.of_rank[comm.rank])
+    found = comm.gather(lambda: work() if first else None)
+    return [found[nodes.first_rank(n)] for n in range(len(nodes.keys))]
+
+
 def spread_inputs(comm: Comm, locations: list[Any]) -> Spread | None:
     """Collective: the local folders among `locations` (the inputs, --hf-config, --base-model) listed by each node
     and joined on rank 0; None when every rank is on one node (the one-node merge, unchanged)."""

@@ -7,7 +7,7 @@ once a pass; nothing is read but names, sizes and the small marker files.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from distmerge.errors import DistmergeError
@@ -40,6 +40,20 @@ def find(run: Path, skip: Path | None = None) -> list[Step]:
     found: list[Step] = []
     _visit(run, run, 0, skip.resolve() if skip is not None else None, found)
     return sorted(found, key=lambda s: (s.number is None, s.number or 0, s.rel))
+
+
+def joined(views: list[list[Step]]) -> list[Step]:
+    """The steps of a run whose nodes each hold some of its files, as each node's first rank found them: a step is
+    finished when any node finds its trainer's marker (written once every rank's files are), and holds every
+    checkpoint some node's files make detectable."""
+    by_rel: dict[str, Step] = {}
+    for view in views:
+        for s in view:
+            seen = by_rel.get(s.rel)
+            by_rel[s.rel] = s if seen is None else replace(
+                seen, finished=seen.finished or s.finished, as_hf=seen.as_hf or s.as_hf,
+                checkpoints=tuple(sorted({*seen.checkpoints, *s.checkpoints})))
+    return sorted(by_rel.values(), key=lambda s: (s.number is None, s.number or 0, s.rel))
 
 
 def _visit(run: Path, folder: Path, depth: int, skip: Path | None, found: list[Step]) -> None:
