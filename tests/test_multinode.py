@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import socket
 import subprocess
 from collections.abc import Callable, Iterable
@@ -173,9 +174,9 @@ def stages_apart(out: Path) -> int:
 
 def test_deepspeed_zero3_on_two_nodes(ds_ckpts, tmp_path):
     """DeepSpeed ZeRO-3 saved with node-local storage, W=2: each rank's model and optimizer states on its own
-    node; `latest`, huggingface/ and the scripts on node 0. N=2 (1 + 1)."""
+    node; `latest`, huggingface/ and the scripts on node 0. N=3 (1 + 2)."""
     ckpt = ds_ckpts["ds_z3_fp32_w2"]
-    runs, out = merge_where_they_lie(ckpt, by_rank(r"zero_pp_rank_(\d+)_", lambda r: (r,)), tmp_path, nproc=(1, 1))
+    runs, out = merge_where_they_lie(ckpt, by_rank(r"zero_pp_rank_(\d+)_", lambda r: (r,)), tmp_path, nproc=(1, 2))
     assert [r.returncode for r in runs] == [0, 0], runs[0].log[-3000:] + runs[1].log[-3000:]
     assert_same_output(out, one_node_bytes(ckpt, tmp_path))
 
@@ -297,3 +298,36 @@ def test_watch_a_run_on_two_nodes(fsdp_ckpts, tmp_path):
     one = one_node_bytes(fsdp_ckpts["fsdp2_llama_w4"], tmp_path)
     for step in (2, 4):
         assert_same_output(out / f"global_step_{step}" / "actor", one)
+
+
+def test_megatron_legacy_torchtitan_and_an_average_on_two_nodes(megatron_ckpts, tt_ckpts, fsdp_ckpts, tmp_path):
+    """The other layouts where they lie, each against one node's merge of all its files: Megatron-LM's legacy
+    mp_rank_TT_PPP folders (pipeline stage 0 on node 0, 1 on node 1; N=3, W=4), torchtitan's checkpoint/step-N
+    (rank 0's __0_0.distcp, .metadata and huggingface/ on node 0, ranks 1-2 on node 1; N=2, W=3), and the average
+    of two FSDP2 saves, each split the other way round over the nodes (--average, N=2)."""
+    legacy = megatron_ckpts["megatron_tp2pp2"]
+    hf = ("--hf-config", reference_dir(legacy) / "huggingface")
+    runs, out = merge_where_they_lie(legacy, by_rank(r"mp_rank_\d\d_(\d\d\d)/", lambda pp: (pp,)), tmp_path / "legacy",
+                                     nproc=(1, 2), extra=hf)
+    assert [r.returncode for r in runs] == [0, 0], runs[0].log[-3000:]
+    assert_same_output(out, one_node_bytes(legacy, tmp_path / "legacy", *hf))
+
+    titan = tt_ckpts["tt_llama3_gqa_tied_w3"]
+    runs, out = merge_where_they_lie(titan, by_rank(r"__(\d+)_\d+\.distcp$", lambda r: (min(r, 1),)),
+                                     tmp_path / "titan", nproc=(1, 1))
+    assert [r.returncode for r in runs] == [0, 0], runs[0].log[-3000:]
+    assert_same_output(out, one_node_bytes(titan, tmp_path / "titan"))
+
+    ckpt = fsdp_ckpts["fsdp2_llama_w4"]
+    disks = [tmp_path / "avg" / "node0", tmp_path / "avg" / "node1"]
+    split_files(ckpt, [d / "a" for d in disks], by_rank(r"rank_(\d+)\.pt$", lambda r: (r // 2,)))
+    split_files(ckpt, [d / "b" for d in disks], by_rank(r"rank_(\d+)\.pt$", lambda r: (1 - r // 2,), rest=(1,)))
+    at = tmp_path / "avg" / "run"
+    out = tmp_path / "avg" / "out"
+    runs = run_two_nodes(disks, at, ["merge", "--input", at / "a", "--input", at / "b", "--average", "--output", out],
+                         nproc=(1, 1))
+    assert [r.returncode for r in runs] == [0, 0], runs[0].log[-3000:]
+    whole = tmp_path / "avg" / "whole"
+    for name in ("a", "b"):
+        shutil.copytree(ckpt, whole / name)
+    assert_same_output(out, one_node_bytes(whole / "a", tmp_path / "avg", "--input", whole / "b", "--average"))
