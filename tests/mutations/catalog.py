@@ -4,7 +4,7 @@ root). One or more per guarantee the README makes, the seven bugs of issue #43 a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -16,6 +16,7 @@ class Mutation:
     old: str
     new: str
     tests: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)  # what the tests need set (the SLURM tests: asked for)
 
 
 LOCK = "tests/test_output_lock.py"
@@ -64,8 +65,10 @@ ISSUE_43 = (
     Mutation(name="43-7-slurm-env-input-and-argument", guarantee="SLURM job script",
              why="merge.sbatch adds --input from DISTMERGE_INPUT even when the arguments give one: two inputs",
              file="slurm/merge.sbatch",
-             old="SLURM_MUTATION_OLD", new="SLURM_MUTATION_NEW",
-             tests=("tests/test_slurm.py::test_arguments_win_over_the_environment",)),
+             old='from_environment DISTMERGE_INPUT --input -i "$@"\n',
+             new='if [ -n "${DISTMERGE_INPUT:-}" ]; then args+=(--input "$DISTMERGE_INPUT"); fi\n',
+             tests=("tests/test_slurm.py::test_arguments_win_over_the_environment",),
+             env={"DISTMERGE_SLURM_TESTS": "1"}),
 )
 
 MUTATIONS: tuple[Mutation, ...] = ISSUE_43
