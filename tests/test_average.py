@@ -32,6 +32,7 @@ from tests.conftest import (
     torchrun,
     tree_bytes,
 )
+from tests.helpers.fp8_recipe import recipe_block
 
 
 def average(refs: list[dict[str, torch.Tensor]], weights: list[float] | None = None,
@@ -306,22 +307,24 @@ def test_an_average_of_ema_copies(dcp_ckpts, fsdp_ckpts, tmp_path, capsys):
 
 
 def test_quantize_quantizes_the_average(fsdp_ckpts, tmp_path, monkeypatch):
-    """--quantize after --average: each FP8 weight is the quantization (fp8.py's recipe, tested in test_quantize.py)
-    of the formula's average; the other tensors are the average. The units are still built an input at a time."""
-    from distmerge.quantize import fp8
-
+    """--quantize after --average: each attention and MLP weight is the FP8 quantization of the formula's average
+    (the published block recipe, written out in tests/helpers/fp8_recipe.py); the other tensors are the average.
+    The units are still built an input at a time."""
     ckpts = [fsdp_ckpts["fsdp2_llama_w2"], fsdp_ckpts["fsdp2_llama_w4"]]
     folds = []
     monkeypatch.setattr(engine_fold.FoldBuild, "finish", lambda self, finish=engine_fold.FoldBuild.finish: (
         folds.append(self.unit.transform), finish(self))[1])
     assert merge_inproc(*inputs(*ckpts), "--output", tmp_path / "fp8", "--average", "--quantize", "fp8-block") == 0
     merged, expected = load_merged(tmp_path / "fp8"), average([expected_tensors(c) for c in ckpts])
-    grid = fp8.SCHEMES["fp8-block"]
+    linear = {f"model.layers.{layer}.{module}.weight" for layer in range(2) for module in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+        "mlp.up_proj", "mlp.down_proj")}
+    assert linear <= set(expected) and set(merged) == set(expected) | {n + "_scale_inv" for n in linear}
     for name, value in expected.items():
-        if name in merged and merged[name].dtype == torch.float8_e4m3fn:
-            weight, scale = grid.quantize(value)
+        if name in linear:
+            weight, scale = recipe_block(value)
             assert torch.equal(merged[name].view(torch.uint8), weight.view(torch.uint8)), name
-            assert torch.equal(merged[grid.scale_name(name)], scale), name
+            assert torch.equal(merged[name + "_scale_inv"], scale), name
         else:
             assert torch.equal(merged[name], value), name
     assert folds.count("quantized") == 14 and len(folds) == 21
