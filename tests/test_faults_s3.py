@@ -24,8 +24,8 @@ from distmerge.errors import OutputError
 from distmerge.output import s3 as object_store
 from tests.conftest import merge_inproc, torchrun
 from tests.fault_proxy import FaultPlan, fault_proxy
+from tests.helpers.s3 import PART, files_of, s3, without_records  # noqa: F401  (s3: the server fixture)
 from tests.s3_server import download_tree, upload_tree
-from tests.test_s3 import PART, files_of, s3, without_records  # noqa: F401  (s3: the server fixture)
 
 CASE = "fsdp2_llama_w2"
 SPLIT = ["--max-shard-size", "200KB"]  # several output files: a resume keeps some, redoes others

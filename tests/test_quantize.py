@@ -26,6 +26,7 @@ from distmerge.quantize import fp8
 from tests.conftest import REPO, free_port, load_merged, merge_inproc, reference_dir, torchrun, tree_bytes
 from tests.helpers import fp8_recipe
 from tests.helpers.fp8_recipe import RECIPES, SCALE_NAMES, recipe_block
+from tests.helpers.inputs import input_of
 
 CT_FOLDER = "fsdp2_llama_w2"
 
@@ -113,11 +114,6 @@ def merged(request, tmp_path_factory) -> dict[tuple[str, str], Path]:
     return out
 
 
-def input_of(ckpt: Path) -> Path:
-    """The folder a user passes (an HF Trainer's checkpoint-N inside a DeepSpeed fixture)."""
-    return next(ckpt.glob("checkpoint-*"), ckpt)
-
-
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("case", list(CASES))
 def test_each_format_writes_the_layout(case, scheme, merged):
@@ -151,7 +147,6 @@ def test_the_recipe_tests_can_fail(merged):
     flipped[0, 0] ^= 1
     assert not same_bytes(flipped.view(torch.float8_e4m3fn), q)
     assert not same_bytes(torch.nextafter(s, torch.full_like(s, 1.0)), s)
-
 
 
 @pytest.mark.parametrize("case, written, kept", [

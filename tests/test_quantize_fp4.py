@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 from distmerge.quantize import fp4, fused
 from tests.conftest import REPO, load_merged, merge_inproc, reference_dir, torchrun, tree_bytes
 from tests.helpers import fp4_recipe
-from tests.test_quantize import input_of
+from tests.helpers.inputs import input_of
 
 PEER = Path(os.environ.get("DISTMERGE_PEER_PYTHON", REPO / ".venv-peer" / "bin" / "python"))
 PEER_SCRIPT = REPO / "tests" / "bench" / "peer_model_free_ptq.py"

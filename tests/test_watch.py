@@ -29,7 +29,7 @@ from distmerge.watcher import choose, markers
 from distmerge.watcher.outcome import DONE, ELSEWHERE, MERGED, RESUMED, TOO_FEW, WAITING
 from distmerge.watcher.steps import Step
 from tests.conftest import REPO, assert_exact, free_port, load_merged, reference_dir, tree_bytes, tree_digest
-from tests.test_verl_cli import FakeHub
+from tests.helpers.verl_cli import FakeHub
 
 TRAIN = REPO / "tests" / "jobs" / "train_verl.py"
 STEPS = (2, 4, 6)
