@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "distmerge"
+PACKAGE = Path(__file__).resolve().parents[2] / "distmerge"
 
 
 def modules() -> dict[str, Path]:
