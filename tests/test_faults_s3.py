@@ -24,7 +24,7 @@ from distmerge.errors import OutputError
 from distmerge.output import s3 as object_store
 from tests.conftest import merge_inproc, torchrun
 from tests.fault_proxy import FaultPlan, fault_proxy
-from tests.helpers.s3 import PART, files_of, s3, without_records  # noqa: F401  (s3: the server fixture)
+from tests.helpers.s3 import PART, files_of, without_records
 from tests.s3_server import download_tree, upload_tree
 
 CASE = "fsdp2_llama_w2"
