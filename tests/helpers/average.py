@@ -10,9 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import (
-    reference_dir,
-)
+from tests.conftest import reference_dir
 
 
 def average(refs: list[dict[str, torch.Tensor]], weights: list[float] | None = None,

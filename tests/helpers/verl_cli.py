@@ -12,10 +12,7 @@ from pathlib import Path
 import pytest
 
 from distmerge.front.cli import main as distmerge_main
-from tests.conftest import (
-    load_reference,
-    reference_dir,
-)
+from tests.conftest import load_reference, reference_dir
 
 
 def run(*args: object) -> int:

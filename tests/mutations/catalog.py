@@ -20,6 +20,13 @@ class Mutation:
 
 
 LOCK = "tests/test_output_lock.py"
+FINALIZE_TAIL = """\
+    write_config(out, {**config, **plan.config_updates, **later}, main_dtype(plan))
+    remove_strays(out, plan)
+    write_extra_files(out, plan)
+    write_manifest(out, plan)
+    write_index(out, plan)  # last: its presence means every file above is complete
+"""
 WATCH = "tests/test_watch.py"
 
 ISSUE_43 = (
@@ -87,9 +94,7 @@ PROMISES = (
     Mutation(name="atomic-output-index-first", guarantee="atomic output",
              why="the index written before config.json and the manifest: an index on disk before the model is whole",
              file="distmerge/engine/finalize.py",
-             old="    write_config(out, {**config, **plan.config_updates, **later}, main_dtype(plan))\n",
-             new="    write_index(out, plan)\n    write_config(out, {**config, **plan.config_updates, **later}, "
-                 "main_dtype(plan))\n",
+             old=FINALIZE_TAIL, new="    write_index(out, plan)\n" + FINALIZE_TAIL.rsplit("    write_index", 1)[0],
              tests=("tests/test_promises.py::test_the_index_is_written_last",)),
     Mutation(name="lock-folder-lock-overwritten", guarantee="lock",
              why="the folder lock made by rename (which replaces a holder's lock) instead of link (which fails)",
