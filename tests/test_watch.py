@@ -324,22 +324,28 @@ def test_sigterm_in_a_once_watch_exits_130_and_the_next_watch_resumes(trained, t
     new = tmp_path / "out"
     lock = new / "global_step_2" / "actor" / ".distmerge.lock"
     monkeypatch.setattr(engine_run, "ROUND_DELAY_S", 30.0)  # the merge waits after its round: SIGTERM lands in it
-    sent = []
+    sent, watching = [], threading.Event()
 
     def terminate_mid_merge() -> None:
         end = time.monotonic() + 60
-        while not lock.exists() and time.monotonic() < end:
+        while not lock.exists() and time.monotonic() < end and watching.is_set():
             time.sleep(0.05)
         time.sleep(0.5)
-        if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, signal.SIG_IGN, None):
+        if not lock.exists() or not watching.is_set():
+            sent.append("nothing: the merge was not seen holding its lock")  # never interrupt pytest itself
+        elif signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, signal.SIG_IGN, None):
             sent.append("no SIGTERM handler: Ctrl-C instead")  # the default action would end pytest
             _thread.interrupt_main()
         else:
             sent.append("SIGTERM")
             os.kill(os.getpid(), signal.SIGTERM)
 
+    watching.set()
     threading.Thread(target=terminate_mid_merge, daemon=True).start()
-    code = watch("--input", run, "--output", new, "--once")
+    try:
+        code = watch("--input", run, "--output", new, "--once")
+    finally:
+        watching.clear()
     said = capsys.readouterr()
     assert (sent, code) == (["SIGTERM"], 130), said.out[-2000:] + said.err[-2000:]
     assert re.search(r"^distmerge watch: interrupted in global_step_2/actor \(.+\); run it again to finish$",
