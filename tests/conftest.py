@@ -310,3 +310,11 @@ def merge_each(ckpts: dict[str, Path], cases: list[str], root: Path) -> dict[str
     for case in cases:
         assert merge_inproc("--input", ckpts[case], "--output", root / case) == 0, case
     return {case: root / case for case in cases}
+
+
+# Fixtures several test modules take, defined with their helpers (tests/helpers) and imported last, as those import
+# this module's helpers; a module's own fixture of the same name (test_output_lock.py's s3, test_hostile_structures.py's
+# outside) takes precedence there.
+from tests.helpers.hostile_files import outside  # noqa: E402, F401
+from tests.helpers.s3 import s3  # noqa: E402, F401
+from tests.helpers.verl_cli import hub  # noqa: E402, F401

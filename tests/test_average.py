@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import warnings
 import weakref
 from pathlib import Path
 
@@ -32,26 +31,8 @@ from tests.conftest import (
     torchrun,
     tree_bytes,
 )
-
-
-def average(refs: list[dict[str, torch.Tensor]], weights: list[float] | None = None,
-            dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The formula, in torch float64, over the reference state dicts; integer and bool tensors as they are."""
-    weights = weights if weights is not None else [1 / len(refs)] * len(refs)
-    out = {}
-    for name, first in refs[0].items():
-        if not first.is_floating_point():
-            out[name] = first
-            continue
-        acc = torch.zeros(first.shape, dtype=torch.float64)
-        for w, ref in zip(weights, refs, strict=True):
-            acc += w * ref[name].double()
-        out[name] = acc.to(dtype or first.dtype)
-    return out
-
-
-def inputs(*ckpts: Path) -> list[str]:
-    return [a for c in ckpts for a in ("--input", str(c))]
+from tests.helpers.average import average, ckpt, dcp_save, ema_save, inputs
+from tests.helpers.fp8_recipe import recipe_block
 
 
 def refused(capsys, *args: str, code: int = 1) -> str:
@@ -70,23 +51,7 @@ def refused(capsys, *args: str, code: int = 1) -> str:
     return lines[0]
 
 
-def dcp_save(tensors: dict, folder: Path, config_of: Path) -> Path:
-    """A real dcp.save folder (one process) of `tensors`, with the config folder of the checkpoint `config_of`."""
-    import torch.distributed.checkpoint as dcp
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
-        dcp.save(tensors, checkpoint_id=str(folder))
-    shutil.copytree(config_of / "huggingface", folder / "huggingface")
-    return folder
-
-
 THREE = ("fsdp:fsdp2_llama_w1", "fsdp:fsdp2_llama_w4", "dcp:dcp_llama_w2")  # W = 1, 4 and a DCP save of W = 2
-
-
-def ckpt(spec: str, request) -> Path:
-    family, case = spec.split(":")
-    return request.getfixturevalue(f"{family}_ckpts")[case]
 
 
 def test_the_average_of_three_formats_and_world_sizes_is_the_formula(request, tmp_path, capsys):
@@ -262,15 +227,6 @@ def test_verify_an_average_against_a_reference_average(fsdp_ckpts, tmp_path, cap
 
 # -- EMA copies (torchtitan's layout: ema.state.<fqn>.ema_params.<key>) ------------------------------------------------
 
-def ema_save(dcp_ckpts, folder: Path) -> tuple[Path, dict, dict]:
-    """A dcp.save of a model and two EMA copies of every tensor but the final norm (torchtitan's EMA tracks what
-    requires grad: a frozen tensor has no copy), as torchtitan's CheckpointManager flattens its `ema` state."""
-    ckpt = dcp_ckpts["dcp_llama_w2"]
-    live = load_file(reference_dir(ckpt) / "model.safetensors")
-    copy = {k: v * 0.5 for k, v in live.items() if k != "model.norm.weight"}
-    ema = {k: {"ema_params": {"decay_0p999": v, "decay_0p9": v * 0.5}} for k, v in copy.items()}
-    return dcp_save({**live, "ema": {"state": ema}}, folder, ckpt), live, copy
-
 
 def test_ema_key_merges_the_ema_copy(dcp_ckpts, tmp_path, capsys):
     """Without --ema-key: the live weights, a note naming the copies; with it: the copy's tensors, the untracked
@@ -306,22 +262,24 @@ def test_an_average_of_ema_copies(dcp_ckpts, fsdp_ckpts, tmp_path, capsys):
 
 
 def test_quantize_quantizes_the_average(fsdp_ckpts, tmp_path, monkeypatch):
-    """--quantize after --average: each FP8 weight is the quantization (fp8.py's recipe, tested in test_quantize.py)
-    of the formula's average; the other tensors are the average. The units are still built an input at a time."""
-    from distmerge.quantize import fp8
-
+    """--quantize after --average: each attention and MLP weight is the FP8 quantization of the formula's average
+    (the published block recipe, written out in tests/helpers/fp8_recipe.py); the other tensors are the average.
+    The units are still built an input at a time."""
     ckpts = [fsdp_ckpts["fsdp2_llama_w2"], fsdp_ckpts["fsdp2_llama_w4"]]
     folds = []
     monkeypatch.setattr(engine_fold.FoldBuild, "finish", lambda self, finish=engine_fold.FoldBuild.finish: (
         folds.append(self.unit.transform), finish(self))[1])
     assert merge_inproc(*inputs(*ckpts), "--output", tmp_path / "fp8", "--average", "--quantize", "fp8-block") == 0
     merged, expected = load_merged(tmp_path / "fp8"), average([expected_tensors(c) for c in ckpts])
-    grid = fp8.SCHEMES["fp8-block"]
+    linear = {f"model.layers.{layer}.{module}.weight" for layer in range(2) for module in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+        "mlp.up_proj", "mlp.down_proj")}
+    assert linear <= set(expected) and set(merged) == set(expected) | {n + "_scale_inv" for n in linear}
     for name, value in expected.items():
-        if name in merged and merged[name].dtype == torch.float8_e4m3fn:
-            weight, scale = grid.quantize(value)
+        if name in linear:
+            weight, scale = recipe_block(value)
             assert torch.equal(merged[name].view(torch.uint8), weight.view(torch.uint8)), name
-            assert torch.equal(merged[grid.scale_name(name)], scale), name
+            assert torch.equal(merged[name + "_scale_inv"], scale), name
         else:
             assert torch.equal(merged[name], value), name
     assert folds.count("quantized") == 14 and len(folds) == 21

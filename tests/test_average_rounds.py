@@ -13,8 +13,8 @@ from distmerge.engine import fold as engine_fold
 from distmerge.engine.plan import make_plan, merge_inventories
 from distmerge.families.base import Target, Unit
 from tests.conftest import assert_exact, expected_tensors, load_merged, merge_inproc, torchrun, tree_bytes
-from tests.test_average import average, inputs
-from tests.test_plan import files, frag
+from tests.helpers.average import average, inputs
+from tests.helpers.plan import files, frag
 
 MIB = 1 << 20
 ROWS = MIB // (4 * 1024)  # a 1 MiB float32 tensor of 1024 columns

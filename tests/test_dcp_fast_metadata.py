@@ -26,7 +26,7 @@ from distmerge.formats.torch_private.dcp import runs as dcp_runs
 from distmerge.formats.torch_private.dcp import table as dcp_table
 from distmerge.input import source
 from tests import hostile_pickles as hp
-from tests.test_hostile_pickles import CPU_LIMIT_S, EXPECTED, RSS_LIMIT, in_child
+from tests.helpers.child import CPU_LIMIT_S, EXPECTED, RSS_LIMIT, in_child
 
 TORCH_VERSIONS = sorted((Path(__file__).parent / "data" / "torch_versions").glob("torch-*/dcp_w4"))
 FIXTURES = [("dcp_ckpts", "dcp_llama_w2", "."), ("dcp_ckpts", "dcp_llama_wrapped_w4", "."),

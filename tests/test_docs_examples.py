@@ -38,7 +38,7 @@ from safetensors.torch import load_file, save_file
 
 from distmerge.front.cli import main as distmerge_main
 from tests.conftest import REPO, free_port, merge_inproc, reference_dir
-from tests.test_verify import bump
+from tests.helpers.verify import bump
 
 DOCS = REPO / "docs"
 LANGS = ("python", "bash", "sh")
@@ -161,7 +161,7 @@ def reference_average(*specs: str):
 
 
 def ema_ckpt(dst: Path, request) -> None:
-    from tests.test_average import ema_save
+    from tests.helpers.average import ema_save
 
     ema_save(request.getfixturevalue("dcp_ckpts"), dst)
 

@@ -20,11 +20,12 @@ from pathlib import Path
 import pytest
 
 from distmerge import s3_client
+from distmerge.errors import OutputError
 from distmerge.output import s3 as object_store
 from tests.conftest import merge_inproc, torchrun
 from tests.fault_proxy import FaultPlan, fault_proxy
+from tests.helpers.s3 import PART, files_of, without_records
 from tests.s3_server import download_tree, upload_tree
-from tests.test_s3 import PART, files_of, s3, without_records  # noqa: F401  (s3: the server fixture)
 
 CASE = "fsdp2_llama_w2"
 SPLIT = ["--max-shard-size", "200KB"]  # several output files: a resume keeps some, redoes others
@@ -173,3 +174,42 @@ def test_the_proxy_relays_chunked_request_bodies(s3):  # noqa: F811
         conn.close()
     assert proxy.requests == 1
     assert s3c.get_object(Bucket="models", Key="chunked/x")["Body"].read() == b"a" * 1000 + b"b" * 3000
+
+
+@pytest.mark.parametrize("how", ["read", "read_range", "sha256"])
+def test_an_object_replaced_between_a_cut_and_its_continuation_is_not_joined(s3, how, monkeypatch,  # noqa: F811
+                                                                              quick_retries):
+    """The output store's reads (what --resume checks finished files by: records, headers, checksums) continue a
+    cut body with a GET pinned to the first answer's ETag: when the object was replaced between the cut and the
+    continuation, the read fails in one line instead of joining the old object's first half to the new one's
+    second. Seen failing with the continuation unpinned: the bytes came back, half old and half new."""
+    env, s3c = s3
+    key = f"swapped/{how}.bin"
+    old, new = bytes(range(256)) * 512, bytes(255 - b for b in range(256)) * 512  # 128 KiB each, no byte alike
+    s3c.put_object(Bucket="models", Key=key, Body=old)
+    gets = []
+    get = s3_client._get
+
+    def replaced_after_the_first_answer(*args, **kwargs):
+        if gets:  # the continuation of the cut body: the object was replaced meanwhile
+            s3c.put_object(Bucket="models", Key=key, Body=new)
+        gets.append(args)
+        return get(*args, **kwargs)
+
+    monkeypatch.setattr(s3_client, "_get", replaced_after_the_first_answer)
+    store = object_store.ObjectStore("s3://models/swapped")
+    read = {"read": lambda: store.read(f"{how}.bin"), "sha256": lambda: store.sha256(f"{how}.bin"),
+            "read_range": lambda: store.read_range(f"{how}.bin", 0, len(old))}[how]
+    with proxied(s3, FaultPlan(cut_body_every=1, only="/models/swapped/")) as proxy, \
+            pytest.raises(OutputError) as refused:
+        got = read()
+        pytest.fail(f"read {len(got)} bytes: {'old' if got in (old, sha(old)) else 'a mix of old and new'}")
+    assert proxy.faults["cut"] == 1 and len(gets) == 2, (proxy.faults, gets)
+    assert str(refused.value).startswith(f"cannot read s3://models/swapped/{how}.bin: "), refused.value
+    assert "\n" not in str(refused.value)
+
+
+def sha(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()

@@ -145,7 +145,7 @@ def test_docs_show_the_post_training_lines_the_job_runs():
 def test_nothing_outside_the_hooks_imports_them():
     """The hooks import their training libraries; the merge path (and everything else in distmerge) never
     imports a hook, so `distmerge merge` never loads transformers' Trainer."""
-    from tests.test_structure import imports, modules
+    from tests.helpers.structure import imports, modules
 
     mods = modules()
     users = sorted(m for m, path in mods.items() if not m.startswith("distmerge.hooks")

@@ -39,7 +39,7 @@ from distmerge.input import local as input_local
 from distmerge.input import source as input_source
 from distmerge.input import tree as input_tree
 from tests.conftest import REPO, assert_exact, free_port, load_merged, load_reference
-from tests.test_hostile_files import SAVE, bounded, megatron_copy, optim, rank, refused, run, swap
+from tests.helpers.hostile_files import SAVE, bounded, megatron_copy, optim, rank, refused, run, swap
 
 
 @pytest.fixture

@@ -30,7 +30,7 @@ import torch
 from distmerge.errors import LayoutError
 from distmerge.formats.torch_private.state_dicts import placement_of
 from tests.conftest import assert_exact, expected_tensors, load_merged, merge_inproc
-from tests.test_hostile_files import SAVE, make_outside, megatron_copy, rank, refused, run
+from tests.helpers.hostile_files import SAVE, make_outside, megatron_copy, rank, refused, run
 
 FIXTURES = {"dcp": "dcp_ckpts", "megatron": "megatron_ckpts", "torchtitan": "tt_ckpts"}
 

@@ -258,3 +258,28 @@ def test_trainer_save_fused(trainer, tmp_path):
     assert_exact(merged, expected)
     for key, value in load_file(ref / "model.safetensors").items():  # the saving job's fp32 merge_and_unload
         torch.testing.assert_close(merged[key], value.to(merged[key].dtype), msg=key)
+
+
+def test_two_lora_only_saves_averaged_with_their_shared_base(verl, tmp_path):
+    """Two LoRA-only saves averaged with --base-model and --lora merge: the base folder's weight is one source that
+    both inputs' units share (average/units.py), read once and used by each input's step. Each output tensor is the
+    formula's, float64(w1 x fused1 + w2 x fused2) cast back, with fused = W + (B @ A) x alpha / r from the
+    references. The second save is a copy of the first under another name, so the formula's value is known. torch's
+    deterministic mode fills new tensors with NaN, so a source assembled from nothing shows. Seen failing with the
+    shared source dropped after the first input's step: 20 of 21 tensors NaN (uninitialised memory without the
+    fill)."""
+    ckpt, ref = verl
+    twin = Path(shutil.copytree(ckpt, tmp_path / "twin"))
+    weights = (0.25, 0.75)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert merge_inproc("--input", ckpt, "--input", twin, "--average", "--average-weights",
+                            ",".join(map(str, weights)), "--base-model", ref / "base_model", "--lora", "merge",
+                            "--output", tmp_path / "out") == 0
+    finally:
+        torch.use_deterministic_algorithms(before)
+    fused = fused_reference(load_file(ref / "base.safetensors"), lora_tensors(load_file(ref / "model.safetensors")))
+    expected = {k: (weights[0] * t.double() + weights[1] * t.double()).to(t.dtype) for k, t in fused.items()}
+    assert len(expected) == 21
+    assert_exact(load_merged(tmp_path / "out"), expected)

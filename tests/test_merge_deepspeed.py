@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from tests.conftest import load_merged, merge_each, merge_inproc, torchrun, tree_bytes
 from tests.fixtures.deepspeed_cases import DS_CASES
+from tests.helpers.deepspeed import assert_same, reference
 
 STAGE0 = [c for c, case in DS_CASES.items() if case.stage == 0]
 LORA = [c for c, case in DS_CASES.items() if case.lora]
@@ -24,17 +24,6 @@ MASTERS = [c for c, case in DS_CASES.items() if c not in STAGE0 + LORA and case.
 def input_dir(ckpt: Path) -> Path:
     """The folder a user passes: the HF Trainer's checkpoint-N, else the folder holding `latest`."""
     return next(ckpt.glob("checkpoint-*"), ckpt)
-
-
-def reference(ckpt: Path, name: str) -> dict[str, torch.Tensor]:
-    with safe_open(ckpt.parent / f"{ckpt.name}_reference" / name, framework="pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}
-
-
-def assert_same(merged: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
-    assert sorted(merged) == sorted(expected)
-    for key, want in expected.items():
-        assert merged[key].dtype == want.dtype and torch.equal(merged[key], want), key
 
 
 @pytest.fixture(scope="module")

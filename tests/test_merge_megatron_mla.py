@@ -24,7 +24,7 @@ from tests.conftest import (
     torchrun,
     tree_bytes,
 )
-from tests.test_contract_families import metas
+from tests.helpers.families import metas
 
 CASES = ["mla_tp2", "mla_dist_tp2_noqlora", "mla_tp2pp2_noqlora", "mla_dist_tp2pp2"]
 MTP_CASES = ["mla_mtp_tp2pp2", "mla_dist_mtp_tp2"]  # mtp_num_layers=1: legacy TP=2 x PP=2, torch_dist TP=2
@@ -366,7 +366,7 @@ def test_mtp_under_an_architecture_without_mtp_rows_is_refused():
     from distmerge.errors import InputError
     from distmerge.families.base import FamilyContext, claim
     from distmerge.formats.base import Hints
-    from tests.test_contract_families import hf_state, megatron_sources
+    from tests.helpers.families import hf_state, megatron_sources
 
     config, state = hf_state("Qwen3ForCausalLM")
     sources = {**megatron_sources("Qwen3ForCausalLM", "local", state),

@@ -9,7 +9,7 @@ import json
 import torch
 
 from tests.conftest import load_merged, merge_inproc, reference_dir
-from tests.test_merge_deepspeed import assert_same, reference
+from tests.helpers.deepspeed import assert_same, reference
 
 CASE = "ds_openrlhf_z2_w2"
 

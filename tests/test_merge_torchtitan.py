@@ -31,7 +31,7 @@ from distmerge.formats import registry
 from distmerge.formats.base import Fragment, Hints
 from tests.conftest import assert_exact, load_merged, merge_inproc, reference_dir, torchrun, tree_bytes
 from tests.fixtures.torchtitan_cases import input_ids
-from tests.test_contract_families import metas, torchtitan_sources, tt_hf_state
+from tests.helpers.families import metas, torchtitan_sources, tt_hf_state
 
 CASES = ["tt_llama3_mha_w2", "tt_llama3_gqa_tied_w3", "tt_qwen3_w2", "tt_qwen3_moe_w4"]
 MOE, TIED, DSV3 = "tt_qwen3_moe_w4", "tt_llama3_gqa_tied_w3", "tt_deepseek_v3_w3"
@@ -415,7 +415,7 @@ def test_llama3_rotates_wq_and_wk_only():
 def test_every_row_is_reached_through_its_own_pattern():
     from distmerge.families.torchtitan.family import _compiled
     from distmerge.families.torchtitan.tables import FAMILIES
-    from tests.test_contract_families import torchtitan_samples
+    from tests.helpers.families import torchtitan_samples
 
     reached: set[str] = set()
     torchtitan_samples(reached)

@@ -1,4 +1,4 @@
-"""Checkpoints where the nodes left them: two simulated nodes (tests/two_nodes.py), each seeing only its own files
+"""Checkpoints where the nodes left them: two simulated nodes (tests/helpers/two_nodes.py), each seeing only its own files
 at the input's path, merge them where they lie. The output must be what one node merges from all the files, byte
 for byte, and every refusal the same one line on every node."""
 
@@ -18,7 +18,7 @@ import pytest
 from safetensors import safe_open
 
 from tests.conftest import REPO, assert_exact, expected_tensors, load_merged, merge_inproc, reference_dir
-from tests.two_nodes import can_simulate, error_lines, last_error, run_two_nodes, split_files
+from tests.helpers.two_nodes import can_simulate, error_lines, last_error, run_two_nodes, split_files
 
 pytestmark = pytest.mark.skipif(not can_simulate(), reason="needs root and unshare (mount namespaces)")
 

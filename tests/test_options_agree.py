@@ -12,17 +12,10 @@ import pytest
 import distmerge
 from distmerge import api, options
 from distmerge.errors import InputError
-from distmerge.front.cli import build_parser
 from distmerge.options import Opt
 from tests.conftest import REPO
-from tests.test_readme_options import TABLE_PAGE, documented, readme_rows
-
-REQUIRED = {"merge": ["--input", "x", "--output", "y"], "inspect": ["x"],
-            "verify": ["--merged", "x", "--reference", "y"], "watch": ["--input", "x", "--output", "y"]}
-
-
-def subparser(command: str) -> argparse.ArgumentParser:
-    return next(a for a in build_parser()._actions if a.dest == "command").choices[command]
+from tests.helpers.options import REQUIRED, subparser
+from tests.helpers.readme_options import TABLE_PAGE, documented, readme_rows
 
 
 def spelled(default) -> str:
@@ -124,7 +117,6 @@ def test_adding_an_option_is_one_row(monkeypatch):
             options.from_keywords("verify", {"merged": "a", "reference": "b", "new_size": "lots"})
     finally:
         options.rows.cache_clear()
-
 
 
 def test_a_format_option_brings_its_reference_twin(monkeypatch):

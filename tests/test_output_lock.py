@@ -372,6 +372,27 @@ def test_a_gone_holders_lock_is_removed_only_if_it_is_still_the_one_judged(tmp_p
         assert second.read() is None
 
 
+def test_a_merge_whose_object_lock_was_taken_over_leaves_the_new_holders_lock(s3):
+    """A merge stalled past its lease comes back and releases its lock (on every exit path): on S3 the delete is
+    conditional on its own lock's ETag (If-Match), so the lock another merge wrote meanwhile stays. Seen failing
+    with release's If-Match left out: the taker's lock was deleted, and a third merge could have taken the output
+    while the taker still wrote."""
+    from distmerge.output.s3_lock import ObjectLock
+    from distmerge.s3_client import parse
+
+    stalled = ObjectLock(parse("s3://models/taken-over", "", OSError))
+    assert stalled.create(b"the stalled merge's record") and stalled.holds()
+    taker = ObjectLock(parse("s3://models/taken-over", "", OSError))
+    assert taker.remove_if(taker.read().version) and taker.create(b"the taker's record")
+    assert not stalled.holds()
+    stalled.release()
+    found = taker.read()
+    assert found is not None, "the stalled merge deleted the lock of the merge that took the output over"
+    assert found.data == b"the taker's record" and taker.holds()
+    taker.release()
+    assert taker.read() is None  # its own lock, still its own, is removed
+
+
 def test_another_merges_attempt_at_the_lock_is_not_work_in_the_output(fsdp_ckpts, tmp_path):
     """A merge that tries the lock writes its record under a name of its own for a moment (local_lock.py): a merge
     holding the lock checks the folder in that moment and must not take it for work. Seen in 1 of 3 racing trials

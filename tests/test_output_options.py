@@ -23,7 +23,7 @@ from distmerge.options.cli_options import output_settings
 from distmerge.options.output_options import OutputOption
 from distmerge.verifier import kinds
 from distmerge.verifier.listing import VerifyOptions
-from tests.test_options_agree import REQUIRED, subparser
+from tests.helpers.options import REQUIRED, subparser
 
 CONFIG_DIGEST = "f9d86028c6e0d64e225186f96acb69338b2c59764df79162107f5c4bb34d1310"  # of {"a": 1}
 

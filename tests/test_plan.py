@@ -9,20 +9,9 @@ from distmerge.engine.plan import assign_owners, assign_readers, make_plan, merg
 from distmerge.errors import LayoutError
 from distmerge.families.base import FamilyContext, SourceMeta
 from distmerge.families.hf import HF
-from distmerge.formats.base import Fragment, InputFile
 from distmerge.options import parse_size
 from distmerge.output.names import model_file_names as file_names
-
-
-def frag(name, shape, offsets, lengths, file_index, dtype="F32"):
-    return Fragment(
-        name=name, dtype=dtype, global_shape=shape, offsets=offsets, lengths=lengths,
-        file_index=file_index, byte_offset=0, key=name,
-    )
-
-
-def files(n, size=100):
-    return tuple(InputFile(index=i, path=f"f{i}", size=size, rank=i) for i in range(n))
+from tests.helpers.plan import files, frag
 
 
 def chunked(name, rows, cols, world):

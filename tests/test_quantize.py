@@ -14,7 +14,6 @@ is a full block and a partial one of 10, everything else one partial block.
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -25,6 +24,9 @@ import torch
 
 from distmerge.quantize import fp8
 from tests.conftest import REPO, free_port, load_merged, merge_inproc, reference_dir, torchrun, tree_bytes
+from tests.helpers import fp8_recipe
+from tests.helpers.fp8_recipe import RECIPES, SCALE_NAMES, recipe_block
+from tests.helpers.inputs import input_of
 
 CT_FOLDER = "fsdp2_llama_w2"
 
@@ -67,41 +69,7 @@ FP8_WEIGHTS = {
     "ds_z2_fp32_w2": LLAMA_FP8,
     "tt_qwen3_moe_w4": weights(range(2), ATTENTION) | weights(range(2), EXPERTS, 3),
 }
-EPS = torch.finfo(torch.float32).eps
-
-
-# -- the recipe, written out block by block ------------------------------------------------------------
-def recipe_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3's layout: per 128 x 128 block (the last ones in each direction cut short) s = amax / 448 and
-    q = cast(w / s) to float8_e4m3fn; an all-zero block gets float32's eps."""
-    w = w.float()
-    rows, cols = w.shape
-    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
-    s = torch.empty(math.ceil(rows / 128), math.ceil(cols / 128))
-    for i in range(0, rows, 128):
-        for j in range(0, cols, 128):
-            block = w[i : i + 128, j : j + 128]
-            scale = block.abs().max() / 448
-            scale = torch.tensor(EPS) if scale == 0 else scale
-            s[i // 128, j // 128] = scale
-            q[i : i + 128, j : j + 128] = (block / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
-    return q, s
-
-
-def recipe_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """compressed-tensors' FP8 per channel: one scale per output row, the same rule."""
-    w = w.float()
-    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
-    s = torch.empty(w.shape[0], 1)
-    for r in range(w.shape[0]):
-        scale = w[r].abs().max() / 448
-        scale = torch.tensor(EPS) if scale == 0 else scale
-        s[r, 0] = scale
-        q[r] = (w[r] / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
-    return q, s
-
-
-RECIPES = {"fp8-block": recipe_block, "fp8-channel": recipe_channel}
+# The recipe, written out block by block from the layouts' specifications: tests/helpers/fp8_recipe.py
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -123,9 +91,9 @@ def test_the_quantization_is_the_recipe(scheme, shape, dtype):
     q, s = fp8.SCHEMES[scheme].quantize(w)
     want_q, want_s = RECIPES[scheme](w)
     assert same_bytes(q, want_q) and same_bytes(s, want_s)
-    assert s.shape == fp8.SCHEMES[scheme].scale_shape(shape)
-    err = (fp8.SCHEMES[scheme].dequantize(q, s) - w.float()).abs()
-    assert bool((err <= fp8.bound(w, fp8.SCHEMES[scheme].expand(s, shape))).all())
+    assert s.shape == ((shape[0], 1) if scheme == "fp8-channel" else (-(-shape[0] // 128), -(-shape[1] // 128)))
+    err = (fp8_recipe.dequantized(scheme, q, s) - w.float()).abs()
+    assert bool((err <= fp8_recipe.bound(w, fp8_recipe.each_scale(scheme, s, shape))).all())
     assert err.max() > 0  # not a test that cannot fail: FP8 loses bits
 
 
@@ -146,26 +114,21 @@ def merged(request, tmp_path_factory) -> dict[tuple[str, str], Path]:
     return out
 
 
-def input_of(ckpt: Path) -> Path:
-    """The folder a user passes (an HF Trainer's checkpoint-N inside a DeepSpeed fixture)."""
-    return next(ckpt.glob("checkpoint-*"), ckpt)
-
-
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("case", list(CASES))
 def test_each_format_writes_the_layout(case, scheme, merged):
     full, quantized = load_merged(merged[case, "full"]), load_merged(merged[case, scheme])
-    grid, written = fp8.SCHEMES[scheme], FP8_WEIGHTS[case]
+    suffix, written = SCALE_NAMES[scheme], FP8_WEIGHTS[case]
     assert written <= set(full)  # the list above names this model's tensors
-    assert set(quantized) == set(full) | {grid.scale_name(n) for n in written}
+    assert set(quantized) == set(full) | {n + suffix for n in written}
     for name, tensor in full.items():
         if name in written:
             q, s = RECIPES[scheme](tensor)
-            assert same_bytes(quantized[name], q) and same_bytes(quantized[grid.scale_name(name)], s), name
+            assert same_bytes(quantized[name], q) and same_bytes(quantized[name + suffix], s), name
         else:  # embeddings, norms, routers, the head: as the full merge wrote them
             assert same_bytes(quantized[name], tensor), name
     config = json.loads((merged[case, scheme] / "config.json").read_text())
-    assert fp8.scheme_of(config) is grid
+    assert fp8_recipe.scheme_in(config) == scheme
     assert config.get("torch_dtype", config.get("dtype")) == "float32"  # the unquantized tensors' dtype
     kept = config["quantization_config"].get("modules_to_not_convert", config["quantization_config"].get("ignore"))
     assert "lm_head" in kept and not any(k + ".weight" in written for k in kept)
@@ -184,7 +147,6 @@ def test_the_recipe_tests_can_fail(merged):
     flipped[0, 0] ^= 1
     assert not same_bytes(flipped.view(torch.float8_e4m3fn), q)
     assert not same_bytes(torch.nextafter(s, torch.full_like(s, 1.0)), s)
-
 
 
 @pytest.mark.parametrize("case, written, kept", [
@@ -281,13 +243,14 @@ def test_compressed_tensors_reads_the_folder_back(case, merged):
     result = model.load_state_dict(state, strict=False)
     assert not result.unexpected_keys and not result.missing_keys, result
     compressor.decompress_model(model)
-    full, grid = load_merged(merged[case, "full"]), fp8.SCHEMES["fp8-channel"]
+    full = load_merged(merged[case, "full"])
     params = dict(model.named_parameters())
     for module in picked:
         w, s = state[module + ".weight"], state[module + ".weight_scale"]
         got = params[module + ".weight"].detach()
-        assert torch.equal(got, grid.dequantize(w, s)), module
-        assert bool(((got - full[module + ".weight"]).abs() <= fp8.bound(full[module + ".weight"], s)).all())
+        assert torch.equal(got, fp8_recipe.dequantized("fp8-channel", w, s)), module
+        within = fp8_recipe.bound(full[module + ".weight"], fp8_recipe.each_scale("fp8-channel", s, tuple(w.shape)))
+        assert bool(((got - full[module + ".weight"]).abs() <= within).all())
 
 
 def test_compressed_tensors_quantizes_to_the_same_bytes(merged):

@@ -24,7 +24,8 @@ from safetensors.torch import save_file
 
 from distmerge.quantize import fp4, fused
 from tests.conftest import REPO, load_merged, merge_inproc, reference_dir, torchrun, tree_bytes
-from tests.test_quantize import input_of
+from tests.helpers import fp4_recipe
+from tests.helpers.inputs import input_of
 
 PEER = Path(os.environ.get("DISTMERGE_PEER_PYTHON", REPO / ".venv-peer" / "bin" / "python"))
 PEER_SCRIPT = REPO / "tests" / "bench" / "peer_model_free_ptq.py"
@@ -214,18 +215,38 @@ def test_mx_exponents_round_the_amax_to_a_power_of_two():
 @pytest.mark.parametrize("case", ["fsdp2_llama_w2", "megatron_tp2", "megatron_dist_mixtral_ep2", "mla_tp2"])
 def test_fused_sets_share_one_global_scale(case, merged):
     """q/k/v, gate/up and Mixtral's w1/w3 (whatever unit or rank made them) carry one global scale, that of their
-    amax together, computed here from the plain merge; any other weight its own."""
+    amax together, computed here from the plain merge; any other weight its own. The sets are the specification's
+    (tests/helpers/fp4_recipe.py), not fused.py's."""
     plain, ours = load_merged(merged[case, "bf16", "plain"]), load_merged(merged[case, "bf16", "nvfp4"])
     quantized = [n.removesuffix("_packed") for n in ours if n.endswith(".weight_packed")]
-    sets = fused.sets_of(list(plain))
-    shared = [n for n in quantized if n in sets]
+    sets = fp4_recipe.fused_sets(plain)
+    shared = [n for n in quantized if len(sets[n]) > 1]
     assert len(shared) >= 2 and (case != "megatron_dist_mixtral_ep2" or any(".w3." in n for n in shared))
     for name in quantized:
-        members = [n for n in quantized if sets.get(n, n) == sets.get(name, name)]
+        members = [n for n in sets[name] if n in quantized]
         amax = max(plain[n].float().abs().max() for n in members).to(torch.bfloat16)
         expected = (2688.0 / amax.reshape(1)).float()  # as fp4.Scheme.shared: reciprocal, then product, in bf16
         assert same_bytes(ours[name + "_global_scale"], expected), (name, members)
     assert len({ours[n + "_global_scale"].item() for n in quantized}) > 2
+
+
+def test_fused_sets_share_one_global_scale_without_the_peer(fsdp_ckpts, tmp_path):
+    """NVFP4 by its specification (tests/helpers/fp4_recipe.py; no peer needed): each layer's q/k/v and gate/up
+    carry one global scale, 448 x 6 over the amax of the set together, every other weight its own; each group scale
+    and packed byte is the specification's, from the plain bf16 merge. Seen failing with each weight given its own
+    global scale, and with q/k/v left out of fused.py's sets (the test grouping with fused.sets_of agreed)."""
+    ckpt = fsdp_ckpts["fsdp2_llama_w2"]
+    for kind, extra in (("plain", ()), ("nvfp4", ("--quantize", "nvfp4"))):
+        assert merge_inproc("--input", ckpt, "--output", tmp_path / kind, "--dtype", "bf16", *extra) == 0
+    plain, ours = load_merged(tmp_path / "plain"), load_merged(tmp_path / "nvfp4")
+    quantized = sorted(n.removesuffix("_packed") for n in ours if n.endswith(".weight_packed"))
+    sets = fp4_recipe.fused_sets(quantized)
+    assert len(quantized) == 12 and sum(len(m) > 1 for m in sets.values()) == 10  # q/k/v, gate/up of 2 layers
+    for name in quantized:
+        global_scale = fp4_recipe.nvfp4_global([plain[n] for n in sets[name]])
+        packed, scale = fp4_recipe.nvfp4(plain[name], global_scale)
+        assert same_bytes(ours[name + "_global_scale"], global_scale), (name, sets[name])
+        assert same_bytes(ours[name + "_scale"], scale) and same_bytes(ours[name + "_packed"], packed), name
 
 
 def test_two_processes_write_the_bytes_of_one(fsdp_ckpts, merged, tmp_path):

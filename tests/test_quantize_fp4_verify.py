@@ -16,6 +16,7 @@ from distmerge import api
 from distmerge.front.cli import main as distmerge_main
 from distmerge.quantize import fp4
 from tests.conftest import merge_inproc, reference_dir
+from tests.helpers import fp4_recipe
 
 CASE = "fsdp2_llama_w2"  # 12 weights quantized; down_proj (138 inputs: not whole groups) kept in float32
 SCHEMES = ("nvfp4", "mxfp4")
@@ -83,7 +84,8 @@ def test_in_memory_and_against_the_checkpoint_give_the_folder_records(scheme, qu
 @pytest.mark.parametrize("block", [1008, 2**14])  # 1008: blocks that start mid-row
 def test_block_by_block_is_the_whole_tensor(scheme, block, monkeypatch):
     """The comparison a block at a time gives the figures, the largest error / bound and the count beyond it of the
-    whole tensor dequantized at once (fp4.Scheme.dequantize, fp4.bound)."""
+    whole tensor dequantized at once, by the format's specification (tests/helpers/fp4_recipe.py: e2m1 values times
+    their group's scale), each value within e2m1's rounding of the reference."""
     from distmerge.quantize.compare import ENCODINGS
     from distmerge.verifier import blocks
     from distmerge.verifier.bounded import Bounded
@@ -98,8 +100,15 @@ def test_block_by_block_is_the_whole_tensor(scheme, block, monkeypatch):
                                             torch.device("cpu"))
     run = Bounded(tuple(r.shape), decoder, 0.0, torch.device("cpu"), Criteria(), blocks.Scratch())
     blocks.whole(packed, lambda start, count: r.reshape(-1)[start : start + count], run, per=2)
-    got = row.dequantize(packed, scale, shared)
-    each = row.scales(scale, shared).repeat_interleave(row.group, dim=1)
-    err, limit = (got - r.float()).abs(), fp4.bound(r, each)
+    if scheme == "nvfp4":
+        assert [torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                for a, b in zip(fp4_recipe.nvfp4(r, shared), (packed, scale), strict=True)] == [True, True]
+        got = fp4_recipe.nvfp4_dequantized(packed, scale, shared)
+        each = (scale.float() / shared).repeat_interleave(fp4_recipe.NVFP4_GROUP, dim=1)
+    else:
+        got = fp4_recipe.mxfp4_dequantized(packed, scale)
+        each = torch.pow(2.0, scale.int() - 127).float().repeat_interleave(fp4_recipe.MXFP4_GROUP, dim=1)
+    assert bool(fp4_recipe.within_e2m1(got, r, each).all())
+    err, limit = (got - r.float()).abs(), fp4.bound(r, each)  # the verifier's bound, as it judges each block
     assert run.worst == (err / limit).max().item() and run.beyond == int((err > limit).sum()) == 0
     assert run.figures() == blocks.figures(got, r.float(), 0.0, 0.0)[1]

@@ -8,10 +8,8 @@ import argparse
 import re
 
 from distmerge.front.cli import build_parser
-from tests.conftest import REPO
+from tests.helpers.readme_options import TABLE_PAGE, documented, readme_rows
 
-TABLE_PAGE = REPO / "docs" / "cli.md"
-HEADER = "| option | commands | meaning |"
 TOP = "distmerge"  # the row's command for options of `distmerge` itself (--version)
 
 
@@ -30,24 +28,6 @@ def parser_options() -> dict[tuple[str, str], argparse.Action]:
             for option in action.option_strings or [action.metavar or action.dest]:  # a positional: its name
                 found[(command, option)] = action
     return found
-
-
-def readme_rows(text: str) -> list[tuple[list[str], set[str], str]]:
-    """The table's rows: (option strings and positional names of column 1, commands of column 2, whole row)."""
-    lines = text.splitlines()
-    start = lines.index(HEADER) + 2
-    rows = []
-    for line in lines[start:]:
-        if not line.startswith("|"):
-            break
-        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
-        names = [code.split()[0] for code in re.findall(r"`([^`]+)`", cells[0])]
-        rows.append((names, {c.strip() for c in cells[1].split(",")}, line.replace("\\|", " ")))
-    return rows
-
-
-def documented(rows, command: str, option: str) -> list[str]:
-    return [row for names, commands, row in rows if option in names and command in commands]
 
 
 def test_every_option_is_in_the_readme_table():

@@ -34,26 +34,11 @@ from distmerge.input import tree as input_tree
 from distmerge.output import s3 as object_store
 from distmerge.output.store import FileLayout
 from tests.conftest import REPO, free_port, merge_inproc, torchrun
-from tests.s3_server import client, download_tree, s3_server, upload_tree
+from tests.helpers.s3 import PART, KiB, files_of, without_records
+from tests.s3_server import download_tree, upload_tree
 
-KiB = 1 << 10
-PART = 64 * KiB
 CASES = {"fsdp": ("fsdp_ckpts", "fsdp2_llama_w2"), "dcp": ("dcp_ckpts", "dcp_llama_w2"),
          "megatron": ("megatron_ckpts", "megatron_tp2pp2")}
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    """The server, a bucket of inputs and one of outputs; this process's environment points at it."""
-    with s3_server(min_part=PART, log=tmp_path_factory.mktemp("moto") / "server.log") as env:
-        saved = {k: os.environ.get(k) for k in (*env, "DISTMERGE_TEST_S3_PART")}
-        os.environ.update({**env, "DISTMERGE_TEST_S3_PART": str(PART)})
-        s3c = client(env)
-        s3c.create_bucket(Bucket="ckpt")
-        s3c.create_bucket(Bucket="models")
-        yield env, s3c
-        for key, value in saved.items():
-            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
 
 
 def hf_args(case: str, ckpt: Path) -> list[str]:
@@ -81,15 +66,6 @@ def walked(url: str):
     listed = S3Source(url)
     listed.walk()
     return listed
-
-
-def files_of(folder: Path) -> dict[str, bytes]:
-    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-def without_records(files: dict[str, bytes]) -> dict[str, bytes]:
-    """Records carry the input files' times (S3's LastModified is not the file's mtime): the rest is compared."""
-    return {name: data for name, data in files.items() if not name.startswith(".distmerge/")}
 
 
 @pytest.mark.torchrun

@@ -249,3 +249,37 @@ def test_the_end_runs_the_abort_callbacks_and_says_it_once(monkeypatch):
         hang.set()
     assert ran == ["released"] and said == [("rank 1 (node-1) sent nothing", True)]
     assert server.check(["t/said"]) and server.get("t/said") == b"1" and server.add("t/claimed", 0) == 1
+
+
+def test_a_silent_rank_is_named_at_the_first_look_past_the_timeout(monkeypatch):
+    """The watchdog's thread looks every period; its first reading is taken a window before --timeout runs out, so
+    the second, a window later, can name the silent rank at the first look past --timeout: with --timeout 6 (a
+    period of 1.5 s, a window of 4 s), at most --timeout + one period after the wait began, and the line says so.
+    The thread's looks are made here, on a clock of the test's own (the store is real). Seen failing with the
+    first reading moved to --timeout: the rank named at 10.5 s ("sent nothing for 10 s"), not 7.5 s."""
+    clock = [1000.0]
+    monkeypatch.setattr(watchdog, "time", type("Clock", (), {"monotonic": staticmethod(lambda: clock[0])}))
+    server = dist_store()
+    pulse = Pulse()
+    dog = Watchdog(pulse=pulse, rank=0, world=2, timeout_s=TIMEOUT, address=("127.0.0.1", server.port),
+                   namespace="named", served_by_rank_0=True, aborts=[], on_silence=None)
+    assert (dog.period, dog.window) == (1.5, 4.0)  # the thread's cadence at --timeout 6 (dog.py)
+    dog._publish()  # rank 0's record; rank 1 never publishes (stopped before its first beat)
+    pulse.wait = (7, clock[0])  # rank 0 waits at its 7th collective from now on
+    looks = 0
+    while dog.verdict is None and looks < 20:
+        clock[0] += dog.period
+        looks += 1
+        dog._watch()
+    waited = looks * dog.period
+    assert dog.verdict is not None and dog.verdict.silent == {1}
+    assert TIMEOUT <= waited <= TIMEOUT + dog.period, waited
+    said = re.search(r"sent nothing for (\d+) s", dog.verdict.line)
+    assert said and int(said[1]) == round(waited), dog.verdict.line
+
+
+def dist_store():
+    """A TCPStore served by this process (the job's rendezvous store, as the watchdog reads it)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)

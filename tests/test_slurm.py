@@ -213,6 +213,26 @@ def test_bad_input_fails_the_job(slurm_cluster, tmp_path):
     assert not (out / "model.safetensors.index.json").exists()
 
 
+def test_arguments_win_over_the_environment(ckpt, slurm_cluster, tmp_path):
+    """DISTMERGE_INPUT and --input after the script name both given: the arguments' is merged. Naming the same
+    checkpoint, as a job resubmitted with its settings in both places does, nothing is said; naming two, the log
+    says which was used. Seen failing with the environment's --input passed before the arguments' (argparse kept
+    the last occurrence, until --input repeated for averaging): "2 inputs given (--input, repeated): pass
+    --average"."""
+    same = submit(tmp_path, "--input", str(ckpt), "--output", str(tmp_path / "same"), "--quiet",
+                  sbatch_opts=("--nodes=1",), DISTMERGE_INPUT=str(ckpt), DISTMERGE_NPROC="1")
+    assert_succeeded(same)
+    assert "is used, not" not in same.log, same.describe()
+    assert_exact(load_merged(tmp_path / "same"), expected_tensors(ckpt))
+    elsewhere, out = tmp_path / "an-older-checkpoint", tmp_path / "differ"
+    differ = submit(tmp_path, "--input", str(ckpt), "--quiet", sbatch_opts=("--nodes=1",),
+                    DISTMERGE_INPUT=str(elsewhere), DISTMERGE_OUTPUT=str(out), DISTMERGE_NPROC="1")
+    assert_succeeded(differ)
+    assert f"merge.sbatch: --input {ckpt} (from the arguments) is used, not DISTMERGE_INPUT={elsewhere}\n" in \
+        differ.log, differ.describe()
+    assert_exact(load_merged(out), expected_tensors(ckpt))
+
+
 def test_missing_input_is_refused_before_any_step(slurm_cluster, tmp_path):
     out = tmp_path / "merged"
     job = submit(tmp_path, DISTMERGE_OUTPUT=str(out))

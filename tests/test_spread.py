@@ -18,7 +18,7 @@ from distmerge.families.hf import HF
 from distmerge.formats import registry
 from distmerge.input import source
 from tests.conftest import merge_inproc, torchrun
-from tests.test_plan import files, frag
+from tests.helpers.plan import files, frag
 
 
 def layer_plan(rows: list[int], *, world: int, max_bytes: int, hosts=None, inputs: int = 1):

@@ -7,7 +7,8 @@ import ast
 import re
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "distmerge"
+from tests.helpers.structure import PACKAGE, imports, modules
+
 MAX_LINES = 400
 # Lower layers never import higher ones. An entry names a module or a package (below distmerge.); a module takes
 # the layer of the longest entry that is it or a package above it (engine.run is 5, the rest of engine/ 4).
@@ -45,29 +46,6 @@ SUBLAYERS = {
 }
 # The modules that reach formats and families only through their registries (a package: all its modules).
 ENGINE = ("engine", "input", "output", "inspect")
-
-
-def modules() -> dict[str, Path]:
-    out = {}
-    for path in PACKAGE.rglob("*.py"):
-        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        out[name] = path
-    return out
-
-
-def imports(path: Path, known: set[str]) -> set[str]:
-    """distmerge modules imported anywhere in the file (lazy imports inside functions count too)."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            submodules = {f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in known}
-            found |= submodules
-            if len(submodules) < len(node.names):  # something of the module itself, not only its submodules
-                found.add(node.module)
-    return {m for m in found if m in known}
 
 
 def layer(module: str) -> int:

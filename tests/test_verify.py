@@ -14,15 +14,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from distmerge.front.cli import main as distmerge_main
 from tests.conftest import load_reference, merge_inproc, reference_dir, torchrun
+from tests.helpers.verify import SHARD, bump, verify
 
 INDEX = "model.safetensors.index.json"
-SHARD = "300KB"  # the 0.82 MB llama fixture in 3 files: work for more than one rank
-
-
-def verify(*args: object) -> int:
-    return distmerge_main(["verify", *map(str, args)])
 
 
 def report(path: Path) -> dict:
@@ -61,14 +56,6 @@ def edited(src: Path, dst: Path, edits: dict[str, Callable[[dict[str, torch.Tens
         index["weight_map"].update(dict.fromkeys(tensors, file))
     (dst / INDEX).write_text(json.dumps(index))
     return dst
-
-
-def bump(name: str) -> Callable[[dict[str, torch.Tensor]], None]:
-    def edit(t: dict[str, torch.Tensor]) -> None:
-        t[name] = t[name].clone()
-        t[name].view(-1)[3] += 1e-2
-
-    return edit
 
 
 def test_clean_merge_passes_bit_exact(llama, tmp_path, capsys):

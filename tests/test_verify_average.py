@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 import distmerge
 from distmerge.front.cli import main as distmerge_main
 from tests.conftest import expected_tensors, input_untouched, merge_inproc, torchrun
-from tests.test_average import average, inputs
+from tests.helpers.average import average, inputs
 
 NAME = "model.layers.1.mlp.down_proj.weight"
 

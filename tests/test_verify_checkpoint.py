@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import json
 import os
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from distmerge.front.cli import main as distmerge_main
-from tests.conftest import REPO, input_untouched, merge_inproc, reference_dir, torchrun, tree_digest
+from tests.conftest import REPO, merge_inproc, reference_dir, torchrun
+from tests.helpers.verify_checkpoint import bumped_reference, nothing_written, one_error, settled, verdict, verify
 
 SHARD = "300KB"  # the llama fixture in 3 planned files: file names in the records, work for two ranks
 
@@ -32,14 +31,6 @@ CASES = {
 }
 
 
-def verify(*args: object) -> int:
-    return distmerge_main(["verify", *map(str, args)])
-
-
-def verdict(capsys) -> str:
-    return [line for line in capsys.readouterr().out.splitlines() if line.startswith("verify:")][-1]
-
-
 def case_args(request, case: str) -> tuple[Path, list[str]]:
     """The checkpoint, and verify's arguments for it: --merged, --reference and the case's own options."""
     family, ref_name, extra, _ = CASES[case]
@@ -47,19 +38,6 @@ def case_args(request, case: str) -> tuple[Path, list[str]]:
     ref = reference_dir(ckpt)
     return ckpt, ["--merged", str(ckpt), "--reference", str(ref / ref_name if ref_name else ref),
                   *(a.format(ref=ref) for a in extra)]
-
-
-@contextmanager
-def nothing_written(ckpt: Path, *folders: Path):
-    """The checkpoint (every file, folder and link under it) and its reference untouched; nothing new beside the
-    checkpoint (an output folder) nor in `folders` (the working directory), at any depth."""
-    before = [tree_digest(f) for f in folders]
-    beside = sorted(os.listdir(ckpt.parent))
-    with input_untouched(ckpt, reference_dir(ckpt)):
-        yield
-    assert sorted(os.listdir(ckpt.parent)) == beside
-    for folder, was in zip(folders, before, strict=True):
-        assert tree_digest(folder) == was, folder
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -86,16 +64,6 @@ def test_the_records_are_those_of_the_merged_folder(fsdp_ckpts, tmp_path, capsys
     assert len({t["file"] for t in memory["tensors"]}) == 2
     for key in ("verdict", "summary", "criteria", "counts", "tensors", "logits"):
         assert memory[key] == folder[key], key
-
-
-def bumped_reference(ref: Path, dst: Path, name: str) -> Path:
-    """A copy of the reference folder's model.safetensors with one element of `name` changed by 1e-2."""
-    state = load_file(ref / "model.safetensors")
-    state[name] = state[name].clone()
-    state[name].view(-1)[5] += 1e-2
-    dst.mkdir()
-    save_file(state, dst / "model.safetensors", metadata={"format": "pt"})
-    return dst
 
 
 @pytest.mark.parametrize("case", ["fsdp2_llama_w4", "megatron_tp2pp2"])
@@ -180,12 +148,6 @@ def test_python_entry_point(megatron_ckpts, tmp_path):
     assert json.loads((tmp_path / "r.json").read_text())["counts"]["bit_exact"] == 21
 
 
-def one_error(capsys) -> str:
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("distmerge: error: "), lines
-    return lines[0]
-
-
 def test_options_that_do_not_apply_are_refused(fsdp_ckpts, tmp_path, capsys):
     ckpt = fsdp_ckpts["fsdp2_llama_w4"]
     ref = reference_dir(ckpt)
@@ -197,15 +159,6 @@ def test_options_that_do_not_apply_are_refused(fsdp_ckpts, tmp_path, capsys):
         capsys)
     assert verify("--merged", tmp_path / "m", "--reference", ref, "--hf-config", ref) == 1
     assert f"--merged {tmp_path / 'm'} is a finished model; --hf-config: options of the merge" in one_error(capsys)
-
-
-def settled(rep: dict) -> dict:
-    """The report with each cosine to 12 digits: its float64 sums are torch's, whose order follows the thread
-    count (torchrun runs one thread per process), so an exact tensor's cosine is 1 or 1 - 1e-16 (compare.py)."""
-    for t in rep["tensors"]:
-        if t["figures"]:
-            t["figures"]["cosine"] = round(t["figures"]["cosine"], 12)
-    return rep
 
 
 @pytest.mark.torchrun

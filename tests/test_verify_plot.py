@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from distmerge.verifier import plot, totals
 from tests.conftest import merge_inproc, reference_dir
-from tests.test_verify import SHARD, verify
+from tests.helpers.verify import SHARD, verify
 
 BUMPED = "model.layers.1.mlp.down_proj.weight"
 KIND_COLOURS = {"attention": (31, 119, 180), "MLP": (255, 127, 14), "norms": (44, 160, 44),

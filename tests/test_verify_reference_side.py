@@ -11,7 +11,7 @@ import shutil
 import pytest
 
 from tests.conftest import merge_inproc, reference_dir, torchrun
-from tests.test_verify_checkpoint import bumped_reference, nothing_written, one_error, settled, verdict, verify
+from tests.helpers.verify_checkpoint import bumped_reference, nothing_written, one_error, settled, verdict, verify
 
 NAME = "model.layers.1.mlp.down_proj.weight"
 

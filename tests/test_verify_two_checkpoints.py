@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import REPO, input_untouched, reference_dir, torchrun
+from tests.helpers.verify_checkpoint import nothing_written, one_error, settled, verdict, verify
 from tests.hostile_pickles import records_of, write_zip
-from tests.test_verify_checkpoint import nothing_written, one_error, settled, verdict, verify
 
 # pair: (--merged: fixture family and case, --reference: fixture family and case)
 PAIRS = {

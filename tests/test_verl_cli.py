@@ -4,18 +4,14 @@ verl, is checked against the checkpoint (a contradiction is one line, exit 1), o
 
 from __future__ import annotations
 
-import base64
-import http.server
 import json
 import re
 import shutil
-import threading
 from pathlib import Path
 
 import pytest
 
 from distmerge.front.cli import build_parser
-from distmerge.front.cli import main as distmerge_main
 from distmerge.front.verl_cli import translate
 from tests.conftest import (
     assert_exact,
@@ -27,13 +23,10 @@ from tests.conftest import (
     torchrun,
     tree_bytes,
 )
+from tests.helpers.verl_cli import committed_files, expected_megatron, run
 
 TIED_QWEN2 = "megatron_dist_qwen2_tp2pp2"  # torch_dist, TP2 x PP2, Qwen2 with tied embeddings, 4 heads, 2 kv heads
 HEADS = ["--num-attention-heads", "4", "--num-key-value-heads", "2"]
-
-
-def run(*args: object) -> int:
-    return distmerge_main([str(a) for a in args])
 
 
 def verl_v2(ckpt: Path, root: Path) -> Path:
@@ -86,14 +79,6 @@ def test_megatron_guide_command_on_verl_v2_layout(megatron_ckpts, tmp_path):
     one, two = tree_bytes(tmp_path / "n1"), tree_bytes(tmp_path / "n2")
     assert len([n for n in one if n.endswith(".safetensors")]) > 2
     assert one == two
-
-
-def expected_megatron(ckpt: Path):
-    ref = load_reference(ckpt)
-    config = json.loads((reference_dir(ckpt) / "huggingface" / "config.json").read_text())
-    if config.get("tie_word_embeddings"):
-        ref.pop("lm_head.weight", None)
-    return ref
 
 
 def test_megatron_legacy_with_hf_model_path(megatron_ckpts, tmp_path):
@@ -208,61 +193,6 @@ def test_test_checks_claims_before_comparing(fsdp_ckpts, tmp_path, capsys):
 
 
 # -- --hf_upload_path: huggingface_hub's API against a hub on 127.0.0.1 --------------------------------------------
-class FakeHub(http.server.BaseHTTPRequestHandler):
-    """Answers what HfApi.create_repo and upload_folder ask (every file 'regular': sent inline in the commit)
-    and records the requests."""
-
-    requests: list[tuple[str, str, bytes]] = []
-
-    def do_POST(self):  # noqa: N802
-        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        self.requests.append(("POST", self.path, body))
-        host = self.headers["Host"]
-        if self.path == "/api/repos/create":
-            asked = json.loads(body)
-            answer = {"url": f"http://{host}/{asked.get('organization')}/{asked['name']}"}
-        elif "/preupload/" in self.path:
-            answer = {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
-                                for f in json.loads(body)["files"]]}
-        elif "/commit/" in self.path:
-            repo = self.path.split("/api/models/")[1].split("/commit/")[0]
-            answer = {"commitUrl": f"http://{host}/{repo}/commit/{'a' * 40}", "commitOid": "a" * 40}
-        else:
-            self.send_response(404)
-            self.end_headers()
-            return
-        data = json.dumps(answer).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_GET(self):  # noqa: N802
-        self.requests.append(("GET", self.path, b""))
-        self.send_response(404)
-        self.end_headers()
-
-    def log_message(self, *args):
-        pass
-
-
-@pytest.fixture
-def hub(monkeypatch, tmp_path):
-    FakeHub.requests = []
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeHub)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
-    monkeypatch.setenv("HF_TOKEN", "hf_test")
-    yield FakeHub.requests
-    server.shutdown()
-    server.server_close()
-
-
-def committed_files(requests) -> dict[str, bytes]:
-    (body,) = [b for method, path, b in requests if "/commit/" in path]
-    lines = [json.loads(line) for line in body.decode().splitlines()]
-    return {v["value"]["path"]: base64.b64decode(v["value"]["content"]) for v in lines if v["key"] == "file"}
 
 
 def test_upload_sends_the_finished_output(fsdp_ckpts, tmp_path, hub, capsys):

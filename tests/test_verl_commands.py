@@ -16,8 +16,8 @@ import pytest
 
 from tests.conftest import REPO, assert_exact, expected_tensors, load_merged, load_reference, reference_dir, torchrun
 from tests.conftest import tree_bytes as files_of
-from tests.test_verify_checkpoint import bumped_reference
-from tests.test_verl_cli import committed_files, expected_megatron, hub, run  # noqa: F401  (hub: a fixture)
+from tests.helpers.verify_checkpoint import bumped_reference
+from tests.helpers.verl_cli import committed_files, expected_megatron, run
 
 HF = "{hf}"  # the case's config folder
 # case: (fixture family, checkpoint, the command's flags after `merge`, the expected model)

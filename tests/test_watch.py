@@ -7,6 +7,7 @@ the hub gets a branch per step; and each trainer's marker on copies of the real 
 
 from __future__ import annotations
 
+import _thread
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -27,7 +29,7 @@ from distmerge.watcher import choose, markers
 from distmerge.watcher.outcome import DONE, ELSEWHERE, MERGED, RESUMED, TOO_FEW, WAITING
 from distmerge.watcher.steps import Step
 from tests.conftest import REPO, assert_exact, free_port, load_merged, reference_dir, tree_bytes, tree_digest
-from tests.test_verl_cli import FakeHub
+from tests.helpers.verl_cli import FakeHub
 
 TRAIN = REPO / "tests" / "jobs" / "train_verl.py"
 STEPS = (2, 4, 6)
@@ -154,7 +156,9 @@ def test_a_half_written_step_waits_then_merges_and_an_interrupted_one_is_resumed
 
 def test_racing_watchers_merge_each_step_once(trained, tmp_path):
     """Two watchers started together on one run and one output: each exits 0, each step is merged by one of them
-    (the other finds its lock held, or its merge done), and the output is the merge's."""
+    (the other finds its lock held, or its merge done), and the output is the merge's. The pairs are compared as
+    multisets: "merged earlier" sorts after "merged", so a sorted pair compared with [DONE, MERGED] failed whenever
+    the second watcher found a step finished (correct; 1 run in the suite of a clean clone)."""
     run, _, out, _, _ = trained
     env = {**ENV, "DISTMERGE_TEST_ROUND_DELAY": "1.5"}  # each merge lasts long enough for the other to meet it
     cmd = [sys.executable, "-m", "distmerge", "watch", "--input", str(run), "--output", str(tmp_path / "out"),
@@ -167,7 +171,7 @@ def test_racing_watchers_merge_each_step_once(trained, tmp_path):
     for step in STEPS:
         name = f"global_step_{step}/actor"
         statuses = sorted(t[name] for t in tables)
-        assert statuses in ([ELSEWHERE, MERGED], [DONE, MERGED]), (name, said)
+        assert statuses in (sorted([ELSEWHERE, MERGED]), sorted([DONE, MERGED])), (name, said)
         assert tree_bytes(tmp_path / "out" / name) == tree_bytes(out / name)
     assert any(ELSEWHERE in t.values() for t in tables), said  # they did meet
 
@@ -303,6 +307,51 @@ def test_sigterm_in_a_merge_stops_cleanly_and_the_next_watch_resumes(trained, tm
     assert watcher.returncode == 0, said
     assert re.search(r"│ global_step_2/actor\s+│ interrupted", said) and "stopped by a signal" in said, said
     assert not (new / "global_step_2" / "actor" / ".distmerge.lock").exists()
+    result = distmerge.watch(run, new, once=True)
+    assert result.last()["global_step_2/actor"].status in (RESUMED, MERGED)
+    for step in STEPS:
+        assert tree_bytes(new / f"global_step_{step}" / "actor") == tree_bytes(out / f"global_step_{step}" / "actor")
+
+
+def test_sigterm_in_a_once_watch_exits_130_and_the_next_watch_resumes(trained, tmp_path, monkeypatch, capsys):
+    """`watch --once` (a SLURM job's last pass) stopped by SIGTERM in the middle of a step's merge exits 130, not 0,
+    so that a preempted job does not report success; it names the step, leaves no lock, and the next watch finishes.
+    In this process: the signal is sent to it while the step's merge waits after its round. Seen failing with the
+    interrupt of a --once watch returned as a stopped watch: exit 0."""
+    from distmerge.engine import run as engine_run
+
+    run, _, out, _, _ = trained
+    new = tmp_path / "out"
+    lock = new / "global_step_2" / "actor" / ".distmerge.lock"
+    monkeypatch.setattr(engine_run, "ROUND_DELAY_S", 30.0)  # the merge waits after its round: SIGTERM lands in it
+    sent, watching = [], threading.Event()
+
+    def terminate_mid_merge() -> None:
+        end = time.monotonic() + 60
+        while not lock.exists() and time.monotonic() < end and watching.is_set():
+            time.sleep(0.05)
+        time.sleep(0.5)
+        if not lock.exists() or not watching.is_set():
+            sent.append("nothing: the merge was not seen holding its lock")  # never interrupt pytest itself
+        elif signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, signal.SIG_IGN, None):
+            sent.append("no SIGTERM handler: Ctrl-C instead")  # the default action would end pytest
+            _thread.interrupt_main()
+        else:
+            sent.append("SIGTERM")
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    watching.set()
+    threading.Thread(target=terminate_mid_merge, daemon=True).start()
+    try:
+        code = watch("--input", run, "--output", new, "--once")
+    finally:
+        watching.clear()
+    said = capsys.readouterr()
+    assert (sent, code) == (["SIGTERM"], 130), said.out[-2000:] + said.err[-2000:]
+    assert re.search(r"^distmerge watch: interrupted in global_step_2/actor \(.+\); run it again to finish$",
+                     said.err, re.MULTILINE), said.err
+    assert not lock.exists()
+    monkeypatch.setattr(engine_run, "ROUND_DELAY_S", 0.0)
     result = distmerge.watch(run, new, once=True)
     assert result.last()["global_step_2/actor"].status in (RESUMED, MERGED)
     for step in STEPS:

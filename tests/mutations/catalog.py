@@ -1,0 +1,172 @@
+"""The realistic bugs run.py plants, one at a time: each a textual patch (file, a snippet that is in it once, what
+replaces it), the guarantee it breaks, and the tests that must catch it (pytest arguments, from the repository's
+root). One or more per guarantee the README makes, the seven bugs of issue #43 and the four of the audit before."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, kw_only=True)
+class Mutation:
+    name: str
+    guarantee: str
+    why: str  # what the bug does, in a sentence
+    file: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)  # what the tests need set (the SLURM tests: asked for)
+
+
+LOCK = "tests/test_output_lock.py"
+FINALIZE_TAIL = """\
+    write_config(out, {**config, **plan.config_updates, **later}, main_dtype(plan))
+    remove_strays(out, plan)
+    write_extra_files(out, plan)
+    write_manifest(out, plan)
+    write_index(out, plan)  # last: its presence means every file above is complete
+"""
+WATCH = "tests/test_watch.py"
+
+ISSUE_43 = (
+    Mutation(name="43-1-s3-lock-release-unconditional", guarantee="lock",
+             why="releasing an S3 lock without If-Match deletes the lock of a merge that took it over",
+             file="distmerge/output/s3_lock.py",
+             old='self._call("delete_object", IfMatch=etag)', new='self._call("delete_object")',
+             tests=(f"{LOCK}::test_a_merge_whose_object_lock_was_taken_over_leaves_the_new_holders_lock",)),
+    Mutation(name="43-2-watchdog-first-reading-late", guarantee="silent rank named",
+             why="the watchdog's first reading moved to --timeout: the silent rank is named at about twice it",
+             file="distmerge/distributed/watchdog/dog.py",
+             old="if first is None and waited < self.timeout - self.window:",
+             new="if first is None and waited < self.timeout:",
+             tests=("tests/test_silent_rank.py::test_a_silent_rank_is_named_at_the_first_look_past_the_timeout",)),
+    Mutation(name="43-3-s3-continuation-unpinned", guarantee="exactness (object store)",
+             why="a cut S3 body is continued without the first answer's ETag: old and new bytes joined",
+             file="distmerge/s3_client.py",
+             old='        etag = etag or response.get("ETag")\n', new="",
+             tests=("tests/test_faults_s3.py::test_an_object_replaced_between_a_cut_and_its_continuation_is_not_joined",)),
+    Mutation(name="43-4-watch-once-interrupt-exit-0", guarantee="one-line errors / exit status",
+             why="SIGTERM or Ctrl-C during `watch --once` ends it as a stopped watch: exit 0, not 130",
+             file="distmerge/watcher/passes.py",
+             old="    except KeyboardInterrupt:\n        if opts.once:\n            raise\n",
+             new="    except KeyboardInterrupt:\n",
+             tests=(f"{WATCH}::test_sigterm_in_a_once_watch_exits_130_and_the_next_watch_resumes",)),
+    Mutation(name="43-4b-watch-once-interrupt-exit-0-cli", guarantee="one-line errors / exit status",
+             why="the command ends an interrupted `watch --once` with status 0",
+             file="distmerge/front/cli.py",
+             old="        return 130\n    if _rank() == 0 and not args.quiet:\n",
+             new="        return 0\n    if _rank() == 0 and not args.quiet:\n",
+             tests=(f"{WATCH}::test_sigterm_in_a_once_watch_exits_130_and_the_next_watch_resumes",)),
+    Mutation(name="43-5-average-shared-source-dropped", guarantee="averaging formula",
+             why="a source several inputs share is dropped after the first input's step (then read as empty memory)",
+             file="distmerge/engine/fold.py",
+             old="self.last = {i: k for k, group in enumerate(self.groups) for i in group}",
+             new="self.last = {i: k for k, group in reversed(list(enumerate(self.groups))) for i in group}",
+             tests=("tests/test_lora_only.py::test_two_lora_only_saves_averaged_with_their_shared_base",)),
+    Mutation(name="43-6a-nvfp4-global-scale-per-weight", guarantee="quantization layouts",
+             why="q/k/v and gate/up no longer share NVFP4's global scale: each weight its own",
+             file="distmerge/quantize/table.py",
+             old="sets.get(unit.targets[i].name, unit.targets[i].name) if row.fused",
+             new="unit.targets[i].name if row.fused",
+             tests=("tests/test_quantize_fp4.py::test_fused_sets_share_one_global_scale_without_the_peer",)),
+    Mutation(name="43-6b-nvfp4-no-qkv-set", guarantee="quantization layouts",
+             why="the q/k/v row left out of the fused sets (the test that grouped with fused.sets_of agreed)",
+             file="distmerge/quantize/fused.py",
+             old='        (r".*(?:attn|attention)\\.", ("q_proj", "k_proj", "v_proj")),\n', new="",
+             tests=("tests/test_quantize_fp4.py::test_fused_sets_share_one_global_scale_without_the_peer",)),
+    Mutation(name="43-7-slurm-env-input-and-argument", guarantee="SLURM job script",
+             why="merge.sbatch adds --input from DISTMERGE_INPUT even when the arguments give one: two inputs",
+             file="slurm/merge.sbatch",
+             old='from_environment DISTMERGE_INPUT --input -i "$@"\n',
+             new='if [ -n "${DISTMERGE_INPUT:-}" ]; then args+=(--input "$DISTMERGE_INPUT"); fi\n',
+             tests=("tests/test_slurm.py::test_arguments_win_over_the_environment",),
+             env={"DISTMERGE_SLURM_TESTS": "1"}),
+)
+
+PROMISES = (
+    Mutation(name="exactness-dtensor-chunk-floor", guarantee="exactness",
+             why="a DTensor shard's offsets computed with floor division, not torch.chunk's ceiling",
+             file="distmerge/formats/torch_private/state_dicts.py",
+             old="chunk = math.ceil(shape[dim] / parts) if shape[dim] else 0",
+             new="chunk = shape[dim] // parts if shape[dim] else 0",
+             tests=("tests/test_merge_fsdp.py::test_merged_equals_reference",)),
+    Mutation(name="read-once-fragment-read-twice", guarantee="read once",
+             why="each fragment read a second time (a checksum pass over the input)",
+             file="distmerge/engine/reader.py",
+             old="        self._read_into(frag, dest, count)\n",
+             new="        self._read_into(frag, dest, count)\n        self._read_into(frag, dest, False)\n",
+             tests=("tests/test_promises.py::test_each_input_byte_is_read_once",)),
+    Mutation(name="atomic-output-index-first", guarantee="atomic output",
+             why="the index written before config.json and the manifest: an index on disk before the model is whole",
+             file="distmerge/engine/finalize.py",
+             old=FINALIZE_TAIL, new="    write_index(out, plan)\n" + FINALIZE_TAIL.rsplit("    write_index", 1)[0],
+             tests=("tests/test_promises.py::test_the_index_is_written_last",)),
+    Mutation(name="lock-folder-lock-overwritten", guarantee="lock",
+             why="the folder lock made by rename (which replaces a holder's lock) instead of link (which fails)",
+             file="distmerge/output/local_lock.py",
+             old="os.link(temp, self.path)", new="os.replace(temp, self.path)",
+             tests=(f"{LOCK}::test_a_requeued_merge_fails_at_once_and_the_first_keeps_its_model",)),
+    Mutation(name="resume-keeps-another-runs-file", guarantee="resume",
+             why="a finished file is kept without checking that its record is of this run's fingerprint",
+             file="distmerge/engine/resume.py",
+             old='if record is None or record.get("fingerprint") != fp:', new="if record is None:",
+             tests=("tests/test_resume.py::test_resume_redoes_everything_when_the_input_changed",)),
+    Mutation(name="one-line-errors-traceback", guarantee="one-line errors",
+             why="a user error printed with its traceback, as with --debug",
+             file="distmerge/front/cli.py",
+             old="    if debug:\n        import traceback\n", new="    if True:\n        import traceback\n",
+             tests=(f"{LOCK}::test_a_requeued_merge_fails_at_once_and_the_first_keeps_its_model",
+                    "tests/test_bad_inputs.py::test_bad_input")),
+    Mutation(name="quantize-fp8-scale-off", guarantee="quantization layouts",
+             why="the FP8 scale divides the amax by 447 rather than e4m3's largest value, 448",
+             file="distmerge/quantize/fp8.py",
+             old="    scale = amax / FP8_MAX\n", new="    scale = amax / (FP8_MAX - 1)\n",
+             tests=("tests/test_quantize.py::test_the_quantization_is_the_recipe",)),
+    Mutation(name="quantize-fp4-nibbles-swapped", guarantee="quantization layouts",
+             why="the packed e2m1 pairs with the even column in the high nibble",
+             file="distmerge/quantize/fp4.py",
+             old="return pairs[..., 0].bitwise_or(pairs[..., 1].bitwise_left_shift(4))",
+             new="return pairs[..., 1].bitwise_or(pairs[..., 0].bitwise_left_shift(4))",
+             tests=("tests/test_quantize_fp4.py::test_fused_sets_share_one_global_scale_without_the_peer",)),
+    Mutation(name="average-float32-sum", guarantee="averaging formula",
+             why="the average summed in float32, not float64",
+             file="distmerge/average/fold.py",
+             old="state = [torch.empty(t.shape, dtype=torch.float64, device=t.device) if f else None",
+             new="state = [torch.empty(t.shape, dtype=torch.float32, device=t.device) if f else None",
+             tests=("tests/test_average.py::test_the_average_of_three_formats_and_world_sizes_is_the_formula",
+                    "tests/test_average.py::test_bf16_inputs_are_summed_in_float64_and_cast_once")),
+    Mutation(name="average-weights-reversed", guarantee="averaging formula",
+             why="each input weighted with another input's weight (the list read from its end)",
+             file="distmerge/average/fold.py",
+             old="add_weighted(state[j], tensor, weights[k], names[j], first=first)",
+             new="add_weighted(state[j], tensor, weights[-1 - k], names[j], first=first)",
+             tests=("tests/test_average.py::test_bf16_inputs_are_summed_in_float64_and_cast_once",)),
+)
+
+EARLIER_AUDIT = (
+    Mutation(name="audit-api-random-state-not-restored", guarantee="the API leaves the caller's process as it was",
+             why="the caller's Python random state not restored after an API call",
+             file="distmerge/api.py",
+             old="        random.setstate(state)\n", new="        pass\n",
+             tests=("tests/test_api.py::test_a_call_leaves_the_callers_random_stream_as_it_found_it",)),
+    Mutation(name="audit-shard-ndim-accepted", guarantee="untrusted input",
+             why="Shard(ndim) accepted (a dimension past the tensor's last, read as Shard(0))",
+             file="distmerge/formats/torch_private/state_dicts.py",
+             old="not -ndim <= dim < ndim", new="not -ndim <= dim <= ndim",
+             tests=("tests/test_hostile_structures.py::test_placement_of_refuses_the_dims_a_tensor_lacks",)),
+    Mutation(name="audit-routed-experts-not-quantized", guarantee="quantization layouts",
+             why="routed experts left out of --quantize",
+             file="distmerge/quantize/table.py",
+             old='    r"mlp\\.experts\\.\\d+\\.(?:gate|up|down)_proj",  # Qwen MoE, DeepSeek-V3 routed experts\n',
+             new="",
+             tests=("tests/test_quantize.py::test_the_moe_families_write_their_experts_in_fp8",)),
+    Mutation(name="audit-last-multipart-part-dropped", guarantee="exactness (object store)",
+             why="the last part of each run of an object's multipart upload left out",
+             file="distmerge/output/s3.py",
+             old="out.extend((first + k, cuts[k], cuts[k + 1], writer) for k in range(count))",
+             new="out.extend((first + k, cuts[k], cuts[k + 1], writer) for k in range(max(1, count - 1)))",
+             tests=("tests/test_s3.py::test_parts_are_numbered_in_file_order_and_large_enough",)),
+)
+
+MUTATIONS: tuple[Mutation, ...] = ISSUE_43 + PROMISES + EARLIER_AUDIT
