@@ -1,5 +1,5 @@
-"""Checkpoints where the nodes left them: two simulated nodes (tests/helpers/two_nodes.py), each seeing only its own files
-at the input's path, merge them where they lie. The output must be what one node merges from all the files, byte
+"""Checkpoints where the nodes left them: two simulated nodes (tests/helpers/two_nodes.py), each seeing only its own
+files at the input's path, merge them where they lie. The output must be what one node merges from all the files, byte
 for byte, and every refusal the same one line on every node."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A checkpoint where the nodes left it: BENCH (an FSDP2 save, W=8) split over two simulated nodes (two torchrun
-agents, each in a mount namespace of its own that shows its own half at the input's path: tests/helpers/two_nodes.py says
-how), merged where it lies, side by side in one run with
+agents, each in a mount namespace of its own that shows its own half at the input's path, as
+tests/helpers/two_nodes.py does), merged where it lies, side by side in one run with
 
     shared      the same two nodes, each seeing the whole folder (a shared file system): the goal is at most 1.2x
     copy+merge  the plain way: node 1's files copied to node 0's disk (cp, sync), then a one-node merge: slower,

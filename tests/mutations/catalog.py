@@ -169,4 +169,28 @@ EARLIER_AUDIT = (
              tests=("tests/test_s3.py::test_parts_are_numbered_in_file_order_and_large_enough",)),
 )
 
-MUTATIONS: tuple[Mutation, ...] = ISSUE_43 + PROMISES + EARLIER_AUDIT
+MULTINODE = "tests/test_multinode.py"
+NODES = (
+    Mutation(name="nodes-read-off-node", guarantee="files where the nodes left them",
+             why="a file is given to any rank, not to one of a node that holds it",
+             file="distmerge/engine/plan.py", old="allowed = placement.may_read[f.index] or range(world)",
+             new="allowed = range(world)",
+             tests=(f"{MULTINODE}::test_fsdp2_rank_files_on_two_nodes_markers_on_the_other",)),
+    Mutation(name="nodes-remote-read-offset", guarantee="files where the nodes left them",
+             why="a node answers rank 0's read of its file from the file's start, whatever the offset asked",
+             file="distmerge/input/nodes.py", old="return self._open[key].pread(min(nbytes, FETCH_PIECE), offset)",
+             new="return self._open[key].pread(min(nbytes, FETCH_PIECE), 0)",
+             tests=(f"{MULTINODE}::test_fsdp2_rank_files_on_two_nodes_markers_on_the_other",)),
+    Mutation(name="nodes-output-probe-skipped", guarantee="files where the nodes left them",
+             why="every node is taken to see the output: a node-local output is written on one node only",
+             file="distmerge/engine/nodes.py", old="store.read(NODES_PROBE) == token if first else True", new="True",
+             tests=(f"{MULTINODE}::test_an_output_some_nodes_cannot_see_is_refused",)),
+    Mutation(name="nodes-owner-far-from-reads", guarantee="files where the nodes left them",
+             why="each output file's owner is chosen by load alone: bytes cross nodes that need not",
+             file="distmerge/engine/plan.py",
+             old="ranks = [r for r, n in enumerate(node_of_rank) if home is None or n == home]",
+             new="ranks = list(range(len(node_of_rank)))",
+             tests=(f"{MULTINODE}::test_megatron_torch_dist_on_two_nodes_config_on_the_other",)),
+)
+
+MUTATIONS: tuple[Mutation, ...] = ISSUE_43 + PROMISES + EARLIER_AUDIT + NODES
