@@ -61,18 +61,51 @@ def two_nodes(disks: list[Path], at: Path, args: list[str], nproc: int, log: Pat
     return seconds
 
 
-def sync_and_drop(paths: list[Path]) -> None:
-    subprocess.run(["sync"], check=True)
-
-
 def model_files(ckpt: Path) -> list[Path]:
     return sorted(ckpt.glob("model_world_size_*_rank_*.pt"))
 
 
+RANK = re.compile(r"rank_(\d+)\.pt$|^__(\d+)_\d+\.distcp$")  # a rank file's training rank (FSDP, DCP)
+
+
+def options(parser) -> None:
+    parser.add_argument("--nproc", type=int, default=1, help="processes per node")
+    parser.add_argument("--scale-input", type=Path, help="instead: this checkpoint folder (a rank file's rank in its "
+                        "name: FSDP, DCP), split by rank over the nodes by hard links, merged split and shared, "
+                        "for the time and peak RSS per rank (--world: its training world size)")
+
+
+def scale(args, work: Path) -> int:
+    """Split and shared merges of a large existing save (e.g. make_dcp_scale.py's 1024-rank DCP save): peak RSS."""
+    lab = work / "multinode-scale"
+    shutil.rmtree(lab, ignore_errors=True)
+    disks, at, whole = [lab / "node0", lab / "node1"], lab / "ckpt", args.scale_input
+    at.mkdir(parents=True)
+    for path in sorted(p for p in whole.rglob("*") if p.is_file()):
+        m = RANK.search(path.name)
+        node = 0 if m is None else int(int(m.group(1) or m.group(2)) >= args.world // 2)
+        dest = disks[node] / path.relative_to(whole)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.link(path, dest)
+    for row, views in (("split", disks), ("shared", [whole, whole])):
+        for _ in range(args.repeats):
+            js = lab / f"{row}.json"
+            out = lab / f"out-{row}"
+            shutil.rmtree(out, ignore_errors=True)
+            seconds = two_nodes(views, at, ["merge", "--input", at, "--output", out, "--quiet", "--json-summary", js],
+                                args.nproc, work / "logs" / f"multinode-scale-{row}")
+            summary = json.loads(js.read_text())
+            print(f"  {row:<7} {seconds:7.2f} s (own {summary['seconds']:.2f} s), peak RSS per rank: "
+                  + ", ".join(gb(r["peak_rss"]) for r in summary["ranks"]))
+    return 0
+
+
 def main() -> int:
-    args = bench_args(__doc__, "/tmp/distmerge-bench", "an FSDP2 checkpoint split over two nodes",
-                      lambda p: p.add_argument("--nproc", type=int, default=1, help="processes per node"))
+    args = bench_args(__doc__, "/tmp/distmerge-bench", "an FSDP2 checkpoint split over two nodes", options)
     work = Path(args.work)
+    if args.scale_input:
+        (work / "logs").mkdir(parents=True, exist_ok=True)
+        return scale(args, work)
     (work / "logs").mkdir(parents=True, exist_ok=True)
     ckpt = ensure_checkpoint(args, work)
     lab = work / "multinode"
