@@ -503,6 +503,8 @@ ELSEWHERE: dict[tuple[str, str], str] = {
 }
 
 NOT_RUN: dict[tuple[str, str], str] = {
+    ("dev/mutations.md", "python tests/mutations/run.py --list"):
+        "the mutation check runs the suite's own tests once per planted bug (minutes); run by hand before resolving",
     ("dev/benchmarks-history.md", "python tests/bench/bench_fsdp.py"): BENCHMARK,
     ("dev/benchmarks-history.md", "python tests/bench/bench_megatron.py"): BENCHMARK,
     ("dev/benchmarks-history.md", "python tests/bench/bench_deepspeed.py"): BENCHMARK,
