@@ -331,3 +331,24 @@ def test_megatron_legacy_torchtitan_and_an_average_on_two_nodes(megatron_ckpts, 
     for name in ("a", "b"):
         shutil.copytree(ckpt, whole / name)
     assert_same_output(out, one_node_bytes(whole / "a", tmp_path / "avg", "--input", whole / "b", "--average"))
+
+
+def test_a_remote_read_of_several_pieces_is_the_file(monkeypatch):
+    """RemoteFile.pread asks for at most FETCH_PIECE bytes a request and puts the answers in place: the bytes of
+    the file, whatever the offset, and no more than it holds (with 1 KiB pieces here, as with 16 MiB ones)."""
+    from distmerge.input import nodes as input_nodes
+
+    monkeypatch.setattr(input_nodes, "FETCH_PIECE", 1024)
+    data = os.urandom(5000)
+    asked = []
+
+    def fetch(offset: int, nbytes: int) -> bytes:
+        asked.append(nbytes)
+        return data[offset:offset + nbytes]
+
+    f = input_nodes.RemoteFile(fetch, len(data), "remote")
+    assert bytes(f.pread(5001, 0)) == data and max(asked) == 1024
+    assert bytes(f.pread(3000, 1500)) == data[1500:4500]
+    assert bytes(f.pread(100, 4990)) == data[4990:]
+    buf = bytearray(2048)
+    assert f.read_full(memoryview(buf), 4000) == 1000 and bytes(buf[:1000]) == data[4000:]

@@ -290,13 +290,18 @@ def make_plan(
     )
 
 
+NEAR = 0.9  # a node reading this share of what the node reading most of a file reads is as near (ties: balance)
+
+
 def owners_near_reads(sizes: list[int], node_bytes: list[dict[int, int]], node_of_rank: tuple[int, ...]) -> list[int]:
-    """Largest file first onto the least-loaded rank of the node that reads most of its sources (so that as few
-    bytes cross nodes as the layout allows; nodes tie to the lowest)."""
+    """Largest file first onto the least-loaded rank of the nodes that read (about) most of its sources, so that as
+    few bytes cross nodes as the layout allows: a file whose sources lie on one node is written there, one whose
+    sources every node holds alike (FSDP's Shard(0): each tensor's rows over all ranks) goes where the load is least."""
     owners, loads = [0] * len(sizes), [0] * len(node_of_rank)
     for f in sorted(range(len(sizes)), key=lambda f: (-sizes[f], f)):
-        home = min(node_bytes[f].items(), key=lambda kv: (-kv[1], kv[0]))[0] if node_bytes[f] else None
-        ranks = [r for r, n in enumerate(node_of_rank) if home is None or n == home]
+        most = max(node_bytes[f].values(), default=0)
+        near = {n for n, b in node_bytes[f].items() if b >= NEAR * most} if most else set(node_of_rank)
+        ranks = [r for r, n in enumerate(node_of_rank) if n in near]
         owners[f] = min(ranks, key=lambda r: (loads[r], r))
         loads[owners[f]] += sizes[f]
     return owners

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from distmerge import dtypes
 from distmerge.distributed.comm import Comm
+from distmerge.engine import nodes
 from distmerge.engine import plan as planning
 from distmerge.engine.finalize import main_dtype
 from distmerge.engine.inputs import scans
@@ -74,7 +75,8 @@ def verify_checkpoint(opts: VerifyOptions, comm: Comm, role: str = "merged") -> 
     try:
         # No file is written, so none is shared by the ranks of one host: the ranks count as one host, and any
         # rank may take any unit when whole files cannot balance the work (spread.py).
-        plan = plan_checkpoint(found, reader, comm, opts.settings, host=lambda: "")
+        plan = plan_checkpoint(found, reader, comm, opts.settings, host=lambda: "",
+                               placement=nodes.placement_of(comm, found.scan))
         listing = comm.root_only(lambda: _pair(plan, {**found.config, **plan.config_updates}, opts, role))
         todo = _compared_units(plan, listing, role)
         other = TensorFiles(listing.reference if role == "merged" else listing.merged)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from distmerge.distributed.comm import Comm
+from distmerge.engine import nodes
 from distmerge.engine.run import MergeOptions
 from distmerge.errors import DistmergeError, InputError
 from distmerge.formats import registry
@@ -82,7 +83,10 @@ def watch(opts: WatchOptions, comm: Comm, show: bool) -> WatchResult:
 def one_pass(opts: WatchOptions, comm: Comm, memory: Memory, show: bool, number: int,
              outcomes: list[Outcome]) -> None:
     comm.phase(f"watch: pass {number}: finding the finished steps")
-    planned = comm.root_only(lambda: decide(opts, memory))
+    skip = opts.output if isinstance(opts.output, Path) else None
+    # on the nodes' own disks, each node sees the steps' files it holds: its view of the run, joined on rank 0
+    views = nodes.each_node(comm, lambda: steps.find(opts.run, skip=skip))
+    planned = comm.root_only(lambda: decide(opts, memory, steps.joined(views) if views else None))
     mine: list[Outcome] = []
     try:
         for line in planned:
@@ -103,10 +107,11 @@ def one_pass(opts: WatchOptions, comm: Comm, memory: Memory, show: bool, number:
             _show(number, mine, memory, everything=opts.once)
 
 
-def decide(opts: WatchOptions, memory: Memory) -> list[Planned]:
-    """Rank 0: the pass's lines, step by step in the run's order."""
+def decide(opts: WatchOptions, memory: Memory, found: list[steps.Step] | None = None) -> list[Planned]:
+    """Rank 0: the pass's lines, step by step in the run's order. `found`: the steps as every node sees them
+    together (steps.joined), when the ranks run on several; else this node's."""
     skip = opts.output if isinstance(opts.output, Path) else None
-    found = steps.find(opts.run, skip=skip)
+    found = found if found is not None else steps.find(opts.run, skip=skip)
     planned = [line for s in chosen(opts.steps, found) for line in _lines(opts, memory, s)]
     if opts.average_last:
         made = average.lines(opts.average_last, found, opts.template, opts.run, opts.output)
