@@ -2,16 +2,17 @@
 checked against them (tests/test_options_agree.py):
 
     argparse       cli_options.add_options: add_argument(*flags, dest=name, default, choices, metavar, help)
-    the API        distmerge.merge / distmerge.verify: keyword `name`, default `default` (its signature and
-                   docstring are made here: signature(), docstring()), the value checked and parsed as the
-                   command line parses it (from_keywords)
+    the API        distmerge.merge / verify / watch: keyword `name`, default `default`, written out in api.py and
+                   checked against signature() (tests/test_options_agree.py); its docstring is made here
+                   (docstring()); the value checked and parsed as the command line parses it (from_keywords)
     the request    api.merge_request / api.verify_request: the typed values, by name (the same for the CLI and
                    the API), into engine.run.MergeOptions and verify.VerifyOptions
     docs/cli.md    its options table lists each row's flags for its commands, and the default
 
-Adding an option is one row (a format's own options are rows of the format registry, put at FORMAT_OPTIONS;
-verify's --reference- twins of the input rows are made at REFERENCE_OPTIONS, a new format option's with it; an
-option that shapes the output is one declaration of output_options.py, its row put at OUTPUT_OPTIONS).
+Adding an option is one row, and its keyword in the API functions that take it (a format's own options are rows
+of the format registry, put at FORMAT_OPTIONS; verify's --reference- twins of the input rows are made at
+REFERENCE_OPTIONS, a new format option's with it; an option that shapes the output is one declaration of
+output_options.py, its row put at OUTPUT_OPTIONS).
 Light on purpose: the registry is imported only when the rows are first asked for.
 """
 
@@ -266,8 +267,8 @@ def cli_rows(command: str) -> tuple[Opt, ...]:
 
 
 def signature(command: str, returns: str):
-    """distmerge.<command>'s signature (inspect.Signature): the required options positionally, then every other one
-    by keyword."""
+    """Build the signature (inspect.Signature) that distmerge.<command> must have: the required options
+    positionally, then every other one by keyword. api.py writes it out; the test compares the two."""
     import inspect  # the API's alone: the command line starts without it
 
     params = []
