@@ -29,7 +29,7 @@ from typing import Any
 from distmerge.errors import InputError
 from distmerge.input.source import is_source
 from distmerge.options import output_options
-from distmerge.output import is_store
+from distmerge.output import incomplete_store, is_store
 from distmerge.watcher.choose import parse_steps, positive_count
 
 SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
@@ -325,7 +325,11 @@ def _parsed(row: Opt, value: Any) -> Any:
     if row.kind == "path":
         return Path(os.fspath(value))
     if row.kind == "location":
-        if is_source(value) or is_store(value):  # a Source or Store object: input/source.py, output/store.py
+        if is_source(value):  # a Source object: input/source.py
+            return value
+        if is_store(value):  # a Store object (output/store.py), refused now if it lacks a method of any role
+            if (lacking := incomplete_store(value)) is not None:
+                raise TypeError(lacking)
             return value
         return location(os.fspath(value))
     if isinstance(value, bool):

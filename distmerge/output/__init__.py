@@ -7,7 +7,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from distmerge.output.store import Store
+from distmerge.errors import OutputError
+from distmerge.output.store import Store, missing_members, store_members
 
 
 def is_url(location: str | os.PathLike) -> bool:
@@ -16,8 +17,19 @@ def is_url(location: str | os.PathLike) -> bool:
 
 
 def is_store(value: object) -> bool:
-    """A Store object given as the output (the API's `output=`: storage plugged in from outside), not a name."""
-    return not isinstance(value, (str, os.PathLike)) and all(hasattr(value, m) for m in ("url", "prepare", "lock"))
+    """Tell a Store object given as the output (the API's `output=`: storage plugged in from outside) from a name:
+    an object with any member of a Store. Whether it has them all is incomplete_store's question."""
+    return not isinstance(value, (str, os.PathLike)) and len(missing_members(value)) < len(store_members())
+
+
+def incomplete_store(value: object) -> str | None:
+    """Say, in one line, which members of which roles a Store object lacks; None when it has them all. Checked
+    when the object is handed in, so that a plug-in missing a method is refused before anything starts."""
+    missing = missing_members(value)
+    if not missing:
+        return None
+    return (f"{type(value).__name__} is not a whole Store: it lacks {', '.join(missing)} (every method of every "
+            "role of distmerge/output/store.py: PlaceChecks, Locking, Writing, ResumeReads)")
 
 
 def store_name(location: object) -> str:
@@ -30,6 +42,8 @@ def open_store(location: str | os.PathLike | Store) -> Store:
     S3-compatible object store (the `s3` extra, imported only then), anything else a folder. Another scheme is
     refused, never taken for a folder named `x:`."""
     if is_store(location):
+        if (lacking := incomplete_store(location)) is not None:
+            raise OutputError(lacking)
         return location  # type: ignore[return-value]
     if is_url(location):
         from distmerge.output.s3 import ObjectStore
