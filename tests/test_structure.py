@@ -16,13 +16,14 @@ LAYERS = {
         "options.output_options"),
     1: ("formats", "distributed.comm", "distributed.requests", "families.transforms", "quantize"),
     2: ("families", "quantize.table", "quantize.fused", "average"),
-    3: ("engine.plan", "engine.coverage", "engine.spread", "engine.inventory", "output"),  # coverage: the plan's
+    3: ("engine.plan", "engine.coverage", "engine.spread", "engine.inventory", "output",  # coverage: the plan's
+        "catalog"),  # every family, transform and rewrite, above them all (catalog.py)
     4: ("engine", "report"),
     5: ("engine.run", "front.inspect", "verifier", "watcher", "options", "front.hub", "api"),
     6: ("front", "__main__", "hooks"),
 }
 # The modules at the top of distmerge/: what every part uses, and the API. A new module belongs to a part.
-TOP = {"__init__", "__main__", "api", "errors", "dtypes", "results", "threads", "report", "s3_client"}
+TOP = {"__init__", "__main__", "api", "errors", "dtypes", "results", "threads", "report", "s3_client", "catalog"}
 # Inside a package, the same rule one level down: its modules' layers among themselves.
 SUBLAYERS = {
     "verifier": {
@@ -271,3 +272,33 @@ def test_few_files_name_the_quantize_part():
                    if not (m == "distmerge.quantize" or m.startswith("distmerge.quantize."))
                    and _names_the_quantize_part(p, set(mods)))
     assert len(named) <= QUANTIZE_NAMED_IN, named
+
+
+def side_effect_imports(path: Path) -> list[str]:
+    """The names imported from distmerge in a file that the file never uses: kept for what importing does
+    (a module registering itself). A package's __init__ may re-export names (`from x import y`), not import a
+    module for nothing (`import distmerge.families.hf`)."""
+    tree = ast.parse(path.read_text())
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            mods = [a for a in node.names if a.name.startswith("distmerge.")]
+            bound = [a.asname or a.name.split(".")[0] for a in mods]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("distmerge"):
+            if path.name == "__init__.py":
+                continue  # a re-export
+            bound = [a.asname or a.name for a in node.names]
+        else:
+            continue
+        found += [f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {b}" for b in bound if b not in used]
+    return found
+
+
+def test_nothing_is_imported_for_its_side_effect():
+    """Families, transforms, folds, rewrites (distmerge/catalog.py) and formats (formats/registry.py) are listed
+    where they are registered, so no module is imported only to make it register itself. Shown to fail on the code
+    before #44 (six: formats/registry.py, average/units.py, verifier/listing.py, three families' family.py; and
+    families/__init__.py's imports of every family and of quantize.table)."""
+    found = [f for p in sorted(PACKAGE.rglob("*.py")) for f in side_effect_imports(p)]
+    assert found == []

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from distmerge.errors import LayoutError
-from distmerge.families.transforms import Fold, apply, fold
+from distmerge.families.transforms import Fold, apply
 
 CHUNK = 1 << 20  # elements made float64 at a time: a tensor's float64 copy is never held whole beside the sum
 
@@ -83,4 +83,4 @@ def _end(state: list, **_: object) -> list[torch.Tensor]:
     return state
 
 
-AVERAGE = fold("average", Fold(groups=_groups, step=_step, end=_end))
+AVERAGE = Fold(groups=_groups, step=_step, end=_end)

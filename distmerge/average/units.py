@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from distmerge import dtypes
-from distmerge.average import fold  # noqa: F401  (registers the `average` fold)
 from distmerge.errors import InputError
 from distmerge.families.base import FamilyResult, Target, Unit
 from distmerge.formats.base import BASE_MODEL_PREFIX

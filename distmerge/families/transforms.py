@@ -1,17 +1,19 @@
 """Layout transforms: small pure functions from assembled source tensors to target tensors, by name.
 
 A `Unit` names its transform (Unit.transform, with Unit.params); the engine applies it by that name (`apply`). The
-generic ones are here; each family's own sit beside its tables and register themselves with `@transform` when the
-family is imported (families/__init__.py imports every family):
+generic ones are here; each family's own sit beside its tables. None registers itself: distmerge/catalog.py
+lists every transform, fold and wrapping change and puts them here (`add`, `add_fold`, `add_after`):
 
+    families/transforms.py             identity, trim_rows, copies
     families/megatron/transforms.py    split_qkv, split_gate_up, mla_rope_halves
     families/torchtitan/transforms.py  rope_permute
     families/lora/transforms.py        lora_fuse
     families/value_head.py             with_zero_bias
-    quantize/table.py                  quantized (--quantize: another transform's targets, some in FP8)
+    quantize/table.py                  quantized (--quantize: another transform's targets, some quantized)
+    quantize/fused.py                  joined (a fused set's units as one)
     average/fold.py                    average (a fold: --average's weighted sum of several inputs' tensors)
 
-A fold (`Fold`, registered with `fold`) is a transform made in steps: a unit's sources come in groups (an average's
+A fold (`Fold`, put here with `add_fold`) is a transform made in steps: a unit's sources come in groups (an average's
 inputs), and each group, once assembled, is folded into a state that the last step turns into the targets. The
 engine assembles one group at a time, in the fold's order, and drops it before the next (engine/fold.py), so a
 unit of K groups holds one group's tensors and the state, not K groups at once; `apply` runs the same steps on
@@ -30,27 +32,24 @@ Transform = Callable[..., list[torch.Tensor]]
 TRANSFORMS: dict[str, Transform] = {}
 
 
-def transform(fn: Transform) -> Transform:
-    """Register `fn` under its own name (a unit's `transform`)."""
-    assert fn.__name__ not in TRANSFORMS, f"two transforms named {fn.__name__}"
-    TRANSFORMS[fn.__name__] = fn
-    return fn
+def add(*fns: Transform) -> None:
+    """Make each of `fns` known under its own name (a unit's `transform`); catalog.install calls it."""
+    for fn in fns:
+        assert fn.__name__ not in TRANSFORMS, f"two transforms named {fn.__name__}"
+        TRANSFORMS[fn.__name__] = fn
 
 
-@transform
 def identity(sources: list[torch.Tensor]) -> list[torch.Tensor]:
     """One source, one target, same layout."""
     return list(sources)
 
 
-@transform
 def trim_rows(sources: list[torch.Tensor], rows: int) -> list[torch.Tensor]:
     """Padded vocabulary (Megatron rounds it up to a multiple of 128 x TP) -> the config's vocab_size rows."""
     (padded,) = sources
     return [padded[:rows].contiguous()]
 
 
-@transform
 def copies(sources: list[torch.Tensor], of: str, count: int, **params: object) -> list[torch.Tensor]:
     """One target that a checkpoint also carries under other names (DeepSeek-V3's MTP layers repeat the embedding
     and the output head, families/megatron/mtp.py): the transform `of` applied once, its one result given `count` times.
@@ -83,8 +82,8 @@ class Fold:
 FOLDS: dict[str, Fold] = {}
 
 
-def fold(name: str, made: Fold) -> Fold:
-    """Register a fold under `name`: a unit naming it is assembled group by group (engine/fold.py); as a transform
+def add_fold(name: str, made: Fold) -> None:
+    """Make a fold known under `name`: a unit naming it is assembled group by group (engine/fold.py); as a transform
     (`apply`, a wrapping transform's inner) its steps run over sources assembled together."""
     assert name not in TRANSFORMS, f"two transforms named {name}"
     FOLDS[name] = made
@@ -97,7 +96,6 @@ def fold(name: str, made: Fold) -> Fold:
 
     whole.__name__ = name
     TRANSFORMS[name] = whole
-    return made
 
 
 def is_fold(name: str) -> bool:
@@ -110,7 +108,8 @@ def is_fold(name: str) -> bool:
 AFTER: dict[str, Callable[..., list[torch.Tensor]]] = {}
 
 
-def after(name: str, change: Callable[..., list[torch.Tensor]]) -> None:
+def add_after(name: str, change: Callable[..., list[torch.Tensor]]) -> None:
+    """Make `change` the one the wrapping transform `name` makes to its inner transform's targets."""
     AFTER[name] = change
 
 

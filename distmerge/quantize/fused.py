@@ -30,7 +30,7 @@ from collections.abc import Callable, Collection
 import torch
 
 from distmerge.families.base import Target, Unit
-from distmerge.families.transforms import TRANSFORMS, transform
+from distmerge.families.transforms import TRANSFORMS
 
 SETS: tuple[tuple[re.Pattern[str], tuple[str, ...]], ...] = tuple(
     (re.compile(rf"(?P<prefix>{prefix})(?P<member>{'|'.join(members)})\.weight"), members) for prefix, members in (
@@ -88,7 +88,6 @@ def _joined(units: list[Unit]) -> Unit:
                 params=(("parts", parts),))
 
 
-@transform
 def joined(sources: list[torch.Tensor], parts: tuple[tuple[str, tuple, tuple[int, ...]], ...]) -> list[torch.Tensor]:
     """Several units as one (a fused set's, fused.join): each part's transform on its own sources, the targets in
     the parts' order.

@@ -24,8 +24,8 @@ import torch
 
 from distmerge import dtypes
 from distmerge.errors import InputError
-from distmerge.families.base import FamilyResult, ModelTraits, Target, Unit, register_rewrite
-from distmerge.families.transforms import TRANSFORMS, after, transform
+from distmerge.families.base import FamilyResult, ModelTraits, Target, Unit
+from distmerge.families.transforms import TRANSFORMS
 from distmerge.quantize import fp8_compressed, fused, schemes
 
 # A decoder layer of the text model, under the names save_pretrained writes (hub_names.py: a Qwen2-VL language
@@ -46,7 +46,6 @@ QUANTIZED_MODULES = (
 QUANTIZED = re.compile(LAYER + "(?:" + "|".join(QUANTIZED_MODULES) + r")\.weight")
 
 
-@register_rewrite("quantize")  # OutputSettings.quantize: a --quantize choice
 def quantize(result: FamilyResult, scheme: str, traits: ModelTraits, config: dict[str, Any]) -> FamilyResult:
     """The family's result with the table's weights quantized, and what config.json must say about it: its
     quantization_config, made by finalize on rank 0 (schemes.Quantized.config: compressed-tensors' classes)."""
@@ -112,7 +111,6 @@ def _natural(name: str) -> list:
     return [int(t) if i % 2 else t for i, t in enumerate(re.split(r"(\d+)", name))]
 
 
-@transform
 def quantized(sources: list[torch.Tensor], inner: str, inner_params: tuple[tuple[str, object], ...], scheme: str,
               weights: tuple[tuple[int, str, str | None], ...]) -> list[torch.Tensor]:
     """`inner`'s targets with some weights quantized (--quantize, schemes.py), each as the scheme's parts:
@@ -147,5 +145,3 @@ def quantize_targets(out: list[torch.Tensor], scheme: str,
             result.append(tensor)
     return result
 
-
-after("quantized", quantize_targets)  # a fold's unit wrapped by it (an average) is still built an input at a time

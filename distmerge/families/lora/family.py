@@ -23,7 +23,6 @@ from collections.abc import Collection
 from dataclasses import replace
 from typing import Any
 
-import distmerge.families.lora.transforms  # noqa: F401 (its transforms register themselves)
 from distmerge.errors import InputError
 from distmerge.families.base import (
     CAUSAL_LM,
@@ -34,7 +33,6 @@ from distmerge.families.base import (
     Target,
     Unit,
     claim,
-    register,
 )
 from distmerge.families.lora import base as lora_base
 from distmerge.families.lora.base import PEFT_PREFIX
@@ -218,4 +216,4 @@ def adapter_config(modules, rank: int, alpha: float, rslora: bool, meta: dict[st
     }
 
 
-LORA_FAMILY = register(LoraFamily())
+LORA_FAMILY = LoraFamily()

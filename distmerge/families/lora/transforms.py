@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from distmerge.families.transforms import transform
 
-
-@transform
 def lora_fuse(sources: list[torch.Tensor], scale: float) -> list[torch.Tensor]:
     """W + (B @ A) * scale, computed in float32 and returned in W's dtype (PEFT's merge_and_unload order).
 

@@ -12,7 +12,6 @@ import re
 from functools import cache
 from typing import Any
 
-import distmerge.families.megatron.transforms  # noqa: F401 (its transforms register themselves)
 from distmerge.errors import InputError, LayoutError
 from distmerge.families import base, value_head
 from distmerge.families.base import FamilyContext, FamilyResult, SourceMeta, Target, Unit, output_dtype
@@ -150,4 +149,4 @@ def _check_complete(out: list[Unit], config: dict[str, Any], tied: bool, arch: s
 
 
 
-MEGATRON = base.register(base.NamingFamily(name="megatron", naming="megatron", order=20, build=units))
+MEGATRON = base.NamingFamily(name="megatron", naming="megatron", order=20, build=units)

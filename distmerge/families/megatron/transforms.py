@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from distmerge.families.transforms import transform
 
-
-@transform
 def split_qkv(sources: list[torch.Tensor], heads: int, groups: int, head_dim: int) -> list[torch.Tensor]:
     """Megatron's fused linear_qkv (TP shards already concatenated on dim 0) -> q, k, v.
 
@@ -27,7 +24,6 @@ def split_qkv(sources: list[torch.Tensor], heads: int, groups: int, head_dim: in
     return [q.contiguous(), k.contiguous(), v.contiguous()]
 
 
-@transform
 def split_gate_up(sources: list[torch.Tensor], shards: int) -> list[torch.Tensor]:
     """SwiGLU linear_fc1 -> gate, up.
 
@@ -42,7 +38,6 @@ def split_gate_up(sources: list[torch.Tensor], shards: int) -> list[torch.Tensor
     return [gate.contiguous(), up.contiguous()]
 
 
-@transform
 def mla_rope_halves(sources: list[torch.Tensor], heads: int, keep: int, rope: int) -> list[torch.Tensor]:
     """Multi-latent attention rows whose rope part rotates interleaved pairs (megatron-core's MLA, Hugging Face
     DeepseekV3 with rope_interleave=True) -> rotating halves (rope_interleave=False). Per head (`heads` blocks

@@ -14,7 +14,6 @@ from collections import defaultdict
 from functools import cache
 from typing import Any
 
-import distmerge.families.torchtitan.transforms  # noqa: F401 (its transforms register themselves)
 from distmerge.errors import InputError, LayoutError
 from distmerge.families import base
 from distmerge.families.base import FamilyContext, FamilyResult, SourceMeta, Target, Unit, output_dtype
@@ -157,4 +156,4 @@ def _layers(targets) -> set[int]:
 
 
 
-TORCHTITAN = base.register(base.NamingFamily(name="torchtitan", naming="torchtitan", order=25, build=units))
+TORCHTITAN = base.NamingFamily(name="torchtitan", naming="torchtitan", order=25, build=units)

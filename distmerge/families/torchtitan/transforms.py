@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from distmerge.families.transforms import transform
 
-
-@transform
 def rope_permute(sources: list[torch.Tensor], heads: int) -> list[torch.Tensor]:
     """Rotary embedding on interleaved pairs (Meta's Llama, torchtitan's llama3) -> on halves (Hugging Face Llama).
 
