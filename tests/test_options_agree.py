@@ -14,6 +14,7 @@ from distmerge import api, options
 from distmerge.errors import InputError
 from distmerge.front.cli import build_parser
 from distmerge.options import Opt
+from distmerge.options.kinds import Kind
 from tests.conftest import REPO
 from tests.test_readme_options import TABLE_PAGE, documented, readme_rows
 
@@ -186,7 +187,7 @@ def test_the_api_functions_are_written_with_the_tables_keywords(command):
 def test_an_option_added_to_the_table_and_not_to_the_api_is_named(monkeypatch):
     """A row added to OPTIONS and forgotten in api.py is caught by the check above, which names it; and a call
     cannot pass it either."""
-    extra = Opt(name="new_size", flags=("--new-size",), commands=("merge",), group="run", kind="size",
+    extra = Opt(name="new_size", flags=("--new-size",), commands=("merge",), group="run", kind=Kind.SIZE,
                 default="1MiB", metavar="SIZE", help="a new option")
     monkeypatch.setattr(options, "OPTIONS", (*options.OPTIONS, extra))
     options.rows.cache_clear()

@@ -13,7 +13,7 @@ MAX_LINES = 400
 # the layer of the longest entry that is it or a package above it (engine.run is 5, the rest of engine/ 4).
 LAYERS = {
     0: ("errors", "dtypes", "results", "threads", "input", "s3_client", "distributed.watchdog",
-        "options.output_options"),
+        "options.output_options", "options.kinds"),
     1: ("formats", "distributed.comm", "distributed.requests", "families.transforms", "quantize"),
     2: ("families", "quantize.table", "quantize.fused", "average"),
     3: ("engine.plan", "engine.coverage", "engine.spread", "engine.inventory", "output",  # coverage: the plan's
