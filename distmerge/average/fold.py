@@ -21,10 +21,23 @@ A unit's params (average/units.py makes them):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from distmerge.errors import LayoutError
-from distmerge.families.transforms import Fold, apply
+from distmerge.families.transforms import Fold, Params, apply
+
+
+@dataclass(frozen=True)
+class Average(Params):
+    """The fold's keywords (the module docstring says what each holds)."""
+
+    inputs: tuple[tuple[tuple[int, ...], tuple[tuple[str, Params, tuple[int, ...], tuple[int, ...]], ...]], ...]
+    weights: tuple[float, ...]
+    floating: tuple[bool, ...]
+    names: tuple[str, ...]
+
 
 CHUNK = 1 << 20  # elements made float64 at a time: a tensor's float64 copy is never held whole beside the sum
 

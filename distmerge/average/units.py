@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from distmerge import dtypes
+from distmerge.average.fold import Average
 from distmerge.errors import InputError
 from distmerge.families.base import FamilyResult, Target, Unit
 from distmerge.formats.base import BASE_MODEL_PREFIX
@@ -110,8 +111,8 @@ def averaged(targets: tuple[Target, ...], parts: Sequence[Sequence[Unit]], weigh
                 at.append(group.index(names.index(source)))
             made.append((unit.transform, unit.params, tuple(at), tuple(where[t.name] for t in unit.targets)))
         inputs.append((tuple(group), tuple(made)))
-    params = (("inputs", tuple(inputs)), ("weights", weights),
-              ("floating", tuple(dtypes.is_float(t.dtype) for t in targets)), ("names", tuple(where)))
+    params = Average(inputs=tuple(inputs), weights=weights, floating=tuple(dtypes.is_float(t.dtype) for t in targets),
+                     names=tuple(where))
     return Unit(sources=tuple(names), targets=targets, transform="average", params=params)
 
 

@@ -26,6 +26,7 @@ from typing import Any, Protocol, TypeVar
 
 from distmerge import dtypes
 from distmerge.errors import ConfigError, InputError
+from distmerge.families.transforms import NO_PARAMS, Params
 from distmerge.formats.base import Hints
 
 
@@ -62,7 +63,7 @@ class Unit:
     sources: tuple[str, ...]
     targets: tuple[Target, ...]
     transform: str = "identity"
-    params: tuple[tuple[str, object], ...] = ()
+    params: Params = NO_PARAMS  # the transform's own dataclass (families/transforms.py)
 
 
 def output_dtype(source_dtype: str, cast: str | None) -> str:

@@ -22,13 +22,43 @@ sources assembled together, with the same result.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
 Transform = Callable[..., list[torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Params:
+    """A unit's transform parameters: each transform's own subclass, whose fields are the transform's keywords
+    (SplitQkv(heads=, groups=, head_dim=) for split_qkv). The base, with no field, is a transform's that takes none.
+    It iterates as (keyword, value) pairs, so `dict(params)` gives the keywords `apply` passes."""
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        return ((f.name, getattr(self, f.name)) for f in fields(self))
+
+
+NO_PARAMS = Params()
+
+
+@dataclass(frozen=True)
+class TrimRows(Params):
+    rows: int  # the config's vocab_size
+
+
+@dataclass(frozen=True)
+class Copies(Params):
+    """copies' own keywords, then its inner transform's (`inner`), flat, as copies takes them."""
+
+    of: str
+    count: int
+    inner: Params = NO_PARAMS
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        return iter((("of", self.of), ("count", self.count), *self.inner))
 TRANSFORMS: dict[str, Transform] = {}
 
 
@@ -60,7 +90,9 @@ def copies(sources: list[torch.Tensor], of: str, count: int, **params: object) -
     return [out] * count
 
 
-def apply(name: str, sources: list[torch.Tensor], params: tuple[tuple[str, object], ...]) -> list[torch.Tensor]:
+def apply(name: str, sources: list[torch.Tensor], params: Params | tuple[tuple[str, object], ...] = NO_PARAMS
+          ) -> list[torch.Tensor]:
+    """Apply the transform `name` to `sources` with `params` as its keywords (a Params, or (keyword, value) pairs)."""
     return TRANSFORMS[name](sources, **dict(params))
 
 
@@ -113,13 +145,13 @@ def add_after(name: str, change: Callable[..., list[torch.Tensor]]) -> None:
     AFTER[name] = change
 
 
-def folded(name: str, params: tuple[tuple[str, object], ...]) -> tuple[Fold, dict[str, Any], Callable | None] | None:
-    """A unit's fold, its params and the change a wrapping transform makes to its targets (None: no fold)."""
+def folded(name: str, params: Params) -> tuple[Fold, dict[str, Any], Callable | None] | None:
+    """A unit's fold, its params as keywords and the change a wrapping transform makes to its targets (None: no
+    fold). A wrapping transform's params name their inner transform (`inner`) and its params (`inner_params`)."""
     if name in FOLDS:
         return FOLDS[name], dict(params), None
-    given = dict(params)
-    inner = given.get("inner")
+    inner = getattr(params, "inner", None)
     if name in AFTER and isinstance(inner, str) and inner in FOLDS:
-        rest = {k: v for k, v in given.items() if k not in ("inner", "inner_params")}
-        return FOLDS[inner], dict(given["inner_params"]), lambda targets: AFTER[name](targets, **rest)
+        rest = {k: v for k, v in params if k not in ("inner", "inner_params")}
+        return FOLDS[inner], dict(params.inner_params), lambda targets: AFTER[name](targets, **rest)  # type: ignore[attr-defined]
     return None

@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 
 import torch
 
 from distmerge.families.base import Target, Unit
-from distmerge.families.transforms import TRANSFORMS
+from distmerge.families.transforms import TRANSFORMS, Params
 
 SETS: tuple[tuple[re.Pattern[str], tuple[str, ...]], ...] = tuple(
     (re.compile(rf"(?P<prefix>{prefix})(?P<member>{'|'.join(members)})\.weight"), members) for prefix, members in (
@@ -85,10 +86,17 @@ def _joined(units: list[Unit]) -> Unit:
     at = {s: i for i, s in enumerate(sources)}
     parts = tuple((u.transform, u.params, tuple(at[s] for s in u.sources)) for u in units)
     return Unit(sources=sources, targets=tuple(t for u in units for t in u.targets), transform="joined",
-                params=(("parts", parts),))
+                params=Joined(parts=parts))
 
 
-def joined(sources: list[torch.Tensor], parts: tuple[tuple[str, tuple, tuple[int, ...]], ...]) -> list[torch.Tensor]:
+@dataclass(frozen=True)
+class Joined(Params):
+    """joined's keywords: each part's (transform, params, its sources' places among the unit's)."""
+
+    parts: tuple[tuple[str, Params, tuple[int, ...]], ...]
+
+
+def joined(sources: list[torch.Tensor], parts: tuple[tuple[str, Params, tuple[int, ...]], ...]) -> list[torch.Tensor]:
     """Several units as one (a fused set's, fused.join): each part's transform on its own sources, the targets in
     the parts' order.
 

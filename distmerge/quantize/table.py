@@ -17,7 +17,7 @@ ignore) so that loaders do not expect quantized weights for them.
 from __future__ import annotations
 
 import re
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -25,7 +25,7 @@ import torch
 from distmerge import dtypes
 from distmerge.errors import InputError
 from distmerge.families.base import FamilyResult, ModelTraits, Target, Unit
-from distmerge.families.transforms import TRANSFORMS
+from distmerge.families.transforms import TRANSFORMS, Params
 from distmerge.quantize import fp8_compressed, fused, schemes
 
 # A decoder layer of the text model, under the names save_pretrained writes (hub_names.py: a Qwen2-VL language
@@ -58,7 +58,7 @@ def quantize(result: FamilyResult, scheme: str, traits: ModelTraits, config: dic
     units = [_quantize_unit(u, scheme, row, sets) for u in units]
     targets = [t for u in units for t in u.targets if t.group == "model"]
     written = {t.name for t in targets}
-    count = sum(len(dict(u.params)["weights"]) for u in units if u.transform == "quantized")
+    count = sum(len(u.params.weights) for u in units if isinstance(u.params, Quantized))
     if not count:
         raise InputError(f"--quantize {scheme}: no tensor of this model is a linear layer of an attention or MLP "
                          "block (distmerge/quantize/table.py lists them) that the scheme can take; merge without "
@@ -85,7 +85,7 @@ def _quantize_unit(unit: Unit, scheme: str, row: schemes.Scheme, sets: dict[str,
     # each weight: its index among the inner targets, its dtype unquantized, the set whose scale it shares
     weights = tuple((i, unit.targets[i].dtype, sets.get(unit.targets[i].name, unit.targets[i].name) if row.fused
                      else None) for i in which)
-    params = (("inner", unit.transform), ("inner_params", unit.params), ("scheme", scheme), ("weights", weights))
+    params = Quantized(inner=unit.transform, inner_params=unit.params, scheme=scheme, weights=weights)
     return Unit(sources=unit.sources, targets=tuple(targets), transform="quantized", params=params)
 
 
@@ -111,7 +111,18 @@ def _natural(name: str) -> list:
     return [int(t) if i % 2 else t for i, t in enumerate(re.split(r"(\d+)", name))]
 
 
-def quantized(sources: list[torch.Tensor], inner: str, inner_params: tuple[tuple[str, object], ...], scheme: str,
+@dataclass(frozen=True)
+class Quantized(Params):
+    """quantized's keywords: the transform it wraps and that one's params, the scheme, and the weights among the
+    inner targets it quantizes: (index, dtype unquantized, the fused set whose scale it shares or None)."""
+
+    inner: str
+    inner_params: Params
+    scheme: str
+    weights: tuple[tuple[int, str, str | None], ...]
+
+
+def quantized(sources: list[torch.Tensor], inner: str, inner_params: Params, scheme: str,
               weights: tuple[tuple[int, str, str | None], ...]) -> list[torch.Tensor]:
     """`inner`'s targets with some weights quantized (--quantize, schemes.py), each as the scheme's parts:
 

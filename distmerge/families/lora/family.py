@@ -36,6 +36,7 @@ from distmerge.families.base import (
 )
 from distmerge.families.lora import base as lora_base
 from distmerge.families.lora.base import PEFT_PREFIX
+from distmerge.families.lora.transforms import LoraFuse
 from distmerge.formats.base import Hints
 
 LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.(?P<adapter>[^.]+)\.weight$")
@@ -142,7 +143,7 @@ def _fused(units: list[Unit], modules: dict[str, dict[str, str]], weights: dict[
             raise InputError(f"{unit.sources[0]}: LoRA can only be fused into a weight written as it is")
         else:
             out.append(Unit(sources=(*unit.sources, ab["A"], ab["B"]), targets=unit.targets, transform="lora_fuse",
-                            params=(("scale", scale),)))
+                            params=LoraFuse(scale=scale)))
     if fused:
         raise InputError(f"{next(iter(fused))}: its LoRA cannot be fused, the model does not write this weight "
                          "(a tied head?); use --lora adapter")

@@ -3,7 +3,16 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from distmerge.families.transforms import Params
+
+
+@dataclass(frozen=True)
+class LoraFuse(Params):
+    scale: float  # alpha / r
 
 
 def lora_fuse(sources: list[torch.Tensor], scale: float) -> list[torch.Tensor]:

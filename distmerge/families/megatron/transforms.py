@@ -3,7 +3,30 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from distmerge.families.transforms import Params
+
+
+@dataclass(frozen=True)
+class SplitQkv(Params):
+    heads: int  # query heads
+    groups: int  # key/value heads
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class SplitGateUp(Params):
+    shards: int  # the TP shards the fused rows were saved from
+
+
+@dataclass(frozen=True)
+class MlaRopeHalves(Params):
+    heads: int
+    keep: int  # each head's rows before its rotary part
+    rope: int  # qk_rope_head_dim
 
 
 def split_qkv(sources: list[torch.Tensor], heads: int, groups: int, head_dim: int) -> list[torch.Tensor]:

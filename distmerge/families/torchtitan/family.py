@@ -19,6 +19,8 @@ from distmerge.families import base
 from distmerge.families.base import FamilyContext, FamilyResult, SourceMeta, Target, Unit, output_dtype
 from distmerge.families.megatron import mtp
 from distmerge.families.torchtitan.tables import FAMILIES, MODEL_TYPES, SHAPES, Row
+from distmerge.families.torchtitan.transforms import RopePermute
+from distmerge.families.transforms import NO_PARAMS
 
 HEAD, EMBEDDING = base.CAUSAL_LM.tied_heads[0]
 LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
@@ -42,7 +44,7 @@ def units(sources: dict[str, SourceMeta], ctx: FamilyContext) -> FamilyResult:
         if target in written:
             raise InputError(f"{meta.name} and {written[target]} both map to {target}: mixed name generations?")
         written[target] = meta.name
-        params = (("heads", base.config_int(size, row.heads, "torchtitan")),) if row.heads else ()
+        params = RopePermute(heads=base.config_int(size, row.heads, "torchtitan")) if row.heads else NO_PARAMS
         _check_shape(meta, target, row, size)
         out.append(Unit(sources=(meta.name,), targets=(Target(name=target, shape=meta.shape,
                                                                dtype=output_dtype(meta.dtype, ctx.cast)),),

@@ -3,7 +3,16 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from distmerge.families.transforms import Params
+
+
+@dataclass(frozen=True)
+class RopePermute(Params):
+    heads: int
 
 
 def rope_permute(sources: list[torch.Tensor], heads: int) -> list[torch.Tensor]:
