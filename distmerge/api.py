@@ -35,9 +35,8 @@ from contextlib import contextmanager
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
-from distmerge import options
+from distmerge import options, output_options
 from distmerge.errors import DistmergeError
-from distmerge.options import output_options
 from distmerge.options.cli_options import base_model_dir, format_options, output_settings, reference_format_options
 
 if TYPE_CHECKING:

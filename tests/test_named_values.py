@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from distmerge.option_kinds import Kind
 from distmerge.options import Opt
-from distmerge.options.kinds import Kind
 from distmerge.watcher.outcome import Outcome, Status, WatchResult
 from distmerge.watcher.summary import counts
 

@@ -13,8 +13,8 @@ import distmerge
 from distmerge import api, options
 from distmerge.errors import InputError
 from distmerge.front.cli import build_parser
+from distmerge.option_kinds import Kind
 from distmerge.options import Opt
-from distmerge.options.kinds import Kind
 from tests.conftest import REPO
 from tests.test_readme_options import TABLE_PAGE, documented, readme_rows
 

@@ -26,17 +26,17 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from distmerge import output_options
 from distmerge.errors import InputError
 from distmerge.input.source import is_source
-from distmerge.options import output_options
-from distmerge.options.kinds import ANNOTATIONS, Kind
+from distmerge.option_kinds import ANNOTATIONS, Kind
 from distmerge.output import incomplete_store, is_store
 from distmerge.watcher.choose import parse_steps, positive_count
 
 SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
 COMMANDS = ("merge", "inspect", "verify", "watch")
 API = ("merge", "verify", "watch")  # the commands distmerge.api offers
-KINDS = ANNOTATIONS  # how the API's signature spells each kind of value (options/kinds.py)
+KINDS = ANNOTATIONS  # how the API's signature spells each kind of value (option_kinds.py)
 
 
 def parse_size(text: str) -> int:

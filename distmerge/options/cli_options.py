@@ -11,9 +11,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from distmerge import options
-from distmerge.options import output_options, parse_size
-from distmerge.options.kinds import Kind
+from distmerge import options, output_options
+from distmerge.option_kinds import Kind
+from distmerge.options import parse_size
 
 # command -> the section each group of options is shown under (None: the command's own "options:" section)
 TITLES: dict[str, dict[str, str | None]] = {

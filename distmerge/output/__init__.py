@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -30,6 +31,22 @@ def incomplete_store(value: object) -> str | None:
         return None
     return (f"{type(value).__name__} is not a whole Store: it lacks {', '.join(missing)} (every method of every "
             "role of distmerge/output/store.py: PlaceChecks, Locking, Writing, ResumeReads)")
+
+
+def beneath(location: str | os.PathLike, name: str) -> Path | str:
+    """Return the output `name` (a relative path, '/' between its parts) inside the output `location`: a folder's
+    Path, or an object-store URL kept as typed (a Path would fold s3://b/p into s3:/b/p)."""
+    return f"{str(location).rstrip('/')}/{name}" if isinstance(location, str) else Path(location) / name
+
+
+def read_json(store: Store, name: str) -> dict | None:
+    """Return the JSON object stored as `name`, or None when it is absent, unreadable or not an object (a record
+    another version wrote, or a half-written one: the caller treats it as missing)."""
+    try:
+        data = json.loads(store.read(name) or b"")
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def store_name(location: object) -> str:

@@ -26,6 +26,7 @@ from distmerge import dtypes
 from distmerge.errors import InputError
 from distmerge.families.base import FamilyResult, ModelTraits, Target, Unit
 from distmerge.families.transforms import TRANSFORMS, Params
+from distmerge.natural_order import natural_key
 from distmerge.quantize import fp8_compressed, fused, schemes
 
 # A decoder layer of the text model, under the names save_pretrained writes (hub_names.py: a Qwen2-VL language
@@ -104,11 +105,7 @@ def _unconverted(targets: list[Target], traits: ModelTraits, config: dict[str, A
     if traits.ties(config):
         kept |= {head.removesuffix(".weight") for head, embed in traits.tied_heads if embed in names
                  and head not in names}
-    return tuple(sorted(kept, key=_natural))
-
-
-def _natural(name: str) -> list:
-    return [int(t) if i % 2 else t for i, t in enumerate(re.split(r"(\d+)", name))]
+    return tuple(sorted(kept, key=natural_key))
 
 
 @dataclass(frozen=True)

@@ -9,13 +9,13 @@ from pathlib import Path
 
 from distmerge import catalog, dtypes
 from distmerge.engine.inputs import InputSpec
-from distmerge.engine.plan import natural_key
 from distmerge.engine.prepare import OutputSettings
 from distmerge.errors import ConfigError
 from distmerge.families import hub_names
 from distmerge.families.base import ModelTraits, claim
 from distmerge.families.megatron import mtp
 from distmerge.formats.base import Hints
+from distmerge.natural_order import natural_key
 from distmerge.quantize.compare import Encoding, encoding_of
 from distmerge.verifier.report import Check, Criteria
 from distmerge.verifier.sides import Side, open_side

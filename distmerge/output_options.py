@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from distmerge.options.kinds import Kind
+from distmerge.option_kinds import Kind
 
 CAST_NAMES = ("keep", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32")
 # --quantize: each choice and what it writes (quantize/schemes.py)
