@@ -1,8 +1,8 @@
 """distmerge: merge sharded training checkpoints into Hugging Face safetensors, in parallel.
 
-    distmerge.merge(input, output, **options) -> MergeResult
-    distmerge.verify(merged, reference, **options) -> VerifyResult
-    distmerge.watch(run, output, **options) -> WatchResult
+    distmerge.merge(input, output, *, format="auto", dtype="keep", ...) -> MergeResult
+    distmerge.verify(merged, reference, *, atol=None, ...) -> VerifyResult
+    distmerge.watch(input, output, *, once=False, ...) -> WatchResult
 
 (distmerge/api.py, docs/api.md). Imported on first use: `import distmerge` alone loads no torch. The package that
 does the verifying is distmerge.verifier, the one that watches distmerge.watcher, so these names are only ever the

@@ -5,8 +5,9 @@ shares with it.
     argv     --argparse (cli.py)------> values --verify_request-> verify.VerifyOptions --verify_and_write--> ...
                                         values --watch_request--> watcher.passes.WatchOptions --run_watch--> WatchResult
 
-`values` are the options by name, parsed the same way on both paths (options.py: the one table of options, from
-which argparse, these functions' signatures and the README's table come). The command line (cli.py) is a layer
+`values` are the options by name, parsed the same way on both paths (options/: the one table of options, from
+which argparse and docs/cli.md's table come; these functions' keywords are written out, for editors and type
+checkers, and tests/test_options_agree.py checks them against the table). The command line (cli.py) is a layer
 over this module: it parses, calls job_group and run_merge / verify_and_write, and alone turns errors into a line
 and an exit status, installs signal handlers and freezes the GC.
 
@@ -34,12 +35,13 @@ from contextlib import contextmanager
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
-from distmerge import options
+from distmerge import options, output_options
 from distmerge.errors import DistmergeError
-from distmerge.options import output_options
 from distmerge.options.cli_options import base_model_dir, format_options, output_settings, reference_format_options
 
 if TYPE_CHECKING:
+    import torch.distributed
+
     from distmerge.distributed.comm import Comm
     from distmerge.engine.inputs import InputSpec
     from distmerge.engine.run import MergeOptions
@@ -64,9 +66,18 @@ DESCRIBED = frozenset({"input", "merged", "reference", "format", "hf_config", "r
 WATCHING = frozenset({"once", "poll", "steps", "hf_upload_path", "average_last"})
 
 
-def merge(input: str | os.PathLike | list, output: str | os.PathLike, **kwargs: Any) -> MergeResult:
+def merge(input: str | os.PathLike | list[str | os.PathLike], output: str | os.PathLike, *, format: str = "auto",
+          hf_config: str | os.PathLike | None = None, tag: int | str | None = None,
+          weights: int | str | None = None, iteration: int | str | None = None, step: int | str | None = None,
+          ema_key: int | str | None = None, dtype: str = "keep", quantize: str | None = None,
+          max_shard_size: int | str = "5GB", lora: str = "auto", lora_alpha: float | None = None,
+          base_model: str | None = None, average: bool = False, average_weights: int | str | None = None,
+          overwrite: bool = False, resume: bool = False, checksum: bool = False, device: str = "auto",
+          timeout: float = 600.0, budget: int | str = "128MiB", progress: bool = False,
+          group: torch.distributed.ProcessGroup | None = None) -> MergeResult:
+    given = dict(locals())  # first, so it holds the arguments alone (options.from_keywords checks and parses them)
     with api_spelling("merge"):
-        values = options.from_keywords("merge", {"input": input, "output": output, **kwargs})
+        values = options.from_keywords("merge", given)
         opts = merge_request(values)
         with as_found(), job_group(values) as comm:
             result = run_merge(opts, comm, show=values["progress"])
@@ -77,11 +88,25 @@ def merge(input: str | os.PathLike | list, output: str | os.PathLike, **kwargs: 
     return result
 
 
-def verify(merged: str | os.PathLike, reference: str | os.PathLike, **kwargs: Any) -> VerifyResult:
+def verify(merged: str | os.PathLike | list[str | os.PathLike], reference: str | os.PathLike, *,
+           atol: float | None = None, rtol: float | None = None, min_cosine: float | None = None,
+           logits: bool = False, json: str | os.PathLike | None = None, plot: str | os.PathLike | None = None,
+           format: str = "auto", hf_config: str | os.PathLike | None = None, tag: int | str | None = None,
+           weights: int | str | None = None, iteration: int | str | None = None, step: int | str | None = None,
+           ema_key: int | str | None = None, reference_format: str = "auto",
+           reference_hf_config: str | os.PathLike | None = None, reference_tag: int | str | None = None,
+           reference_weights: int | str | None = None, reference_iteration: int | str | None = None,
+           reference_step: int | str | None = None, reference_ema_key: int | str | None = None,
+           dtype: str = "keep", quantize: str | None = None, max_shard_size: int | str = "5GB", lora: str = "auto",
+           lora_alpha: float | None = None, base_model: str | None = None, average: bool = False,
+           average_weights: int | str | None = None, device: str = "auto", timeout: float = 600.0,
+           budget: int | str = "128MiB", progress: bool = False,
+           group: torch.distributed.ProcessGroup | None = None) -> VerifyResult:
+    given = dict(locals())  # first, so it holds the arguments alone
     from distmerge.verifier.run import verify_and_write
 
     with api_spelling("verify"):
-        values = options.from_keywords("verify", {"merged": merged, "reference": reference, **kwargs})
+        values = options.from_keywords("verify", given)
         opts = verify_request(values)
         with as_found(), job_group(values) as comm:
             result = verify_and_write(opts, comm, plot=values["plot"], show=values["progress"])
@@ -90,26 +115,34 @@ def verify(merged: str | os.PathLike, reference: str | os.PathLike, **kwargs: An
     return result
 
 
-def watch(input: str | os.PathLike, output: str | os.PathLike, **kwargs: Any) -> WatchResult:
+def watch(input: str | os.PathLike, output: str | os.PathLike, *, once: bool = False, poll: float = 30.0,
+          steps: int | str = "all", average_last: int | str | None = None, hf_upload_path: str | None = None,
+          format: str = "auto", hf_config: str | os.PathLike | None = None, weights: int | str | None = None,
+          ema_key: int | str | None = None, dtype: str = "keep", quantize: str | None = None,
+          max_shard_size: int | str = "5GB", lora: str = "auto", lora_alpha: float | None = None,
+          base_model: str | None = None, checksum: bool = False, device: str = "auto", timeout: float = 600.0,
+          budget: int | str = "128MiB", progress: bool = False,
+          group: torch.distributed.ProcessGroup | None = None) -> WatchResult:
+    given = dict(locals())  # first, so it holds the arguments alone
     with api_spelling("watch"):
-        values = options.from_keywords("watch", {"input": input, "output": output, **kwargs})
+        values = options.from_keywords("watch", given)
         request = watch_request(values)
         with as_found(), job_group(values) as comm:
             result = run_watch(request, comm, show=values["progress"])
     return result
 
 
-merge.__signature__ = options.signature("merge", "MergeResult")  # type: ignore[attr-defined]
+# The docstrings list each keyword with its flag and help, from the table (options.docstring); the signatures
+# above are written out so that editors and type checkers see them, and tests/test_options_agree.py checks them
+# against the table (a new row of OPTIONS fails it until its keyword is added here).
 merge.__doc__ = options.docstring("merge", """Merge the checkpoint `input` into a Hugging Face model in `output`, as
 `distmerge merge` does; the options are the command's (docs/api.md). `input` may be a list of checkpoints of one
 model with `average=True`: their weighted average (docs/average.md). Returns the run's figures (the same on every
 rank). Errors: distmerge.errors' exceptions, on every rank.""")
-watch.__signature__ = options.signature("watch", "WatchResult")  # type: ignore[attr-defined]
 watch.__doc__ = options.docstring("watch", """Merge each finished checkpoint under the run folder `input` into `output`,
 as `distmerge watch` does (docs/watch.md): `once=True` merges what is finished and returns; otherwise it watches,
 every `poll` seconds, until interrupted (KeyboardInterrupt), and returns what it did. Returns the WatchResult (the
 same on every rank): each step's outcome. A step that fails is an outcome, not an error.""")
-verify.__signature__ = options.signature("verify", "VerifyResult")  # type: ignore[attr-defined]
 verify.__doc__ = options.docstring("verify", """Compare `merged` (a merged model, or a checkpoint merged in memory)
 with `reference` (a Hugging Face model, or a checkpoint merged in memory, read with the reference_ options), as
 `distmerge verify` does. Returns the VerifyResult (`.passed`, `.checks`): a failed comparison

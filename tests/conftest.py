@@ -18,7 +18,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from distmerge import catalog
 from distmerge.front.cli import main as distmerge_main
+
+# Tests call families.base.claim and families.transforms.apply directly, below the places that install the catalog.
+catalog.install()
 
 REPO = Path(__file__).resolve().parents[1]
 

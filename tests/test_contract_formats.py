@@ -22,7 +22,7 @@ from distmerge.engine import discover as disc
 from distmerge.engine import plan as planning
 from distmerge.engine.reader import Reader
 from distmerge.formats import registry
-from distmerge.formats.base import REGISTERED
+from distmerge.formats.registry import REGISTERED
 from tests.conftest import merge_inproc, reference_dir
 
 # format -> (session fixture holding real checkpoints, case); cases with replicated blocks where they exist.

@@ -511,8 +511,9 @@ NOT_RUN: dict[tuple[str, str], str] = {
     ("dev/benchmarks-history.md", "torchrun --standalone --nproc-per-node 16 tests/bench/make_ckpt.py"): BENCHMARK,
     ("quantize.md", "python tests/bench/bench_quantize.py --size 0.8GB"): BENCHMARK,
     ("quantize.md", "python tests/bench/bench_quantize.py --scheme nvfp4"): BENCHMARK,
-    ("extending.md", "@register"): "a skeleton with `...` bodies, the shape of a format; what a registered format "
-                                   "must do is tests/test_contract_formats.py",
+    ("extending.md", "class MyFormat(FormatDefaults):"): "a skeleton with `...` bodies, the shape of a format; "
+                                                         "what a registered format must do is "
+                                                         "tests/test_contract_formats.py",
     ("extending.md", "class MyFamily:"): "a skeleton with `...` bodies, the shape of a family; what a registered "
                                          "family must do is tests/test_contract_families.py",
     ("gpu.md", "bash launch/gpu_check.sh"): "the first line needs a CUDA GPU; the second, --dry-run, is "

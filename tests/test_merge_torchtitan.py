@@ -20,7 +20,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import distmerge.families  # noqa: F401 (every family registers its transforms)
 from distmerge.engine import discover as disc
 from distmerge.engine.reader import Reader
 from distmerge.engine.unwritten import _checksum

@@ -12,6 +12,7 @@ import pytest
 import distmerge
 from distmerge import api, options
 from distmerge.errors import InputError
+from distmerge.option_kinds import Kind
 from distmerge.options import Opt
 from tests.conftest import REPO
 from tests.helpers.options import REQUIRED, subparser
@@ -143,5 +144,49 @@ def test_a_format_option_brings_its_reference_twin(monkeypatch):
         assert options.signature("verify", "VerifyResult").parameters["reference_shard_tag"].default is None
         merge_help = subparser("merge").format_help()
         assert "--shard-tag" in merge_help and "--reference-shard-tag" not in merge_help
+    finally:
+        options.rows.cache_clear()
+
+
+RETURNS = {"merge": "MergeResult", "verify": "VerifyResult", "watch": "WatchResult"}
+
+
+def unwritten(command: str) -> list[str]:
+    """How api.<command>'s written signature differs from the one the table makes: each parameter missing, extra,
+    or with another kind, default or annotation (the annotations as strings: api.py's are postponed)."""
+    written = inspect.signature(getattr(api, command))
+    table = options.signature(command, RETURNS[command])
+    got, want = written.parameters, table.parameters
+    diffs = [f"missing {n}" for n in want if n not in got] + [f"extra {n}" for n in got if n not in want]
+    diffs += [f"{n}: {got[n]} != {want[n]}" for n in want if n in got and str(got[n]) != str(want[n])]
+    if list(got) != list(want) and not diffs:
+        diffs.append(f"order {list(got)} != {list(want)}")
+    if written.return_annotation != table.return_annotation:
+        diffs.append(f"returns {written.return_annotation}")
+    return diffs
+
+
+@pytest.mark.parametrize("command", options.API)
+def test_the_api_functions_are_written_with_the_tables_keywords(command):
+    """distmerge.<command> takes real keywords (no **kwargs, no patched __signature__) and they are exactly the
+    table's: names, order, positional or keyword-only, default and annotation."""
+    func = getattr(api, command)
+    assert "__signature__" not in vars(func)
+    assert not any(p.kind is p.VAR_KEYWORD for p in inspect.signature(func).parameters.values())
+    assert unwritten(command) == []
+
+
+def test_an_option_added_to_the_table_and_not_to_the_api_is_named(monkeypatch):
+    """A row added to OPTIONS and forgotten in api.py is caught by the check above, which names it; and a call
+    cannot pass it either."""
+    extra = Opt(name="new_size", flags=("--new-size",), commands=("merge",), group="run", kind=Kind.SIZE,
+                default="1MiB", metavar="SIZE", help="a new option")
+    monkeypatch.setattr(options, "OPTIONS", (*options.OPTIONS, extra))
+    options.rows.cache_clear()
+    try:
+        assert unwritten("merge") == ["missing new_size"]
+        assert unwritten("verify") == []
+        with pytest.raises(TypeError, match="new_size"):
+            api.merge("a", "b", new_size="2KiB")
     finally:
         options.rows.cache_clear()

@@ -1,4 +1,4 @@
-"""The options that shape the output are declared once (options/output_options.py): the row of the options table,
+"""The options that shape the output are declared once (output_options.py): the row of the options table,
 the setting, the resume fingerprint and verify's treatment all come from the declaration. A new one is one
 declaration: shown with a toy registered here, not in the package."""
 
@@ -11,16 +11,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from distmerge import api, options
+from distmerge import api, options, output_options
 from distmerge.average.units import AverageOptions
 from distmerge.engine import prepare, resume
 from distmerge.engine.inputs import InputSpec
 from distmerge.engine.prepare import OutputSettings
 from distmerge.errors import InputError
 from distmerge.families.base import LoraOptions
-from distmerge.options import output_options
 from distmerge.options.cli_options import output_settings
-from distmerge.options.output_options import OutputOption
+from distmerge.output_options import OutputOption
 from distmerge.verifier import kinds
 from distmerge.verifier.listing import VerifyOptions
 from tests.helpers.options import REQUIRED, subparser

@@ -14,16 +14,18 @@ MAX_LINES = 400
 # the layer of the longest entry that is it or a package above it (engine.run is 5, the rest of engine/ 4).
 LAYERS = {
     0: ("errors", "dtypes", "results", "threads", "input", "s3_client", "distributed.watchdog",
-        "options.output_options"),
+        "output_options", "option_kinds", "natural_order", "disjoint_sets"),
     1: ("formats", "distributed.comm", "distributed.requests", "families.transforms", "quantize"),
     2: ("families", "quantize.table", "quantize.fused", "average"),
-    3: ("engine.plan", "engine.coverage", "engine.spread", "engine.inventory", "output"),  # coverage: the plan's
+    3: ("engine.plan", "engine.coverage", "engine.spread", "engine.inventory", "output",  # coverage: the plan's
+        "catalog"),  # every family, transform and rewrite, above them all (catalog.py)
     4: ("engine", "report"),
-    5: ("engine.run", "front.inspect", "verifier", "watcher", "options", "front.hub", "api"),
+    5: ("engine.run", "front.inspect", "verifier", "watcher", "options", "api"),
     6: ("front", "__main__", "hooks"),
 }
 # The modules at the top of distmerge/: what every part uses, and the API. A new module belongs to a part.
-TOP = {"__init__", "__main__", "api", "errors", "dtypes", "results", "threads", "report", "s3_client"}
+TOP = {"__init__", "__main__", "api", "errors", "dtypes", "results", "threads", "report", "s3_client", "catalog",
+       "output_options", "option_kinds", "natural_order", "disjoint_sets"}
 # Inside a package, the same rule one level down: its modules' layers among themselves.
 SUBLAYERS = {
     "verifier": {
@@ -152,22 +154,37 @@ def test_a_package_attribute_is_the_package():
     assert wrong == []
 
 
-# Folders, as layers of their own: a folder imports nothing from a folder above it. The input side: input/ (the
-# sources: where the checkpoint's bytes come from) is below formats/ (what the bytes mean), which is below engine/
-# (discovery, the reader, the rounds). The exceptions, each with its reason, are in docs/architecture.md.
-FOLDERS = {"input": 0, "formats": 1, "families": 2, "engine": 4}
+# Folders, as layers of their own: a folder imports nothing from a folder above it (an arrow of the folders'
+# drawing that runs back up). The input side: input/ (the sources: where the checkpoint's bytes come from) is below
+# formats/ (what the bytes mean), which is below engine/ (discovery, the reader, the rounds); the plug-ins
+# (families/, then quantize/ and average/, which rewrite a family's result) and output/ (where the model goes) below
+# the engine; the verifier and the watcher use the engine; options/ (the table of options) knows them all, and
+# front/ and hooks/ are the doors. The modules at the top of distmerge/ have their own layers (LAYERS).
+FOLDERS = {"input": 0, "distributed": 1, "formats": 1, "families": 2, "quantize": 3, "average": 3, "output": 3,
+           "engine": 4, "verifier": 5, "watcher": 5, "options": 6, "front": 7, "hooks": 7}
+
+
+def folder(path: Path) -> str | None:
+    """The folder of distmerge/ a module is in (a package's __init__ too), None at the top."""
+    parts = path.relative_to(PACKAGE).parts
+    return parts[0] if len(parts) > 1 else None
+
+
+def upward_folder_arrows() -> list[tuple[str, str]]:
+    """Each import of a module of a higher folder, as (importer, imported)."""
+    mods = modules()
+    return [(m, i) for m, p in mods.items() if folder(p) for i in imports(p, set(mods))
+            if folder(mods[i]) and FOLDERS[folder(mods[i])] > FOLDERS[folder(p)]]
+
+
+def test_every_folder_has_a_place():
+    assert {folder(p) for p in modules().values()} - {None} == set(FOLDERS)
 
 
 def test_no_folder_imports_a_folder_above_it():
-    mods = modules()
-
-    def folder(module: str) -> str | None:
-        parts = module.removeprefix("distmerge.").split(".")
-        return parts[0] if len(parts) > 1 or module.removeprefix("distmerge.") in FOLDERS else None
-
-    upward = [(m, i) for m, p in mods.items() if folder(m) in FOLDERS for i in imports(p, set(mods))
-              if folder(i) in FOLDERS and FOLDERS[folder(i)] > FOLDERS[folder(m)]]
-    assert upward == []
+    """Shown to fail on the code before #44: four arrows (engine/resume -> options, verifier/kinds -> options,
+    watcher/step -> front/hub, families -> quantize)."""
+    assert upward_folder_arrows() == []
 
 
 # The formats read the input only through the Source they are handed (input/source.py): no file system call of their
@@ -249,3 +266,33 @@ def test_few_files_name_the_quantize_part():
                    if not (m == "distmerge.quantize" or m.startswith("distmerge.quantize."))
                    and _names_the_quantize_part(p, set(mods)))
     assert len(named) <= QUANTIZE_NAMED_IN, named
+
+
+def side_effect_imports(path: Path) -> list[str]:
+    """The names imported from distmerge in a file that the file never uses: kept for what importing does
+    (a module registering itself). A package's __init__ may re-export names (`from x import y`), not import a
+    module for nothing (`import distmerge.families.hf`)."""
+    tree = ast.parse(path.read_text())
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            mods = [a for a in node.names if a.name.startswith("distmerge.")]
+            bound = [a.asname or a.name.split(".")[0] for a in mods]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("distmerge"):
+            if path.name == "__init__.py":
+                continue  # a re-export
+            bound = [a.asname or a.name for a in node.names]
+        else:
+            continue
+        found += [f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {b}" for b in bound if b not in used]
+    return found
+
+
+def test_nothing_is_imported_for_its_side_effect():
+    """Families, transforms, folds, rewrites (distmerge/catalog.py) and formats (formats/registry.py) are listed
+    where they are registered, so no module is imported only to make it register itself. Shown to fail on the code
+    before #44 (six: formats/registry.py, average/units.py, verifier/listing.py, three families' family.py; and
+    families/__init__.py's imports of every family and of quantize.table)."""
+    found = [f for p in sorted(PACKAGE.rglob("*.py")) for f in side_effect_imports(p)]
+    assert found == []

@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import distmerge.families  # noqa: F401 (every family registers its transforms)
 from distmerge.families.transforms import apply
 
 

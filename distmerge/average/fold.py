@@ -21,10 +21,23 @@ A unit's params (average/units.py makes them):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from distmerge.errors import LayoutError
-from distmerge.families.transforms import Fold, apply, fold
+from distmerge.families.transforms import Fold, Params, apply
+
+
+@dataclass(frozen=True)
+class Average(Params):
+    """The fold's keywords (the module docstring says what each holds)."""
+
+    inputs: tuple[tuple[tuple[int, ...], tuple[tuple[str, Params, tuple[int, ...], tuple[int, ...]], ...]], ...]
+    weights: tuple[float, ...]
+    floating: tuple[bool, ...]
+    names: tuple[str, ...]
+
 
 CHUNK = 1 << 20  # elements made float64 at a time: a tensor's float64 copy is never held whole beside the sum
 
@@ -83,4 +96,4 @@ def _end(state: list, **_: object) -> list[torch.Tensor]:
     return state
 
 
-AVERAGE = fold("average", Fold(groups=_groups, step=_step, end=_end))
+AVERAGE = Fold(groups=_groups, step=_step, end=_end)

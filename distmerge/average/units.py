@@ -14,20 +14,21 @@ shapes and dtypes as the first's; the first that differs is named in one line. A
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from distmerge import dtypes
-from distmerge.average import fold  # noqa: F401  (registers the `average` fold)
+from distmerge.average.fold import Average
+from distmerge.disjoint_sets import DisjointSets
 from distmerge.errors import InputError
 from distmerge.families.base import FamilyResult, Target, Unit
 from distmerge.formats.base import BASE_MODEL_PREFIX
+from distmerge.natural_order import natural_key
 
 
 @dataclass(frozen=True, kw_only=True)
 class AverageOptions:
-    """--average and --average-weights (options/output_options.py)."""
+    """--average and --average-weights (output_options.py)."""
 
     on: bool = False
     weights: tuple[float, ...] | None = None  # None: 1/K each
@@ -73,21 +74,15 @@ def _components(results: Sequence[FamilyResult]) -> list[tuple[tuple[Target, ...
     """The targets that some input's unit builds together, joined across the inputs (a Megatron save builds q, k and
     v in one unit, an FSDP save in three: one averaged unit of the three), in the first input's order: per group
     its targets and, per input, its units that build them."""
-    parent: dict[str, str] = {}
-
-    def root(name: str) -> str:
-        while parent.setdefault(name, name) != name:
-            name = parent[name]
-        return name
-
+    built_together: DisjointSets[str] = DisjointSets()
     for result in results:
         for unit in result.units:
             for t in unit.targets[1:]:
-                parent[root(t.name)] = root(unit.targets[0].name)
+                built_together.join(t.name, unit.targets[0].name)
     groups: dict[str, tuple[list[Target], list[list[Unit]]]] = {}
     for i, result in enumerate(results):
         for unit in result.units:
-            targets, parts = groups.setdefault(root(unit.targets[0].name), ([], [[] for _ in results]))
+            targets, parts = groups.setdefault(built_together.root(unit.targets[0].name), ([], [[] for _ in results]))
             parts[i].append(unit)
             targets.extend(unit.targets if i == 0 else ())
     return [(tuple(targets), parts) for targets, parts in groups.values()]
@@ -111,8 +106,8 @@ def averaged(targets: tuple[Target, ...], parts: Sequence[Sequence[Unit]], weigh
                 at.append(group.index(names.index(source)))
             made.append((unit.transform, unit.params, tuple(at), tuple(where[t.name] for t in unit.targets)))
         inputs.append((tuple(group), tuple(made)))
-    params = (("inputs", tuple(inputs)), ("weights", weights),
-              ("floating", tuple(dtypes.is_float(t.dtype) for t in targets)), ("names", tuple(where)))
+    params = Average(inputs=tuple(inputs), weights=weights, floating=tuple(dtypes.is_float(t.dtype) for t in targets),
+                     names=tuple(where))
     return Unit(sources=tuple(names), targets=targets, transform="average", params=params)
 
 
@@ -141,7 +136,7 @@ def _check_alike(results: Sequence[FamilyResult], labels: Sequence[str]) -> None
     first = _targets(results[0])
     for i, result in enumerate(results[1:], start=1):
         other = _targets(result)
-        for name in sorted(first.keys() | other.keys(), key=_natural):
+        for name in sorted(first.keys() | other.keys(), key=natural_key):
             if first.get(name) != other.get(name):
                 raise InputError(f"--average: input {i + 1} ({labels[i]}) differs from input 1 ({labels[0]}) at "
                                  f"{name}: {_what(first.get(name), other.get(name))}; nothing was written")
@@ -160,7 +155,3 @@ def _what(first: tuple | None, other: tuple | None) -> str:
         return f"shape {list(other[0])}, input 1's {list(first[0])}"
     return (f"dtype {other[1]}, input 1's {first[1]} (--dtype writes the average of inputs of different dtypes in "
             "one dtype)")
-
-
-def _natural(name: str) -> list:
-    return [int(t) if i % 2 else t for i, t in enumerate(re.split(r"(\d+)", name))]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import heapq
 import math
-import re
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -28,6 +27,7 @@ from distmerge.errors import LayoutError
 from distmerge.families import transforms
 from distmerge.families.base import SourceMeta, Target, Unit
 from distmerge.formats.base import Fragment, InputFile
+from distmerge.natural_order import natural_key
 from distmerge.output.names import GROUP_FILES, model_file_names
 from distmerge.output.store import Sharing
 
@@ -113,11 +113,6 @@ class Plan:
     def model_files(self) -> tuple[OutputFile, ...]:
         """The files model.safetensors.index.json covers (not the LoRA adapter)."""
         return tuple(f for f in self.files if f.group == "model")
-
-
-def natural_key(name: str) -> list:
-    """layers.2 before layers.10: digits compare as numbers (split keeps str/int positions aligned)."""
-    return [int(t) if i % 2 else t for i, t in enumerate(re.split(r"(\d+)", name))]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from distmerge import catalog
 from distmerge.average import units as average
 from distmerge.average.units import AverageOptions
 from distmerge.dtypes import CAST_CHOICES
@@ -64,6 +65,7 @@ def prepare_merge(found: Discovery, fragments: list[Fragment], world: int, setti
     """`hosts[r]`: the host of rank r, for plan.make_plan (None: every rank on one host); `sharing`: what the
     output store lets several ranks do with one file (None: a local folder's rule); `placement`: the input on the
     nodes' own disks (plan.Placement)."""
+    catalog.install()  # the families, transforms and rewrites the claim and the plan look up by name
     scan = found.scan
     sources = planning.merge_inventories(fragments, scan.files)
     # The checkpoint's own tensors go to the family's claim; a second input root's (--base-model) ride along.

@@ -25,13 +25,14 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from distmerge import output_options as declared
 from distmerge.distributed.comm import Comm
 from distmerge.engine.plan import OutputFile, Plan
 from distmerge.engine.prepare import OutputSettings
 from distmerge.errors import OutputError
 from distmerge.formats import registry
 from distmerge.formats.base import InputFile
-from distmerge.options import output_options as declared
+from distmerge.output import read_json
 from distmerge.output.names import INDEX_NAME, MANIFEST, RECORDS, RUN_RECORD, record_name
 from distmerge.output.store import Store
 from distmerge.output.writer import header_bytes
@@ -123,7 +124,7 @@ def record_done(store: Store, file: OutputFile, run: RunRecord, checksum: bool) 
 
 def _record_run(store: Store, file: OutputFile, run: RunRecord) -> None:
     """Owners race here with the same content: each writes from its own temporary name (one per file)."""
-    if (_read_json(store, RUN_RECORD) or {}).get("fingerprint") == run.fingerprint:
+    if (read_json(store, RUN_RECORD) or {}).get("fingerprint") == run.fingerprint:
         return
     temp = record_name(file.name).removesuffix(".json") + ".run.partial"
     store.write_small(RUN_RECORD, (json.dumps(asdict(run), indent=1) + "\n").encode(), temp=temp)
@@ -142,7 +143,7 @@ def check_own_files(store: Store, plan: Plan, fp: str, rank: int, checksum: bool
 
 
 def _check(store: Store, index: int, file: OutputFile, fp: str, checksum: bool) -> FileCheck:
-    record = _read_json(store, record_name(file.name))
+    record = read_json(store, record_name(file.name))
     if record is None or record.get("fingerprint") != fp:
         return FileCheck(index=index)
     if not _intact(store, file, record):
@@ -249,16 +250,9 @@ def _write_record(store: Store, name: str, record: dict) -> None:
 
 
 def _read_run(store: Store) -> RunRecord | None:
-    data = _read_json(store, RUN_RECORD)
+    data = read_json(store, RUN_RECORD)
     try:
         return RunRecord(**data) if data is not None else None
     except TypeError:  # another distmerge version's run.json
         return None
 
-
-def _read_json(store: Store, name: str) -> dict | None:
-    try:
-        data = json.loads(store.read(name) or b"")
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None

@@ -34,6 +34,7 @@ from distmerge.engine.plan import Plan
 from distmerge.engine.reader import Reader
 from distmerge.errors import LayoutError
 from distmerge.formats.base import Fragment
+from distmerge.natural_order import natural_key
 
 PIECE = 8 << 20  # bytes read and reduced at a time: bounds the memory of a check whatever the tensor's size
 MIX = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: spreads consecutive indices over all bits
@@ -63,14 +64,10 @@ def check(plan: Plan, left_out: dict[str, str], must_equal: tuple[tuple[str, str
 def left_out_notes(left_out: dict[str, str], peaks: dict[str, float] | None = None) -> list[str]:
     """One note per reason naming every tensor (with its largest magnitude when known: inspect reads none)."""
     by_reason: dict[str, list[str]] = defaultdict(list)
-    for name in sorted(left_out, key=_natural):
+    for name in sorted(left_out, key=natural_key):
         shown = f"{name} (max |x| {peaks[name]:.3g})" if peaks is not None and name in peaks else name
         by_reason[left_out[name]].append(shown)
     return [f"not written: {', '.join(names)}: {reason}" for reason, names in by_reason.items()]
-
-
-def _natural(name: str) -> list:
-    return [int(t) if t.isdigit() else t for t in name.replace(".", " . ").split()]
 
 
 def _figures(plan: Plan, peaked: list[str], summed: list[str], rank: int, reader: Reader) -> dict:

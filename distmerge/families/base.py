@@ -8,10 +8,11 @@ Call order (distmerge/engine/prepare.py drives it, the same for merge and inspec
                                   every rank
     family.traits(config)         -> ModelTraits: what the written model is (tied heads, the transformers
                                   class to load it with, where its attention sizes live)
-    rewrite(result, settings, ...)  the result rewritten by each output option that registered a rewrite
-                                  (register_rewrite) and that the settings turn on
+    rewrite(result, settings, ...)  the result rewritten by each output option that has a rewrite
+                                  (add_rewrite) and that the settings turn on
 
-A family module registers its instance with `register`; distmerge/families/__init__.py imports it. A family
+A family module defines its instance; distmerge/catalog.py, the one list of every family, transform and rewrite,
+puts it here with `register` (catalog.install). A family
 written as a table of rows (megatron/, torchtitan/) finds each source's row with `matched_rows`.
 """
 
@@ -25,6 +26,7 @@ from typing import Any, Protocol, TypeVar
 
 from distmerge import dtypes
 from distmerge.errors import ConfigError, InputError
+from distmerge.families.transforms import NO_PARAMS, Params
 from distmerge.formats.base import Hints
 
 
@@ -61,7 +63,7 @@ class Unit:
     sources: tuple[str, ...]
     targets: tuple[Target, ...]
     transform: str = "identity"
-    params: tuple[tuple[str, object], ...] = ()
+    params: Params = NO_PARAMS  # the transform's own dataclass (families/transforms.py)
 
 
 def output_dtype(source_dtype: str, cast: str | None) -> str:
@@ -252,6 +254,7 @@ REGISTERED: list[Family] = []
 
 
 def register(family: Family) -> Family:
+    """Make `family` known to claim, in its declared order; catalog.install calls it."""
     if any(f.name == family.name for f in REGISTERED):
         raise AssertionError(f"two model families are named {family.name!r}")
     REGISTERED.append(family)
@@ -260,17 +263,15 @@ def register(family: Family) -> Family:
 
 
 # An output option's rewrite of any family's result, by the OutputSettings field that turns it on (its value given
-# to the rewrite); the rewriting part registers itself, as the families do, and prepare.py applies it after the family
+# to the rewrite); distmerge/catalog.py lists each (add_rewrite), and prepare.py applies it after the family
 Rewrite = Callable[[FamilyResult, Any, ModelTraits, dict[str, Any]], FamilyResult]
 REWRITES: dict[str, Rewrite] = {}
 
 
-def register_rewrite(setting: str) -> Callable[[Rewrite], Rewrite]:
-    def register(rewrite: Rewrite) -> Rewrite:
-        REWRITES[setting] = rewrite
-        return rewrite
-
-    return register
+def add_rewrite(setting: str, rewrite: Rewrite) -> None:
+    """Make `rewrite` the one the OutputSettings field `setting` turns on; catalog.install calls it."""
+    assert setting not in REWRITES, f"two rewrites of {setting}"
+    REWRITES[setting] = rewrite
 
 
 def rewrite(result: FamilyResult, settings: object, traits: ModelTraits, config: dict[str, Any]) -> FamilyResult:
@@ -283,6 +284,7 @@ def rewrite(result: FamilyResult, settings: object, traits: ModelTraits, config:
 
 def claim(names: Collection[str], config: dict[str, Any], hints: Hints, *, skip: Family | None = None) -> Family:
     """The family for these tensors; `skip` lets a wrapping family (LoRA) find the one it wraps."""
+    assert REGISTERED, "no model family is registered: call distmerge.catalog.install() first"
     for family in REGISTERED:
         if family is not skip and family.claims(names, config, hints):
             return family

@@ -20,7 +20,6 @@ from distmerge.families.base import (
     Target,
     Unit,
     output_dtype,
-    register,
 )
 
 # Names that give away another trainer's own naming: merging them as if they were Hugging Face names
@@ -57,4 +56,4 @@ def as_is(source: SourceMeta, cast: str | None, rules: hub_names.Rules = ()) -> 
     return Unit(sources=(source.name,), targets=(target,))
 
 
-HF = register(NamingFamily(name="hf", naming="hf", order=90, build=units))
+HF = NamingFamily(name="hf", naming="hf", order=90, build=units)

@@ -1,17 +1,19 @@
 """Layout transforms: small pure functions from assembled source tensors to target tensors, by name.
 
 A `Unit` names its transform (Unit.transform, with Unit.params); the engine applies it by that name (`apply`). The
-generic ones are here; each family's own sit beside its tables and register themselves with `@transform` when the
-family is imported (families/__init__.py imports every family):
+generic ones are here; each family's own sit beside its tables. None registers itself: distmerge/catalog.py
+lists every transform, fold and wrapping change and puts them here (`add`, `add_fold`, `add_after`):
 
+    families/transforms.py             identity, trim_rows, copies
     families/megatron/transforms.py    split_qkv, split_gate_up, mla_rope_halves
     families/torchtitan/transforms.py  rope_permute
     families/lora/transforms.py        lora_fuse
     families/value_head.py             with_zero_bias
-    quantize/table.py                  quantized (--quantize: another transform's targets, some in FP8)
+    quantize/table.py                  quantized (--quantize: another transform's targets, some quantized)
+    quantize/fused.py                  joined (a fused set's units as one)
     average/fold.py                    average (a fold: --average's weighted sum of several inputs' tensors)
 
-A fold (`Fold`, registered with `fold`) is a transform made in steps: a unit's sources come in groups (an average's
+A fold (`Fold`, put here with `add_fold`) is a transform made in steps: a unit's sources come in groups (an average's
 inputs), and each group, once assembled, is folded into a state that the last step turns into the targets. The
 engine assembles one group at a time, in the fold's order, and drops it before the next (engine/fold.py), so a
 unit of K groups holds one group's tensors and the state, not K groups at once; `apply` runs the same steps on
@@ -20,37 +22,64 @@ sources assembled together, with the same result.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
 Transform = Callable[..., list[torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Params:
+    """A unit's transform parameters: each transform's own subclass, whose fields are the transform's keywords
+    (SplitQkv(heads=, groups=, head_dim=) for split_qkv). The base, with no field, is a transform's that takes none.
+    It iterates as (keyword, value) pairs, so `dict(params)` gives the keywords `apply` passes."""
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        return ((f.name, getattr(self, f.name)) for f in fields(self))
+
+
+NO_PARAMS = Params()
+
+
+@dataclass(frozen=True)
+class TrimRows(Params):
+    rows: int  # the config's vocab_size
+
+
+@dataclass(frozen=True)
+class Copies(Params):
+    """copies' own keywords, then its inner transform's (`inner`), flat, as copies takes them."""
+
+    of: str
+    count: int
+    inner: Params = NO_PARAMS
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        return iter((("of", self.of), ("count", self.count), *self.inner))
 TRANSFORMS: dict[str, Transform] = {}
 
 
-def transform(fn: Transform) -> Transform:
-    """Register `fn` under its own name (a unit's `transform`)."""
-    assert fn.__name__ not in TRANSFORMS, f"two transforms named {fn.__name__}"
-    TRANSFORMS[fn.__name__] = fn
-    return fn
+def add(*fns: Transform) -> None:
+    """Make each of `fns` known under its own name (a unit's `transform`); catalog.install calls it."""
+    for fn in fns:
+        assert fn.__name__ not in TRANSFORMS, f"two transforms named {fn.__name__}"
+        TRANSFORMS[fn.__name__] = fn
 
 
-@transform
 def identity(sources: list[torch.Tensor]) -> list[torch.Tensor]:
     """One source, one target, same layout."""
     return list(sources)
 
 
-@transform
 def trim_rows(sources: list[torch.Tensor], rows: int) -> list[torch.Tensor]:
     """Padded vocabulary (Megatron rounds it up to a multiple of 128 x TP) -> the config's vocab_size rows."""
     (padded,) = sources
     return [padded[:rows].contiguous()]
 
 
-@transform
 def copies(sources: list[torch.Tensor], of: str, count: int, **params: object) -> list[torch.Tensor]:
     """One target that a checkpoint also carries under other names (DeepSeek-V3's MTP layers repeat the embedding
     and the output head, families/megatron/mtp.py): the transform `of` applied once, its one result given `count` times.
@@ -61,7 +90,9 @@ def copies(sources: list[torch.Tensor], of: str, count: int, **params: object) -
     return [out] * count
 
 
-def apply(name: str, sources: list[torch.Tensor], params: tuple[tuple[str, object], ...]) -> list[torch.Tensor]:
+def apply(name: str, sources: list[torch.Tensor], params: Params | tuple[tuple[str, object], ...] = NO_PARAMS
+          ) -> list[torch.Tensor]:
+    """Apply the transform `name` to `sources` with `params` as its keywords (a Params, or (keyword, value) pairs)."""
     return TRANSFORMS[name](sources, **dict(params))
 
 
@@ -83,8 +114,8 @@ class Fold:
 FOLDS: dict[str, Fold] = {}
 
 
-def fold(name: str, made: Fold) -> Fold:
-    """Register a fold under `name`: a unit naming it is assembled group by group (engine/fold.py); as a transform
+def add_fold(name: str, made: Fold) -> None:
+    """Make a fold known under `name`: a unit naming it is assembled group by group (engine/fold.py); as a transform
     (`apply`, a wrapping transform's inner) its steps run over sources assembled together."""
     assert name not in TRANSFORMS, f"two transforms named {name}"
     FOLDS[name] = made
@@ -97,7 +128,6 @@ def fold(name: str, made: Fold) -> Fold:
 
     whole.__name__ = name
     TRANSFORMS[name] = whole
-    return made
 
 
 def is_fold(name: str) -> bool:
@@ -110,17 +140,18 @@ def is_fold(name: str) -> bool:
 AFTER: dict[str, Callable[..., list[torch.Tensor]]] = {}
 
 
-def after(name: str, change: Callable[..., list[torch.Tensor]]) -> None:
+def add_after(name: str, change: Callable[..., list[torch.Tensor]]) -> None:
+    """Make `change` the one the wrapping transform `name` makes to its inner transform's targets."""
     AFTER[name] = change
 
 
-def folded(name: str, params: tuple[tuple[str, object], ...]) -> tuple[Fold, dict[str, Any], Callable | None] | None:
-    """A unit's fold, its params and the change a wrapping transform makes to its targets (None: no fold)."""
+def folded(name: str, params: Params) -> tuple[Fold, dict[str, Any], Callable | None] | None:
+    """A unit's fold, its params as keywords and the change a wrapping transform makes to its targets (None: no
+    fold). A wrapping transform's params name their inner transform (`inner`) and its params (`inner_params`)."""
     if name in FOLDS:
         return FOLDS[name], dict(params), None
-    given = dict(params)
-    inner = given.get("inner")
+    inner = getattr(params, "inner", None)
     if name in AFTER and isinstance(inner, str) and inner in FOLDS:
-        rest = {k: v for k, v in given.items() if k not in ("inner", "inner_params")}
-        return FOLDS[inner], dict(given["inner_params"]), lambda targets: AFTER[name](targets, **rest)
+        rest = {k: v for k, v in params if k not in ("inner", "inner_params")}
+        return FOLDS[inner], dict(params.inner_params), lambda targets: AFTER[name](targets, **rest)  # type: ignore[attr-defined]
     return None

@@ -38,9 +38,7 @@ from distmerge.families.base import (
     Unit,
     claim,
     output_dtype,
-    register,
 )
-from distmerge.families.transforms import transform
 from distmerge.formats.base import Hints
 
 SCORE_WEIGHT, SCORE_BIAS = "score.weight", "score.bias"  # ...ForTokenClassification's head (a Linear with bias)
@@ -139,10 +137,9 @@ class ValueHeadFamily:
         return VALUE_MODEL
 
 
-VALUE_HEAD = register(ValueHeadFamily())
+VALUE_HEAD = ValueHeadFamily()
 
 
-@transform
 def with_zero_bias(sources: list[torch.Tensor]) -> list[torch.Tensor]:
     """A linear layer saved without a bias -> its weight and a zero bias, for a class whose layer has one
     (verl's Megatron value head, Linear(hidden, 1, bias=False) -> ...ForTokenClassification's score):

@@ -1,13 +1,5 @@
 """Input layouts. Each module answers: is this my layout, which files, which fragments (see base.py).
 
-Registration: a format module decorates its class with `@register`; the import below makes it known.
+A format module defines its class and registers nothing; registry.py lists every format (FORMATS) and is where
+detection, --format, --help and the format options read them from.
 """
-
-# Plain imports: an alias here (`folder as dcp`) would put the module where the package `distmerge.formats.dcp` is.
-import distmerge.formats.dcp.folder  # noqa: F401
-import distmerge.formats.dcp.hf_writer  # noqa: F401
-import distmerge.formats.deepspeed.folder  # noqa: F401
-import distmerge.formats.fsdp  # noqa: F401
-import distmerge.formats.megatron.dist  # noqa: F401
-import distmerge.formats.megatron.legacy  # noqa: F401
-import distmerge.formats.torchtitan  # noqa: F401

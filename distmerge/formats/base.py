@@ -14,7 +14,7 @@ files only through the source's methods (`listdir`, `is_file`, `stat`, `read_jso
 from a folder is read the same from a bucket; paths are names within the source. A save inside the folder given
 is looked at through `source.at(folder)`.
 
-A format module registers itself with `@register`; distmerge/formats/__init__.py imports it.
+A format module defines its class; registry.py lists every format (FORMATS), the one place that says which exist.
 """
 
 from __future__ import annotations
@@ -282,16 +282,6 @@ class InputFormat(Protocol):
         ...
 
 
-REGISTERED: dict[str, InputFormat] = {}
-
-
-def register(cls: type) -> type:
-    """Class decorator: make the format known to detection, --format, --help and the contract tests."""
-    fmt = cls()
-    if fmt.name in REGISTERED:
-        raise AssertionError(f"two input formats are named {fmt.name!r}")
-    REGISTERED[fmt.name] = fmt
-    return cls
 
 
 class FormatDefaults:

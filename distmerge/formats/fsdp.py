@@ -18,7 +18,7 @@ from typing import Any
 from distmerge import dtypes
 from distmerge.errors import InputError, LayoutError
 from distmerge.formats import base, copies
-from distmerge.formats.base import FormatDefaults, Fragment, Hints, InputFile, OpenedFile, Scan, input_file, register
+from distmerge.formats.base import FormatDefaults, Fragment, Hints, InputFile, OpenedFile, Scan, input_file
 from distmerge.formats.torch_private import archive_name, state_dicts, torch_save
 from distmerge.formats.torch_private.mesh_record import MeshCache
 from distmerge.input import tree
@@ -31,7 +31,6 @@ OPTIM_FILE = re.compile(r"^optim_world_size_(\d+)_rank_(\d+)\.pt$")
 WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 
 
-@register
 class FsdpFormat(FormatDefaults):
     name = "fsdp"
     order = 10

@@ -1,6 +1,6 @@
 """The registered input formats: detection, --format choices, help text and format options all come from here.
 
-A format registers itself (formats/base.register); distmerge/formats/__init__.py imports its module.
+Every format is listed here, one line each (FORMATS): a format module defines its class and registers nothing.
 """
 
 from __future__ import annotations
@@ -10,11 +10,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from distmerge import formats  # noqa: F401  (imports every format module, which registers itself)
 from distmerge.errors import InputError
-from distmerge.formats import base_model
+from distmerge.formats import base_model, fsdp, torchtitan
 from distmerge.formats.base import (
-    REGISTERED,
     FormatOption,
     Fragment,
     InputFile,
@@ -24,8 +22,36 @@ from distmerge.formats.base import (
     Scan,
     input_prefix,
 )
+from distmerge.formats.dcp import folder as dcp_folder
+from distmerge.formats.dcp import hf_writer as dcp_hf_writer
+from distmerge.formats.deepspeed import folder as deepspeed_folder
+from distmerge.formats.megatron import dist as megatron_dist
+from distmerge.formats.megatron import legacy as megatron_legacy
 from distmerge.input import source
 from distmerge.input.source import Source
+
+# Every input format, in any order: detection tries them in each one's declared `order`.
+FORMATS: tuple[type, ...] = (
+    fsdp.FsdpFormat,
+    dcp_folder.DcpFormat,
+    dcp_hf_writer.DcpHfFormat,
+    deepspeed_folder.DeepSpeedFormat,
+    megatron_dist.MegatronDistFormat,
+    megatron_legacy.MegatronLegacyFormat,
+    torchtitan.TorchtitanFormat,
+)
+
+
+def _by_name(classes: tuple[type, ...]) -> dict[str, InputFormat]:
+    """Make one instance of each format, by its name (two of one name is a bug)."""
+    made = [cls() for cls in classes]
+    names = [f.name for f in made]
+    assert len(set(names)) == len(names), f"two input formats share a name: {sorted(names)}"
+    return {f.name: f for f in made}
+
+
+# Detection, --format, --help and the contract tests read this.
+REGISTERED: dict[str, InputFormat] = _by_name(FORMATS)
 
 
 def all_formats() -> list[InputFormat]:

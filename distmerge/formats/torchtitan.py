@@ -30,7 +30,7 @@ from typing import Any
 from distmerge import dtypes
 from distmerge.errors import InputError
 from distmerge.formats import base
-from distmerge.formats.base import FormatDefaults, FormatOption, Fragment, Hints, InputFile, OpenedFile, Scan, register
+from distmerge.formats.base import FormatDefaults, FormatOption, Fragment, Hints, InputFile, OpenedFile, Scan
 from distmerge.formats.dcp import folder as dcp_folder
 from distmerge.formats.dcp.folder import METADATA, DcpFormat
 from distmerge.formats.dcp.keys import EMA_KEY, WRAPPER, model_names
@@ -56,7 +56,6 @@ STEP = FormatOption(picks_save=True, flag="--step", dest="step", metavar="N", pa
                     help="torchtitan: the checkpoint/step-N to merge (default: the highest)")
 
 
-@register
 class TorchtitanFormat(FormatDefaults):
     name = "torchtitan"
     order = 35  # before dcp: a torchtitan step is a DCP folder too

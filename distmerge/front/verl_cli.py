@@ -197,7 +197,7 @@ def after_merge(verl: Verl | None, output: Path, rank: int, quiet: bool) -> None
     """--hf_upload_path: rank 0 uploads the finished output (the other processes have ended)."""
     if verl is None or verl.upload is None or rank != 0:
         return
-    from distmerge.front.hub import upload
+    from distmerge.output.hub import upload
 
     url = upload(Path(output), verl.upload, verl.private)
     if not quiet:

@@ -2,16 +2,17 @@
 checked against them (tests/test_options_agree.py):
 
     argparse       cli_options.add_options: add_argument(*flags, dest=name, default, choices, metavar, help)
-    the API        distmerge.merge / distmerge.verify: keyword `name`, default `default` (its signature and
-                   docstring are made here: signature(), docstring()), the value checked and parsed as the
-                   command line parses it (from_keywords)
+    the API        distmerge.merge / verify / watch: keyword `name`, default `default`, written out in api.py and
+                   checked against signature() (tests/test_options_agree.py); its docstring is made here
+                   (docstring()); the value checked and parsed as the command line parses it (from_keywords)
     the request    api.merge_request / api.verify_request: the typed values, by name (the same for the CLI and
                    the API), into engine.run.MergeOptions and verify.VerifyOptions
     docs/cli.md    its options table lists each row's flags for its commands, and the default
 
-Adding an option is one row (a format's own options are rows of the format registry, put at FORMAT_OPTIONS;
-verify's --reference- twins of the input rows are made at REFERENCE_OPTIONS, a new format option's with it; an
-option that shapes the output is one declaration of output_options.py, its row put at OUTPUT_OPTIONS).
+Adding an option is one row, and its keyword in the API functions that take it (a format's own options are rows
+of the format registry, put at FORMAT_OPTIONS; verify's --reference- twins of the input rows are made at
+REFERENCE_OPTIONS, a new format option's with it; an option that shapes the output is one declaration of
+output_options.py, its row put at OUTPUT_OPTIONS).
 Light on purpose: the registry is imported only when the rows are first asked for.
 """
 
@@ -25,19 +26,17 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from distmerge import output_options
 from distmerge.errors import InputError
 from distmerge.input.source import is_source
-from distmerge.options import output_options
-from distmerge.output import is_store
+from distmerge.option_kinds import ANNOTATIONS, Kind
+from distmerge.output import incomplete_store, is_store
 from distmerge.watcher.choose import parse_steps, positive_count
 
 SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
 COMMANDS = ("merge", "inspect", "verify", "watch")
 API = ("merge", "verify", "watch")  # the commands distmerge.api offers
-# How each kind of value is parsed on the command line, and how the API's signature spells it.
-# "location": a folder, or an object-store URL (docs/storage.md) kept as typed (location()).
-KINDS = {"path": "str | os.PathLike", "location": "str | os.PathLike", "size": "int | str", "float": "float",
-         "text": "str", "switch": "bool", "value": "int | str", "group": "torch.distributed.ProcessGroup"}
+KINDS = ANNOTATIONS  # how the API's signature spells each kind of value (option_kinds.py)
 
 
 def parse_size(text: str) -> int:
@@ -67,7 +66,7 @@ class Opt:
     flags: tuple[str, ...] = ()  # the command line's spelling (a bare name: positional); () the API's only
     commands: tuple[str, ...]
     group: str = ""  # input | reference | output | run | "" (the command's own): --help's section (cli_options.TITLES)
-    kind: str = "text"  # a KINDS key
+    kind: Kind = Kind.TEXT
     help: str = ""
     default: Any = None  # as the command line spells it ("5GB"); None: not given
     choices: tuple[str, ...] | None = None
@@ -76,6 +75,9 @@ class Opt:
     api: bool = True  # False: the command line's only (CLI_ONLY says why)
     parse: Any = None  # kind "value": the format option's own parser (formats.base.FormatOption.parse)
     repeat: bool = False  # may be given several times (merge's --input: an average's inputs); the API takes a list
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", Kind(self.kind))  # a row written with the kind's text; an unknown one fails
 
 
 # The command line's options the API leaves out, and why (docs/api.md says the same).
@@ -100,95 +102,96 @@ WATCH = ("watch",)
 
 OPTIONS: tuple[Opt | str, ...] = (
     # verify's own (ungrouped), in --help's order
-    Opt(name="merged", flags=("--merged",), commands=("verify",), kind="location", required=True, metavar="DIR",
+    Opt(name="merged", flags=("--merged",), commands=("verify",), kind=Kind.LOCATION, required=True, metavar="DIR",
         repeat=True, help="merged model folder (model.safetensors.index.json or model.safetensors), or a training "
         "checkpoint to merge in memory (nothing written); once per checkpoint with --average: their average, as "
         "merge --average writes it"),
-    Opt(name="reference", flags=("--reference",), commands=("verify",), kind="location", required=True,
+    Opt(name="reference", flags=("--reference",), commands=("verify",), kind=Kind.LOCATION, required=True,
         metavar="PATH",
         help="reference: a Hugging Face folder (safetensors or pytorch_model*.bin, sharded or not) or one "
              ".safetensors / .bin / .index.json file; or a training checkpoint (detected, or named by "
              "--reference-format), merged in memory too"),
-    Opt(name="atol", flags=("--atol",), commands=("verify",), kind="float", metavar="A",
+    Opt(name="atol", flags=("--atol",), commands=("verify",), kind=Kind.FLOAT, metavar="A",
         help="absolute tolerance (allclose per element)"),
-    Opt(name="rtol", flags=("--rtol",), commands=("verify",), kind="float", metavar="R",
+    Opt(name="rtol", flags=("--rtol",), commands=("verify",), kind=Kind.FLOAT, metavar="R",
         help="relative tolerance, times |reference|"),
-    Opt(name="min_cosine", flags=("--min-cosine",), commands=("verify",), kind="float", metavar="C",
+    Opt(name="min_cosine", flags=("--min-cosine",), commands=("verify",), kind=Kind.FLOAT, metavar="C",
         help="least cosine similarity per tensor"),
-    Opt(name="logits", flags=("--logits",), commands=("verify",), kind="switch", default=False,
+    Opt(name="logits", flags=("--logits",), commands=("verify",), kind=Kind.SWITCH, default=False,
         help="also run both models (transformers, rank 0) on fixed token ids; compare logits"),
-    Opt(name="json", flags=("--json",), commands=("verify",), kind="path", metavar="PATH",
+    Opt(name="json", flags=("--json",), commands=("verify",), kind=Kind.PATH, metavar="PATH",
         help="write every tensor's figures as JSON"),
-    Opt(name="plot", flags=("--plot",), commands=("verify",), kind="path", metavar="PATH",
+    Opt(name="plot", flags=("--plot",), commands=("verify",), kind=Kind.PATH, metavar="PATH",
         help="write a PNG of max rel diff and cosine by layer and kind (attention, MLP, norms, embeddings/head); "
              "needs matplotlib: pip install 'distmerge[plot]'"),
     # watch's own (ungrouped), in --help's order
-    Opt(name="once", flags=("--once",), commands=WATCH, kind="switch", default=False,
+    Opt(name="once", flags=("--once",), commands=WATCH, kind=Kind.SWITCH, default=False,
         help="merge the finished steps once, show the summary and exit (without it: watch until SIGTERM or Ctrl-C)"),
-    Opt(name="poll", flags=("--poll",), commands=WATCH, kind="float", default=30.0, metavar="SECONDS",
+    Opt(name="poll", flags=("--poll",), commands=WATCH, kind=Kind.FLOAT, default=30.0, metavar="SECONDS",
         help="seconds between two looks at the run (default 30)"),
-    Opt(name="steps", flags=("--steps",), commands=WATCH, kind="value", default="all", parse=parse_steps,
+    Opt(name="steps", flags=("--steps",), commands=WATCH, kind=Kind.VALUE, default="all", parse=parse_steps,
         metavar="WHICH", help="the steps to merge: all (default), latest, every:K (numbers that K divides), or "
                               "N,M (those numbers)"),
-    Opt(name="average_last", flags=("--average-last",), commands=WATCH, kind="value", parse=positive_count,
+    Opt(name="average_last", flags=("--average-last",), commands=WATCH, kind=Kind.VALUE, parse=positive_count,
         metavar="K", help="also average the last K finished steps (merge --average of their checkpoints, oldest "
                           "first, weights 1/K) into OUT/average-last-K/, written again when a step finishes"),
     Opt(name="hf_upload_path", flags=("--hf-upload-path", "--hf_upload_path"), commands=WATCH, metavar="REPO",
         help="upload each merged step to this Hugging Face Hub repository, on a branch named after the step "
              "(global_step_200/actor: branch global_step_200-actor); needs huggingface_hub"),
     # the input and how to read it
-    Opt(name="input", flags=("--input", "-i"), commands=MERGE, group="input", kind="location", required=True,
+    Opt(name="input", flags=("--input", "-i"), commands=MERGE, group="input", kind=Kind.LOCATION, required=True,
         repeat=True, help="checkpoint folder (e.g. .../actor) or s3://bucket/prefix; once per checkpoint with "
                           "--average"),
-    Opt(name="input", flags=("--input", "-i"), commands=WATCH, group="input", kind="path", required=True,
+    Opt(name="input", flags=("--input", "-i"), commands=WATCH, group="input", kind=Kind.PATH, required=True,
         metavar="RUN", help="the run folder the trainer saves its checkpoints in (global_step_N/, iter_N/, "
                             "checkpoint-N/, checkpoint/step-N/ ...), a local folder"),
-    Opt(name="input", flags=("input",), commands=("inspect",), group="input", kind="location", required=True,
+    Opt(name="input", flags=("input",), commands=("inspect",), group="input", kind=Kind.LOCATION, required=True,
         help="checkpoint folder (e.g. .../actor) or s3://bucket/prefix"),
     FORMAT,
-    Opt(name="hf_config", flags=("--hf-config",), commands=ALL, group="input", kind="path", metavar="DIR",
+    Opt(name="hf_config", flags=("--hf-config",), commands=ALL, group="input", kind=Kind.PATH, metavar="DIR",
         help="folder with config.json (default: huggingface/ inside the input, or beside it)"),
     FORMAT_OPTIONS,
     # verify's --reference when it is a checkpoint: the twins of the input rows above (REFERENCE_TWINS)
     REFERENCE_OPTIONS,
     # what the merged model looks like
-    Opt(name="output", flags=("--output", "-o"), commands=MERGE, group="output", kind="location", required=True,
+    Opt(name="output", flags=("--output", "-o"), commands=MERGE, group="output", kind=Kind.LOCATION, required=True,
         help="folder for the merged model, or s3://bucket/prefix"),
-    Opt(name="output", flags=("--output", "-o"), commands=WATCH, group="output", kind="location", required=True,
+    Opt(name="output", flags=("--output", "-o"), commands=WATCH, group="output", kind=Kind.LOCATION, required=True,
         metavar="OUT", help="each step's checkpoint RUN/<rel> is merged into OUT/<rel> (a folder or "
                             "s3://bucket/prefix)"),
     OUTPUT_OPTIONS,  # --dtype, --quantize, --max-shard-size, --lora ...: output_options.OUTPUT_OPTIONS
-    Opt(name="overwrite", flags=("--overwrite",), commands=MERGE, group="output", kind="switch", default=False,
+    Opt(name="overwrite", flags=("--overwrite",), commands=MERGE, group="output", kind=Kind.SWITCH, default=False,
         help="replace model files in a non-empty output"),
-    Opt(name="resume", flags=("--resume",), commands=MERGE, group="output", kind="switch", default=False,
+    Opt(name="resume", flags=("--resume",), commands=MERGE, group="output", kind=Kind.SWITCH, default=False,
         help="finish an interrupted merge: keep its completed files, redo the rest"),
-    Opt(name="checksum", flags=("--checksum",), commands=(*MERGE, *WATCH), group="output", kind="switch", default=False,
+    Opt(name="checksum", flags=("--checksum",), commands=(*MERGE, *WATCH), group="output", kind=Kind.SWITCH,
+        default=False,
         help="record each file's sha256 in distmerge.manifest.json (about 1 s per GB per process)"),
-    Opt(name="verify_against", flags=("--verify-against",), commands=MERGE, group="output", kind="path",
+    Opt(name="verify_against", flags=("--verify-against",), commands=MERGE, group="output", kind=Kind.PATH,
         metavar="HF_DIR", api=False,
         help="after the merge, run `verify --reference HF_DIR` in the same processes (bit-exact; a --dtype cast is "
              "accepted); exit 1 if it fails"),
-    Opt(name="json", flags=("--json",), commands=("inspect",), kind="switch", default=False, api=False,
+    Opt(name="json", flags=("--json",), commands=("inspect",), kind=Kind.SWITCH, default=False, api=False,
         help="print JSON instead of a table"),
     # how the processes run
     Opt(name="device", flags=("--device",), commands=RUN, group="run", default="auto", choices=("auto", "cpu", "cuda"),
         help="where tensors are moved and computed (auto: cuda if present)"),
-    Opt(name="timeout", flags=("--timeout",), commands=RUN, group="run", kind="float", default=600.0,
+    Opt(name="timeout", flags=("--timeout",), commands=RUN, group="run", kind=Kind.FLOAT, default=600.0,
         metavar="SECONDS", help="a process that waits this long for another names it (rank, host, phase) and the "
                                 "job ends; the group's own timeout is this + 25 s (default 600)"),
-    Opt(name="quiet", flags=("--quiet", "-q"), commands=RUN, group="run", kind="switch", default=False, api=False,
+    Opt(name="quiet", flags=("--quiet", "-q"), commands=RUN, group="run", kind=Kind.SWITCH, default=False, api=False,
         help="no progress and no summary"),
-    Opt(name="debug", flags=("--debug",), commands=ALL, group="run", kind="switch", default=False, api=False,
+    Opt(name="debug", flags=("--debug",), commands=ALL, group="run", kind=Kind.SWITCH, default=False, api=False,
         help="show tracebacks on errors"),
-    Opt(name="budget", flags=("--budget",), commands=RUN, group="run", kind="size", default="128MiB", metavar="SIZE",
+    Opt(name="budget", flags=("--budget",), commands=RUN, group="run", kind=Kind.SIZE, default="128MiB", metavar="SIZE",
         help="bytes each process assembles per round (two rounds are in flight); bounds memory (default 128MiB)"),
-    Opt(name="json_summary", flags=("--json-summary",), commands=MERGE, group="run", kind="path", metavar="PATH",
+    Opt(name="json_summary", flags=("--json-summary",), commands=MERGE, group="run", kind=Kind.PATH, metavar="PATH",
         api=False, help="also write the summary as JSON"),
     # the API's own
-    Opt(name="progress", commands=RUN, kind="switch", default=False,
+    Opt(name="progress", commands=RUN, kind=Kind.SWITCH, default=False,
         help="rank 0 prints the progress and the summary (verify: its report), as the command does; otherwise "
              "nothing is printed and notes go to the `distmerge` logger"),
-    Opt(name="group", commands=RUN, kind="group",
+    Opt(name="group", commands=RUN, kind=Kind.GROUP,
         help="the running job's process group to use (default: its default group when torch.distributed is "
              "initialized); borrowed, never destroyed"),
 )
@@ -222,7 +225,7 @@ def _format_row() -> Opt:
 def _format_option_rows() -> list[Opt]:
     from distmerge.formats import registry
 
-    return [Opt(name=opt.dest, flags=(opt.flag,), group="input", kind="value", parse=opt.parse, metavar=opt.metavar,
+    return [Opt(name=opt.dest, flags=(opt.flag,), group="input", kind=Kind.VALUE, parse=opt.parse, metavar=opt.metavar,
                 commands=tuple(c for c in ALL if c != "watch" or not opt.picks_save),  # watch finds saves itself
                 help=f"{opt.help} [{', '.join(names)}]") for opt, names in registry.options()]
 
@@ -266,8 +269,8 @@ def cli_rows(command: str) -> tuple[Opt, ...]:
 
 
 def signature(command: str, returns: str):
-    """distmerge.<command>'s signature (inspect.Signature): the required options positionally, then every other one
-    by keyword."""
+    """Build the signature (inspect.Signature) that distmerge.<command> must have: the required options
+    positionally, then every other one by keyword. api.py writes it out; the test compares the two."""
     import inspect  # the API's alone: the command line starts without it
 
     params = []
@@ -315,31 +318,35 @@ def _value(row: Opt, value: Any, *, given: bool) -> Any:
 
 
 def _parsed(row: Opt, value: Any) -> Any:
-    if row.kind == "group":
+    if row.kind == Kind.GROUP:
         return value
-    if row.kind == "switch":
+    if row.kind == Kind.SWITCH:
         if not isinstance(value, bool):
             raise TypeError("True or False")
         return value
-    if row.kind == "path":
+    if row.kind == Kind.PATH:
         return Path(os.fspath(value))
-    if row.kind == "location":
-        if is_source(value) or is_store(value):  # a Source or Store object: input/source.py, output/store.py
+    if row.kind == Kind.LOCATION:
+        if is_source(value):  # a Source object: input/source.py
+            return value
+        if is_store(value):  # a Store object (output/store.py), refused now if it lacks a method of any role
+            if (lacking := incomplete_store(value)) is not None:
+                raise TypeError(lacking)
             return value
         return location(os.fspath(value))
     if isinstance(value, bool):
         raise TypeError(f"not a {row.kind}")
-    if row.kind == "size" and isinstance(value, int):
+    if row.kind == Kind.SIZE and isinstance(value, int):
         if value < 1:
             raise ValueError("a size is at least 1 byte")
         return value
-    if row.kind == "float":
+    if row.kind == Kind.FLOAT:
         return float(value)
-    if row.kind == "value" and isinstance(value, (list, tuple)):  # a list of numbers (--average-weights)
+    if row.kind == Kind.VALUE and isinstance(value, (list, tuple)):  # a list of numbers (--average-weights)
         value = ",".join(repr(float(v)) for v in value)
-    if row.kind == "text":
+    if row.kind == Kind.TEXT:
         return os.fspath(value) if isinstance(value, os.PathLike) else _text(value)
-    return (parse_size if row.kind == "size" else row.parse)(str(value))
+    return (parse_size if row.kind == Kind.SIZE else row.parse)(str(value))
 
 
 def _many(row: Opt, values: list[Any]) -> Any:
@@ -387,6 +394,6 @@ def api_spelling(message: str, command: str) -> str:
     """`message`, written for the command line, in the API's spelling: each flag of an option distmerge.<command>
     takes becomes its keyword (`--overwrite` -> `overwrite=True`, a switch; `--dtype` -> `dtype`; `--merged` ->
     `merged`); a flag the API does not take (CLI_ONLY's) stays as it is."""
-    keywords = {flag: f"{row.name}=True" if row.kind == "switch" else row.name
+    keywords = {flag: f"{row.name}=True" if row.kind == Kind.SWITCH else row.name
                 for row in api_rows(command) for flag in row.flags if flag.startswith("--")}
     return FLAG.sub(lambda m: keywords.get(m[0], m[0]), message)

@@ -11,8 +11,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from distmerge import options
-from distmerge.options import output_options, parse_size
+from distmerge import options, output_options
+from distmerge.option_kinds import Kind
+from distmerge.options import parse_size
 
 # command -> the section each group of options is shown under (None: the command's own "options:" section)
 TITLES: dict[str, dict[str, str | None]] = {
@@ -23,7 +24,7 @@ TITLES: dict[str, dict[str, str | None]] = {
                "reference": "when --reference is a checkpoint: how to read it",
                "output": "when either side is a checkpoint: the merge to check", "run": "run"},
 }
-TYPES = {"path": Path, "location": options.location, "size": parse_size, "float": float, "text": None}
+TYPES = {Kind.PATH: Path, Kind.LOCATION: options.location, Kind.SIZE: parse_size, Kind.FLOAT: float, Kind.TEXT: None}
 
 
 def add_options(parser: argparse.ArgumentParser, command: str) -> None:
@@ -37,14 +38,14 @@ def add_options(parser: argparse.ArgumentParser, command: str) -> None:
 
 
 def _argparse_keywords(row: options.Opt) -> dict[str, Any]:
-    if row.kind == "switch":
+    if row.kind == Kind.SWITCH:
         return {"dest": row.name, "action": "store_true", "help": row.help}
     kw: dict[str, Any] = {"help": row.help, **({"action": "append"} if row.repeat else {})}
     if row.flags[0].startswith("-"):  # a positional's dest is its name
         kw["dest"] = row.name
         if row.required:
             kw["required"] = True
-    parse = row.parse if row.kind == "value" else TYPES[row.kind]
+    parse = row.parse if row.kind == Kind.VALUE else TYPES[row.kind]
     if parse is not None:
         kw["type"] = parse
     if row.default is not None:

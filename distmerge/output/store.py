@@ -3,7 +3,8 @@ or shared POSIX folder, an S3-compatible bucket) is one object the engine is han
 
 Two stores exist: `local.LocalStore` (a folder: pwrite, early writeback, fsync, rename) and `s3.ObjectStore`
 (`s3://bucket/prefix`: one multipart upload per output file). `open_store` (output/__init__.py) picks one by the
-output's name. A new store is one module implementing this protocol (docs/extending.md).
+output's name. A new store is one module implementing this protocol, every method of its four roles (PlaceChecks,
+Locking, Writing, ResumeReads, below; docs/extending.md): a Store object handed in is checked whole.
 
 Call order (as torch.distributed.checkpoint's StorageWriter documents its own). Every rank makes the same
 collectives; "owner" is plan.OutputFile.owner, "writers" the ranks that write a file's units:
@@ -89,19 +90,36 @@ class OutFile(Protocol):
         """Drop the file: nothing of it is visible. Safe to call twice, and after finish."""
 
 
-class Store(Protocol):
-    url: str  # as messages name the output
-    sharing: Sharing
+# The store's methods by role: what each phase of the call order above asks of it. A plug-in implements every
+# role (Store); a Store object handed to the API is checked whole before anything starts (missing_members).
 
-    def check_place(self, input_root: str) -> None: ...
+
+class PlaceChecks(Protocol):
+    """Rank 0, before anything is written: is the output a place this merge may write, and made ready for it."""
+
+    def check_place(self, input_root: str) -> None:
+        """Refuse an output inside the input, creating nothing."""
+
+    def check(self, input_root: str, overwrite: bool) -> None:
+        """Refuse an output holding work (the lock aside) without --overwrite / --resume."""
+
+    def prepare(self, keep_finished: bool) -> None:
+        """Remove the index and half-written files (and, unless `keep_finished`, earlier model files)."""
+
+
+class Locking(Protocol):
+    """Rank 0: the output's lock (lock.py), taken before anything else is written and held to the exit."""
 
     def lock(self) -> LockFile: ...
 
-    def check(self, input_root: str, overwrite: bool) -> None: ...
 
-    def prepare(self, keep_finished: bool) -> None: ...
+class Writing(Protocol):
+    """Every writer: the model files, at their planned places, and the small files around them."""
 
-    def host(self) -> str: ...
+    sharing: Sharing
+
+    def host(self) -> str:
+        """Name the place this rank writes from: ranks with equal answers may share a file, as `sharing` allows."""
 
     def create(self, layout: FileLayout, rank: int) -> OutFile: ...
 
@@ -112,6 +130,13 @@ class Store(Protocol):
 
     def put_stream(self, name: str, chunks: Iterable[bytes]) -> None:
         """A file copied into the output (tokenizer, custom code)."""
+
+    def remove(self, name: str) -> None:
+        """Gone, if it was there."""
+
+
+class ResumeReads(Protocol):
+    """What a resumed merge and the finishing steps read back: the files already written, checked."""
 
     def read(self, name: str) -> bytes | None:
         """A small file whole; None when it is absent."""
@@ -126,5 +151,29 @@ class Store(Protocol):
     def list(self, pattern: str) -> list[str]:
         """Names matching a glob pattern (fnmatch, one folder level per '/'), sorted."""
 
-    def remove(self, name: str) -> None:
-        """Gone, if it was there."""
+
+ROLES: tuple[type, ...] = (PlaceChecks, Locking, Writing, ResumeReads)
+
+
+class Store(PlaceChecks, Locking, Writing, ResumeReads, Protocol):
+    """The whole output store: every role, and the name messages give it."""
+
+    url: str  # as messages name the output
+
+
+def members(role: type) -> tuple[str, ...]:
+    """Return the public attributes and methods a role declares (its own, not its bases')."""
+    return tuple(n for n in (*vars(role).get("__annotations__", {}), *vars(role)) if not n.startswith("_"))
+
+
+def store_members() -> tuple[str, ...]:
+    """Return every member a Store has: `url`, then each role's, in the order of ROLES."""
+    return (*members(Store), *(m for role in ROLES for m in members(role)))
+
+
+def missing_members(value: object) -> list[str]:
+    """Return the Store members `value` lacks (a method must be callable), in store_members' order: a plug-in
+    missing one would otherwise fail in the middle of a merge, when that role is first asked for."""
+    attributes = {n for role in (Store, *ROLES) for n in vars(role).get("__annotations__", {})}
+    return [n for n in store_members()
+            if not (hasattr(value, n) if n in attributes else callable(getattr(value, n, None)))]

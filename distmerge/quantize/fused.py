@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 
 import torch
 
+from distmerge.disjoint_sets import DisjointSets
 from distmerge.families.base import Target, Unit
-from distmerge.families.transforms import TRANSFORMS, transform
+from distmerge.families.transforms import TRANSFORMS, Params
 
 SETS: tuple[tuple[re.Pattern[str], tuple[str, ...]], ...] = tuple(
     (re.compile(rf"(?P<prefix>{prefix})(?P<member>{'|'.join(members)})\.weight"), members) for prefix, members in (
@@ -59,24 +61,15 @@ def join(units: list[Unit], quantizes: Callable[[Target], bool]) -> tuple[list[U
     names = [t.name for u in units for t in u.targets if t.group == "model"]
     sets = {name: key for name, key in sets_of(names).items()}
     sets = {t.name: sets[t.name] for u in units for t in u.targets if t.name in sets and quantizes(t)}
-    parent = list(range(len(units)))
-
-    def root(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
+    grouped = DisjointSets(range(len(units)))
     first: dict[str, int] = {}
     for i, unit in enumerate(units):
         for t in unit.targets:
             if t.name in sets:
-                parent[root(i)] = root(first.setdefault(sets[t.name], i))
-    members: dict[int, list[int]] = {}
-    for i in range(len(units)):
-        members.setdefault(root(i), []).append(i)
-    joined = {min(m): _joined([units[i] for i in m]) for m in members.values() if len(m) > 1}
-    done = {i for m in members.values() if len(m) > 1 for i in m}
+                grouped.join(i, first.setdefault(sets[t.name], i))
+    members = grouped.groups()  # each in unit order
+    joined = {min(m): _joined([units[i] for i in m]) for m in members if len(m) > 1}
+    done = {i for m in members if len(m) > 1 for i in m}
     return [joined.get(i, u) for i, u in enumerate(units) if i not in done or i in joined], sets
 
 
@@ -85,11 +78,17 @@ def _joined(units: list[Unit]) -> Unit:
     at = {s: i for i, s in enumerate(sources)}
     parts = tuple((u.transform, u.params, tuple(at[s] for s in u.sources)) for u in units)
     return Unit(sources=sources, targets=tuple(t for u in units for t in u.targets), transform="joined",
-                params=(("parts", parts),))
+                params=Joined(parts=parts))
 
 
-@transform
-def joined(sources: list[torch.Tensor], parts: tuple[tuple[str, tuple, tuple[int, ...]], ...]) -> list[torch.Tensor]:
+@dataclass(frozen=True)
+class Joined(Params):
+    """joined's keywords: each part's (transform, params, its sources' places among the unit's)."""
+
+    parts: tuple[tuple[str, Params, tuple[int, ...]], ...]
+
+
+def joined(sources: list[torch.Tensor], parts: tuple[tuple[str, Params, tuple[int, ...]], ...]) -> list[torch.Tensor]:
     """Several units as one (a fused set's, fused.join): each part's transform on its own sources, the targets in
     the parts' order.
 

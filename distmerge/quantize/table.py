@@ -17,15 +17,16 @@ ignore) so that loaders do not expect quantized weights for them.
 from __future__ import annotations
 
 import re
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from distmerge import dtypes
 from distmerge.errors import InputError
-from distmerge.families.base import FamilyResult, ModelTraits, Target, Unit, register_rewrite
-from distmerge.families.transforms import TRANSFORMS, after, transform
+from distmerge.families.base import FamilyResult, ModelTraits, Target, Unit
+from distmerge.families.transforms import TRANSFORMS, Params
+from distmerge.natural_order import natural_key
 from distmerge.quantize import fp8_compressed, fused, schemes
 
 # A decoder layer of the text model, under the names save_pretrained writes (hub_names.py: a Qwen2-VL language
@@ -46,7 +47,6 @@ QUANTIZED_MODULES = (
 QUANTIZED = re.compile(LAYER + "(?:" + "|".join(QUANTIZED_MODULES) + r")\.weight")
 
 
-@register_rewrite("quantize")  # OutputSettings.quantize: a --quantize choice
 def quantize(result: FamilyResult, scheme: str, traits: ModelTraits, config: dict[str, Any]) -> FamilyResult:
     """The family's result with the table's weights quantized, and what config.json must say about it: its
     quantization_config, made by finalize on rank 0 (schemes.Quantized.config: compressed-tensors' classes)."""
@@ -59,7 +59,7 @@ def quantize(result: FamilyResult, scheme: str, traits: ModelTraits, config: dic
     units = [_quantize_unit(u, scheme, row, sets) for u in units]
     targets = [t for u in units for t in u.targets if t.group == "model"]
     written = {t.name for t in targets}
-    count = sum(len(dict(u.params)["weights"]) for u in units if u.transform == "quantized")
+    count = sum(len(u.params.weights) for u in units if isinstance(u.params, Quantized))
     if not count:
         raise InputError(f"--quantize {scheme}: no tensor of this model is a linear layer of an attention or MLP "
                          "block (distmerge/quantize/table.py lists them) that the scheme can take; merge without "
@@ -86,7 +86,7 @@ def _quantize_unit(unit: Unit, scheme: str, row: schemes.Scheme, sets: dict[str,
     # each weight: its index among the inner targets, its dtype unquantized, the set whose scale it shares
     weights = tuple((i, unit.targets[i].dtype, sets.get(unit.targets[i].name, unit.targets[i].name) if row.fused
                      else None) for i in which)
-    params = (("inner", unit.transform), ("inner_params", unit.params), ("scheme", scheme), ("weights", weights))
+    params = Quantized(inner=unit.transform, inner_params=unit.params, scheme=scheme, weights=weights)
     return Unit(sources=unit.sources, targets=tuple(targets), transform="quantized", params=params)
 
 
@@ -105,15 +105,21 @@ def _unconverted(targets: list[Target], traits: ModelTraits, config: dict[str, A
     if traits.ties(config):
         kept |= {head.removesuffix(".weight") for head, embed in traits.tied_heads if embed in names
                  and head not in names}
-    return tuple(sorted(kept, key=_natural))
+    return tuple(sorted(kept, key=natural_key))
 
 
-def _natural(name: str) -> list:
-    return [int(t) if i % 2 else t for i, t in enumerate(re.split(r"(\d+)", name))]
+@dataclass(frozen=True)
+class Quantized(Params):
+    """quantized's keywords: the transform it wraps and that one's params, the scheme, and the weights among the
+    inner targets it quantizes: (index, dtype unquantized, the fused set whose scale it shares or None)."""
+
+    inner: str
+    inner_params: Params
+    scheme: str
+    weights: tuple[tuple[int, str, str | None], ...]
 
 
-@transform
-def quantized(sources: list[torch.Tensor], inner: str, inner_params: tuple[tuple[str, object], ...], scheme: str,
+def quantized(sources: list[torch.Tensor], inner: str, inner_params: Params, scheme: str,
               weights: tuple[tuple[int, str, str | None], ...]) -> list[torch.Tensor]:
     """`inner`'s targets with some weights quantized (--quantize, schemes.py), each as the scheme's parts:
 
@@ -147,5 +153,3 @@ def quantize_targets(out: list[torch.Tensor], scheme: str,
             result.append(tensor)
     return result
 
-
-after("quantized", quantize_targets)  # a fold's unit wrapped by it (an average) is still built an input at a time

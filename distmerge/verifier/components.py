@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 
 from distmerge import dtypes
+from distmerge.disjoint_sets import DisjointSets
 from distmerge.engine.plan import Plan, assign_owners
 
 
@@ -42,23 +43,10 @@ def components(a: Plan, b: Plan, pairs: Iterable[tuple[str, str]]) -> list[list[
     """Connected sets of (side, unit index), side 0 for `a` and 1 for `b`, each sorted, in order of their first
     member: the same on every rank."""
     unit_a, unit_b = _unit_of_target(a), _unit_of_target(b)
-    parent: dict[tuple[int, int], tuple[int, int]] = {}
-
-    def root(node: tuple[int, int]) -> tuple[int, int]:
-        parent.setdefault(node, node)
-        while parent[node] != node:
-            parent[node] = parent[parent[node]]
-            node = parent[node]
-        return node
-
+    compared: DisjointSets[tuple[int, int]] = DisjointSets()
     for name_a, name_b in pairs:
-        x, y = root((0, unit_a[name_a])), root((1, unit_b[name_b]))
-        if x != y:
-            parent[max(x, y)] = min(x, y)
-    groups: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
-    for node in sorted(parent):
-        groups[root(node)].append(node)
-    return sorted(groups.values())
+        compared.join((0, unit_a[name_a]), (1, unit_b[name_b]))
+    return sorted(sorted(group) for group in compared.groups())
 
 
 def _unit_of_target(plan: Plan) -> dict[str, int]:

@@ -25,6 +25,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from distmerge import output_options
 from distmerge.average.units import AverageOptions
 from distmerge.average.units import check as check_average
 from distmerge.engine import discover as disc
@@ -33,7 +34,6 @@ from distmerge.engine.prepare import OutputSettings
 from distmerge.errors import DistmergeError, InputError
 from distmerge.formats import registry
 from distmerge.input.source import name_of
-from distmerge.options import output_options
 from distmerge.verifier.listing import VerifyOptions
 from distmerge.verifier.sides import LAYOUTS
 

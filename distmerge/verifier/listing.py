@@ -7,18 +7,15 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from distmerge import (
-    dtypes,
-    families,  # noqa: F401  (imports every family module, which registers itself)
-)
+from distmerge import catalog, dtypes
 from distmerge.engine.inputs import InputSpec
-from distmerge.engine.plan import natural_key
 from distmerge.engine.prepare import OutputSettings
 from distmerge.errors import ConfigError
 from distmerge.families import hub_names
 from distmerge.families.base import ModelTraits, claim
 from distmerge.families.megatron import mtp
 from distmerge.formats.base import Hints
+from distmerge.natural_order import natural_key
 from distmerge.quantize.compare import Encoding, encoding_of
 from distmerge.verifier.report import Check, Criteria
 from distmerge.verifier.sides import Side, open_side
@@ -102,6 +99,7 @@ def pair_sides(merged: Side, reference: Side, config: dict | None, later: dict |
     """`config`: the merged model's config.json (None: there is none, so nothing says a head is tied); `later`: the
     values merge would make late in it (Plan.config_later: a model merged in memory), which may say how its weights
     are encoded."""
+    catalog.install()  # the families claim chooses from
     traits = claim(list(merged.tensors), config or {}, Hints()).traits(config or {})
     ties = config is not None and traits.ties(config)  # no config.json: nothing says the head is tied
     # Both sides under the names save_pretrained writes (a reference saved with the module's names of a

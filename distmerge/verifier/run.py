@@ -32,7 +32,7 @@ from pathlib import Path
 from distmerge.distributed.comm import Comm
 from distmerge.engine import nodes
 from distmerge.engine.inputs import InputSpec
-from distmerge.engine.plan import natural_key
+from distmerge.natural_order import natural_key
 from distmerge.threads import one_thread
 from distmerge.verifier.checkpoint import verify_checkpoint
 from distmerge.verifier.compare import check_mine

@@ -15,6 +15,7 @@ from pathlib import Path, PurePosixPath
 
 from distmerge.average.units import AverageOptions
 from distmerge.engine.run import MergeOptions
+from distmerge.output import beneath
 from distmerge.watcher import steps
 from distmerge.watcher.outcome import TOO_FEW, Outcome
 from distmerge.watcher.step import Target
@@ -45,7 +46,7 @@ def _subs(step: steps.Step) -> list[str]:
 def _target(k: int, inputs: list[Path], sub: str, template: MergeOptions, output: Path | str,
             number: int | None) -> Target:
     name = f"{folder(k)}/{sub}" if sub else folder(k)
-    out = f"{str(output).rstrip('/')}/{name}" if isinstance(output, str) else Path(output) / name
+    out = beneath(output, name)
     settings = replace(template.settings, output=out, average=AverageOptions(on=True))
     opts = replace(template, input=replace(template.input, locations=tuple(inputs)), output=out, settings=settings,
                    resume=True)

@@ -12,7 +12,6 @@ of run.json not judged here (it needs the format's scan to find the config); the
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from distmerge.engine import resume
 from distmerge.engine.run import MergeOptions
 from distmerge.errors import DistmergeError
 from distmerge.formats import registry
-from distmerge.output import open_store
+from distmerge.output import open_store, read_json
 from distmerge.output.names import INDEX_NAME, RUN_RECORD
 
 CONFIG = "config.json"  # run.json's key of the config's digest
@@ -32,7 +31,7 @@ def merged_bytes(opts: MergeOptions) -> int | None:
     """The model bytes of `opts.output` when it holds this very merge of `opts.input` (the module docstring's
     rule), else None."""
     store = open_store(opts.output)
-    index, run = _json(store, INDEX_NAME), _json(store, RUN_RECORD)
+    index, run = read_json(store, INDEX_NAME), read_json(store, RUN_RECORD)
     if index is None or run is None or not isinstance(run.get("inputs"), dict) or not run["inputs"]:
         return None
     if _mine(run.get("options")) != _mine(expected_options(opts)):
@@ -105,11 +104,3 @@ def _unchanged(step: Path, path: str, seen: Any) -> bool:
         if [st.st_size, st.st_mtime_ns] == seen:
             return True
     return False
-
-
-def _json(store, name: str) -> dict | None:
-    try:
-        data = json.loads(store.read(name) or b"")
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None

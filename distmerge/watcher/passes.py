@@ -30,7 +30,18 @@ from distmerge.errors import DistmergeError, InputError
 from distmerge.formats import registry
 from distmerge.watcher import average, steps, summary
 from distmerge.watcher.choose import Choice, chosen
-from distmerge.watcher.outcome import AS_HF, DONE, FAILED, MERGED, NOTHING, RESUMED, WAITING, Outcome, WatchResult
+from distmerge.watcher.outcome import (
+    AS_HF,
+    DONE,
+    FAILED,
+    MERGED,
+    NOTHING,
+    RESUMED,
+    WAITING,
+    Outcome,
+    Status,
+    WatchResult,
+)
 from distmerge.watcher.step import StepInterrupted, Target, merge, target
 
 SETTLED = (MERGED, RESUMED, DONE)  # a live watch shows a step's merge once, not again as "merged earlier"
@@ -120,7 +131,7 @@ def decide(opts: WatchOptions, memory: Memory, found: list[steps.Step] | None = 
 
 
 def _lines(opts: WatchOptions, memory: Memory, s: steps.Step) -> list[Planned]:
-    def said(name: str, status: str, detail: str = "") -> Planned:
+    def said(name: str, status: Status, detail: str = "") -> Planned:
         return Planned(outcome=Outcome(name=name, number=s.number, status=status, detail=detail))
 
     if not s.finished:

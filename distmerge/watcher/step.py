@@ -19,6 +19,7 @@ from distmerge.engine.run import MergeOptions
 from distmerge.engine.run import merge as engine_merge
 from distmerge.errors import DistmergeError, Interrupted, OutputLocked
 from distmerge.input import source as input_source
+from distmerge.output import beneath
 from distmerge.output.names import RECORDS
 from distmerge.report import Progress
 from distmerge.watcher import done, summary
@@ -37,7 +38,7 @@ class Target:
 
 
 def target(template: MergeOptions, run: Path, output: Path | str, name: str, number: int | None) -> Target:
-    out = f"{str(output).rstrip('/')}/{name}" if isinstance(output, str) else Path(output) / name
+    out = beneath(output, name)
     settings = replace(template.settings, output=out)  # what a LoRA adapter names its base after, as merge does
     spec = replace(template.input, locations=(run / name,))
     return Target(name=name, number=number, opts=replace(template, input=spec, output=out, settings=settings,
@@ -110,7 +111,7 @@ def _uploaded(outcome: Outcome, step: Target, comm: Comm, repo: str | None) -> O
 
 def _upload(folder: Path, repo: str, revision: str) -> str:
     """Rank 0: the error's line, or '' once sent (or sent before)."""
-    from distmerge.front.hub import upload
+    from distmerge.output.hub import upload
 
     record = folder / UPLOADED
     try:

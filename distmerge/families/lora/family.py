@@ -23,7 +23,6 @@ from collections.abc import Collection
 from dataclasses import replace
 from typing import Any
 
-import distmerge.families.lora.transforms  # noqa: F401 (its transforms register themselves)
 from distmerge.errors import InputError
 from distmerge.families.base import (
     CAUSAL_LM,
@@ -34,10 +33,10 @@ from distmerge.families.base import (
     Target,
     Unit,
     claim,
-    register,
 )
 from distmerge.families.lora import base as lora_base
 from distmerge.families.lora.base import PEFT_PREFIX
+from distmerge.families.lora.transforms import LoraFuse
 from distmerge.formats.base import Hints
 
 LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.(?P<adapter>[^.]+)\.weight$")
@@ -144,7 +143,7 @@ def _fused(units: list[Unit], modules: dict[str, dict[str, str]], weights: dict[
             raise InputError(f"{unit.sources[0]}: LoRA can only be fused into a weight written as it is")
         else:
             out.append(Unit(sources=(*unit.sources, ab["A"], ab["B"]), targets=unit.targets, transform="lora_fuse",
-                            params=(("scale", scale),)))
+                            params=LoraFuse(scale=scale)))
     if fused:
         raise InputError(f"{next(iter(fused))}: its LoRA cannot be fused, the model does not write this weight "
                          "(a tied head?); use --lora adapter")
@@ -218,4 +217,4 @@ def adapter_config(modules, rank: int, alpha: float, rslora: bool, meta: dict[st
     }
 
 
-LORA_FAMILY = register(LoraFamily())
+LORA_FAMILY = LoraFamily()

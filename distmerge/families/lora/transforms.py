@@ -3,12 +3,18 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from distmerge.families.transforms import transform
+from distmerge.families.transforms import Params
 
 
-@transform
+@dataclass(frozen=True)
+class LoraFuse(Params):
+    scale: float  # alpha / r
+
+
 def lora_fuse(sources: list[torch.Tensor], scale: float) -> list[torch.Tensor]:
     """W + (B @ A) * scale, computed in float32 and returned in W's dtype (PEFT's merge_and_unload order).
 

@@ -12,12 +12,13 @@ import re
 from functools import cache
 from typing import Any
 
-import distmerge.families.megatron.transforms  # noqa: F401 (its transforms register themselves)
 from distmerge.errors import InputError, LayoutError
 from distmerge.families import base, value_head
 from distmerge.families.base import FamilyContext, FamilyResult, SourceMeta, Target, Unit, output_dtype
 from distmerge.families.megatron import mla, mtp
 from distmerge.families.megatron.tables import FAMILIES, FLOAT32_TARGETS, LAYERS, MODEL_TYPES, MTP, Row
+from distmerge.families.megatron.transforms import SplitGateUp, SplitQkv
+from distmerge.families.transforms import NO_PARAMS, Params, TrimRows
 from distmerge.formats.base import Hints
 
 HEAD = base.CAUSAL_LM.tied_heads[0][0]
@@ -95,41 +96,42 @@ def _compiled(arch: str) -> list[tuple[Row, re.Pattern[str]]]:
     return base.compile_rows(FAMILIES[arch] + MTP.get(arch, ()))
 
 
-def _params(transform: str, meta: SourceMeta, config: dict[str, Any], hints: Hints) -> tuple[tuple[str, object], ...]:
+def _params(transform: str, meta: SourceMeta, config: dict[str, Any], hints: Hints) -> Params:
     """The transform's parameters: attention sizes and vocabulary from config.json, shard layout from the format."""
     if transform == "split_qkv":
         heads = base.config_int(config, "num_attention_heads", "Megatron")
         groups = config.get("num_key_value_heads") or heads
         head_dim = config.get("head_dim") or base.config_int(config, "hidden_size", "Megatron") // heads
-        return (("heads", heads), ("groups", groups), ("head_dim", head_dim))
+        return SplitQkv(heads=heads, groups=groups, head_dim=head_dim)
     if transform == "split_gate_up":
-        return (("shards", hints.expert_fc1_shards if ".experts." in meta.name else hints.fc1_shards),)
+        return SplitGateUp(shards=hints.expert_fc1_shards if ".experts." in meta.name else hints.fc1_shards)
     if transform == "trim_rows":
-        return (("rows", base.config_int(config, "vocab_size", "Megatron")),)
-    return ()
+        return TrimRows(rows=base.config_int(config, "vocab_size", "Megatron"))
+    return NO_PARAMS
 
 
-def target_shapes(transform: str, meta: SourceMeta, params: tuple) -> list[tuple[int, ...]]:
+def target_shapes(transform: str, meta: SourceMeta, params: Params) -> list[tuple[int, ...]]:
     """Shapes the transform will produce, checked against the source before any byte moves."""
-    p, (rows, *rest) = dict(params), meta.shape
+    rows, *rest = meta.shape
     rest = tuple(rest)
-    if transform == "split_qkv":
-        per_group = p["heads"] // p["groups"]
-        if rows != p["groups"] * (per_group + 2) * p["head_dim"] or p["heads"] % p["groups"]:
-            raise LayoutError(f"{meta.name} has {rows} rows, but config.json's {p['heads']} heads, {p['groups']} "
-                              f"key/value heads and head_dim {p['head_dim']} need "
-                              f"{(p['heads'] + 2 * p['groups']) * p['head_dim']}: wrong config.json?")
-        kv = (p["groups"] * p["head_dim"], *rest)
-        return [(p["heads"] * p["head_dim"], *rest), kv, kv]
-    if transform == "split_gate_up":
-        if rows % (2 * p["shards"]):
-            raise LayoutError(f"{meta.name} has {rows} rows: not gate and up halves of {p['shards']} shards")
+    if isinstance(params, SplitQkv):
+        heads, groups, head_dim = params.heads, params.groups, params.head_dim
+        per_group = heads // groups
+        if rows != groups * (per_group + 2) * head_dim or heads % groups:
+            raise LayoutError(f"{meta.name} has {rows} rows, but config.json's {heads} heads, {groups} "
+                              f"key/value heads and head_dim {head_dim} need "
+                              f"{(heads + 2 * groups) * head_dim}: wrong config.json?")
+        kv = (groups * head_dim, *rest)
+        return [(heads * head_dim, *rest), kv, kv]
+    if isinstance(params, SplitGateUp):
+        if rows % (2 * params.shards):
+            raise LayoutError(f"{meta.name} has {rows} rows: not gate and up halves of {params.shards} shards")
         return [(rows // 2, *rest)] * 2
-    if transform == "trim_rows":
-        if rows < p["rows"]:
-            raise LayoutError(f"{meta.name} has {rows} rows but config.json's vocab_size is {p['rows']}: "
+    if isinstance(params, TrimRows):
+        if rows < params.rows:
+            raise LayoutError(f"{meta.name} has {rows} rows but config.json's vocab_size is {params.rows}: "
                               "wrong config.json?")
-        return [(p["rows"], *rest)]
+        return [(params.rows, *rest)]
     return [meta.shape]
 
 
@@ -150,4 +152,4 @@ def _check_complete(out: list[Unit], config: dict[str, Any], tied: bool, arch: s
 
 
 
-MEGATRON = base.register(base.NamingFamily(name="megatron", naming="megatron", order=20, build=units))
+MEGATRON = base.NamingFamily(name="megatron", naming="megatron", order=20, build=units)

@@ -23,6 +23,8 @@ from typing import Any
 from distmerge.errors import InputError, LayoutError
 from distmerge.families.base import SourceMeta, config_int
 from distmerge.families.megatron.tables import MTP_LAYERS
+from distmerge.families.megatron.transforms import MlaRopeHalves
+from distmerge.families.transforms import NO_PARAMS, Params
 
 MLA = "mla"  # the table's transform name for every MLA projection: resolved here to identity or the permutation
 
@@ -63,7 +65,7 @@ ROPE_ROWS: dict[str, Callable[[Sizes], tuple[int, int]]] = {
 }
 
 
-def resolve(meta: SourceMeta, config: dict[str, Any]) -> tuple[str, tuple[tuple[str, object], ...]]:
+def resolve(meta: SourceMeta, config: dict[str, Any]) -> tuple[str, Params]:
     """The transform and its parameters for one MLA projection, after checking its shape against config.json."""
     suffix = next(s for s in SHAPES if meta.name.endswith("." + s))
     sizes = _sizes(config)
@@ -75,9 +77,9 @@ def resolve(meta: SourceMeta, config: dict[str, Any]) -> tuple[str, tuple[tuple[
         raise LayoutError(f"{meta.name} has shape {list(meta.shape)}, but config.json's attention sizes ({shown}) "
                           f"make {list(want)}: wrong config.json, or a TP split the files do not show?")
     if suffix not in ROPE_ROWS or rope_interleaved(config):
-        return "identity", ()
+        return "identity", NO_PARAMS
     heads, keep = ROPE_ROWS[suffix](sizes)
-    return "mla_rope_halves", (("heads", heads), ("keep", keep), ("rope", sizes["qk_rope_head_dim"]))
+    return "mla_rope_halves", MlaRopeHalves(heads=heads, keep=keep, rope=sizes["qk_rope_head_dim"])
 
 
 def mtp_aliases(names: Collection[str], config: dict[str, Any], has_rows: bool) -> dict[str, str]:

@@ -25,6 +25,7 @@ from typing import Any
 
 from distmerge.errors import LayoutError
 from distmerge.families.base import Target, Unit, config_int
+from distmerge.families.transforms import Copies
 
 COUNT = "num_nextn_predict_layers"
 EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -104,7 +105,7 @@ def _with_copies(units: list[Unit], layers: range) -> list[Unit]:
         assert len(unit.targets) == 1 and unit.transform != "copies", unit  # one tensor, written again
         copies = tuple(Target(name=n, shape=target.shape, dtype=target.dtype, group=target.group) for n in names)
         out[i] = replace(unit, targets=(target, *copies), transform="copies",
-                         params=(("of", unit.transform), ("count", 1 + len(copies)), *unit.params))
+                         params=Copies(of=unit.transform, count=1 + len(copies), inner=unit.params))
     return out
 
 

@@ -3,12 +3,32 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from distmerge.families.transforms import transform
+from distmerge.families.transforms import Params
 
 
-@transform
+@dataclass(frozen=True)
+class SplitQkv(Params):
+    heads: int  # query heads
+    groups: int  # key/value heads
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class SplitGateUp(Params):
+    shards: int  # the TP shards the fused rows were saved from
+
+
+@dataclass(frozen=True)
+class MlaRopeHalves(Params):
+    heads: int
+    keep: int  # each head's rows before its rotary part
+    rope: int  # qk_rope_head_dim
+
+
 def split_qkv(sources: list[torch.Tensor], heads: int, groups: int, head_dim: int) -> list[torch.Tensor]:
     """Megatron's fused linear_qkv (TP shards already concatenated on dim 0) -> q, k, v.
 
@@ -27,7 +47,6 @@ def split_qkv(sources: list[torch.Tensor], heads: int, groups: int, head_dim: in
     return [q.contiguous(), k.contiguous(), v.contiguous()]
 
 
-@transform
 def split_gate_up(sources: list[torch.Tensor], shards: int) -> list[torch.Tensor]:
     """SwiGLU linear_fc1 -> gate, up.
 
@@ -42,7 +61,6 @@ def split_gate_up(sources: list[torch.Tensor], shards: int) -> list[torch.Tensor
     return [gate.contiguous(), up.contiguous()]
 
 
-@transform
 def mla_rope_halves(sources: list[torch.Tensor], heads: int, keep: int, rope: int) -> list[torch.Tensor]:
     """Multi-latent attention rows whose rope part rotates interleaved pairs (megatron-core's MLA, Hugging Face
     DeepseekV3 with rope_interleave=True) -> rotating halves (rope_interleave=False). Per head (`heads` blocks

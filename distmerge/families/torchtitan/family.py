@@ -14,12 +14,13 @@ from collections import defaultdict
 from functools import cache
 from typing import Any
 
-import distmerge.families.torchtitan.transforms  # noqa: F401 (its transforms register themselves)
 from distmerge.errors import InputError, LayoutError
 from distmerge.families import base
 from distmerge.families.base import FamilyContext, FamilyResult, SourceMeta, Target, Unit, output_dtype
 from distmerge.families.megatron import mtp
 from distmerge.families.torchtitan.tables import FAMILIES, MODEL_TYPES, SHAPES, Row
+from distmerge.families.torchtitan.transforms import RopePermute
+from distmerge.families.transforms import NO_PARAMS
 
 HEAD, EMBEDDING = base.CAUSAL_LM.tied_heads[0]
 LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
@@ -43,7 +44,7 @@ def units(sources: dict[str, SourceMeta], ctx: FamilyContext) -> FamilyResult:
         if target in written:
             raise InputError(f"{meta.name} and {written[target]} both map to {target}: mixed name generations?")
         written[target] = meta.name
-        params = (("heads", base.config_int(size, row.heads, "torchtitan")),) if row.heads else ()
+        params = RopePermute(heads=base.config_int(size, row.heads, "torchtitan")) if row.heads else NO_PARAMS
         _check_shape(meta, target, row, size)
         out.append(Unit(sources=(meta.name,), targets=(Target(name=target, shape=meta.shape,
                                                                dtype=output_dtype(meta.dtype, ctx.cast)),),
@@ -157,4 +158,4 @@ def _layers(targets) -> set[int]:
 
 
 
-TORCHTITAN = base.register(base.NamingFamily(name="torchtitan", naming="torchtitan", order=25, build=units))
+TORCHTITAN = base.NamingFamily(name="torchtitan", naming="torchtitan", order=25, build=units)

@@ -3,12 +3,18 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from distmerge.families.transforms import transform
+from distmerge.families.transforms import Params
 
 
-@transform
+@dataclass(frozen=True)
+class RopePermute(Params):
+    heads: int
+
+
 def rope_permute(sources: list[torch.Tensor], heads: int) -> list[torch.Tensor]:
     """Rotary embedding on interleaved pairs (Meta's Llama, torchtitan's llama3) -> on halves (Hugging Face Llama).
 

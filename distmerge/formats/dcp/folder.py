@@ -24,7 +24,7 @@ import torch
 from distmerge import dtypes
 from distmerge.errors import CorruptInputError, InputError
 from distmerge.formats import base
-from distmerge.formats.base import FormatDefaults, Fragment, InputFile, OpenedFile, Scan, input_file, inside, register
+from distmerge.formats.base import FormatDefaults, Fragment, InputFile, OpenedFile, Scan, input_file, inside
 from distmerge.formats.dcp.keys import EMA_KEY, ema_copies, model_names, with_ema
 from distmerge.formats.torch_private import dcp as private
 from distmerge.input.source import Source
@@ -115,7 +115,6 @@ def hf_dir_near(src: Source, root: Path) -> str | None:
     return base.config_dir(src, (root, root.parent))
 
 
-@register
 class DcpFormat(FormatDefaults):
     name = "dcp"
     order = 40

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from distmerge.errors import CorruptInputError, InputError
-from distmerge.formats.base import FormatDefaults, Fragment, InputFile, OpenedFile, Scan, input_file, register
+from distmerge.formats.base import FormatDefaults, Fragment, InputFile, OpenedFile, Scan, input_file
 from distmerge.formats.dcp.folder import hf_dir_near
 from distmerge.formats.dcp.keys import model_names
 from distmerge.formats.safetensors_header import Header, read_header
@@ -53,7 +53,6 @@ def _rank(path: Path) -> int:
     return int(SHARD.match(path.name)[1]) - 1  # shard numbers count saving ranks from 1
 
 
-@register
 class DcpHfFormat(FormatDefaults):
     name = "dcp-hf"
     order = 50

@@ -21,7 +21,7 @@ from typing import Any
 
 from distmerge import dtypes
 from distmerge.errors import InputError, LayoutError
-from distmerge.formats.base import FormatDefaults, Fragment, Hints, InputFile, OpenedFile, Scan, input_file, register
+from distmerge.formats.base import FormatDefaults, Fragment, Hints, InputFile, OpenedFile, Scan, input_file
 from distmerge.formats.deepspeed import layout as ds
 from distmerge.formats.deepspeed.zero import Piece, flat_pieces, stage3_pieces
 from distmerge.formats.torch_private import archive_name, torch_save
@@ -50,7 +50,6 @@ class _State:
     roles: dict[str, tuple[str, int]]  # file -> ("model" | "optim", its data-parallel rank)
 
 
-@register
 class DeepSpeedFormat(FormatDefaults):
     name = "deepspeed"
     order = 15

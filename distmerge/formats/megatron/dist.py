@@ -26,7 +26,7 @@ from typing import Any
 
 from distmerge import dtypes
 from distmerge.errors import InputError
-from distmerge.formats.base import FormatDefaults, Fragment, Hints, InputFile, OpenedFile, Scan, register
+from distmerge.formats.base import FormatDefaults, Fragment, Hints, InputFile, OpenedFile, Scan
 from distmerge.formats.dcp.folder import DcpFormat
 from distmerge.formats.megatron import layout as mg
 from distmerge.input import tree
@@ -47,7 +47,6 @@ LAYER_EXPERTS = re.compile(
     r"^((?:decoder\.layers\.\d+|mtp\.layers\.\d+\.(?:transformer_layer|mtp_model_layer))\.mlp\.experts\.)experts\.")
 
 
-@register
 class MegatronDistFormat(FormatDefaults):
     name = "megatron-dist"
     order = 30  # before dcp: a torch_dist save is a DCP folder too

@@ -22,7 +22,7 @@ from typing import Any
 from distmerge import dtypes
 from distmerge.errors import LayoutError
 from distmerge.formats import copies
-from distmerge.formats.base import FormatDefaults, Fragment, Hints, InputFile, OpenedFile, Scan, input_file, register
+from distmerge.formats.base import FormatDefaults, Fragment, Hints, InputFile, OpenedFile, Scan, input_file
 from distmerge.formats.megatron import layout as mg
 from distmerge.formats.megatron.grid import Grid, model_chunks, resolve_grid
 from distmerge.formats.torch_private import torch_save
@@ -40,7 +40,6 @@ class _State:
     iteration: int | None
 
 
-@register
 class MegatronLegacyFormat(FormatDefaults):
     name = "megatron"
     order = 20

@@ -20,6 +20,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from distmerge.option_kinds import Kind
+
 CAST_NAMES = ("keep", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32")
 # --quantize: each choice and what it writes (quantize/schemes.py)
 QUANTIZE_CHOICES = {"fp8-block": "DeepSeek-V3/Qwen3-FP8 layout, float32 scale per 128x128 block (quant_method fp8)",
@@ -64,7 +66,7 @@ class OutputOption:
     name: str  # the API's keyword, argparse's dest
     flag: str  # the command line's spelling
     help: str
-    kind: str = "text"  # an options.KINDS key
+    kind: Kind = Kind.TEXT
     parse: Callable[[str], Any] | None = None  # kind "value": its parser (a bad value: ValueError or ArgumentTypeError)
     default: Any = None  # as the command line spells it; None: not given
     choices: tuple[str, ...] | None = None
@@ -116,25 +118,25 @@ OUTPUT_OPTIONS: tuple[OutputOption, ...] = (
                  help="write the linear weights of attention and MLP blocks in FP8 or 4 bits, quantized from the "
                  "merged tensors: " + "; ".join(f"{k}: {v}" for k, v in QUANTIZE_CHOICES.items()) +
                  " (docs/quantize.md)"),
-    OutputOption(name="max_shard_size", flag="--max-shard-size", kind="size", default="5GB", metavar="SIZE",
+    OutputOption(name="max_shard_size", flag="--max-shard-size", kind=Kind.SIZE, default="5GB", metavar="SIZE",
                  setting="max_shard_bytes", recorded="always",
                  help="largest output file (default 5GB; one file is named model.safetensors)"),
     OutputOption(name="lora", flag="--lora", default="auto", choices=("auto", "adapter", "merge"),
                  setting="lora.mode", recorded="always",
                  help="LoRA checkpoints: base model + PEFT adapter (auto, adapter) or fused weights (merge)"),
-    OutputOption(name="lora_alpha", flag="--lora-alpha", kind="float", metavar="ALPHA", setting="lora.alpha",
+    OutputOption(name="lora_alpha", flag="--lora-alpha", kind=Kind.FLOAT, metavar="ALPHA", setting="lora.alpha",
                  recorded="always", help="LoRA alpha when lora_train_meta.json is missing or wrong"),
     OutputOption(name="base_model", flag="--base-model", metavar="NAME_OR_DIR", setting="lora.base_model", typed=str,
                  recorded="always",
                  help="LoRA: the base model. A Hugging Face folder (config.json + safetensors): its weights complete a "
                       "LoRA-only save (base model + adapter, or fused with --lora merge). Any value: "
                       "base_model_name_or_path in adapter_config.json (default: the config's)"),
-    OutputOption(name="average", flag="--average", kind="switch", default=False, setting="average.on",
+    OutputOption(name="average", flag="--average", kind=Kind.SWITCH, default=False, setting="average.on",
                  commands=("merge", "verify"), verify="merged", refusals=AVERAGE_REFUSALS,
                  help="write the weighted average of the inputs (--input, once per checkpoint "
                  "of one model): each floating tensor summed in float64 in the order given, then cast "
                  "(docs/average.md); verify: the average of the --merged checkpoints, in memory"),
-    OutputOption(name="average_weights", flag="--average-weights", kind="value", parse=average_weights,
+    OutputOption(name="average_weights", flag="--average-weights", kind=Kind.VALUE, parse=average_weights,
                  metavar="W1,W2,...", setting="average.weights", record=list, commands=("merge", "verify"),
                  verify="merged", refusals=AVERAGE_REFUSALS,
                  help="--average: each input's weight, in --input (verify: --merged) order (default: 1/K each; any "
