@@ -302,7 +302,8 @@ def test_watch_a_run_on_two_nodes(fsdp_ckpts, tmp_path):
 
 def test_megatron_legacy_torchtitan_and_an_average_on_two_nodes(megatron_ckpts, tt_ckpts, fsdp_ckpts, tmp_path):
     """The other layouts where they lie, each against one node's merge of all its files: Megatron-LM's legacy
-    mp_rank_TT_PPP folders (pipeline stage 0 on node 0, 1 on node 1; N=3, W=4), torchtitan's checkpoint/step-N
+    mp_rank_TT_PPP folders (pipeline stage 0 on node 0, 1 on node 1; N=3, W=4), a verl LoRA save (each rank on its
+    own node, the adapter written too; N=3, W=2), torchtitan's checkpoint/step-N
     (rank 0's __0_0.distcp, .metadata and huggingface/ on node 0, ranks 1-2 on node 1; N=2, W=3), and the average
     of two FSDP2 saves, each split the other way round over the nodes (--average, N=2)."""
     legacy = megatron_ckpts["megatron_tp2pp2"]
@@ -311,6 +312,14 @@ def test_megatron_legacy_torchtitan_and_an_average_on_two_nodes(megatron_ckpts, 
                                      nproc=(1, 2), extra=hf)
     assert [r.returncode for r in runs] == [0, 0], runs[0].log[-3000:]
     assert_same_output(out, one_node_bytes(legacy, tmp_path / "legacy", *hf))
+
+    lora = fsdp_ckpts["fsdp2_llama_lora_w2"]  # verl's LoRA run: the adapter extracted beside the model
+    runs, out = merge_where_they_lie(lora, by_rank(r"rank_(\d+)\.pt$", lambda r: (r,)), tmp_path / "lora",
+                                     nproc=(1, 2))
+    assert [r.returncode for r in runs] == [0, 0], runs[0].log[-3000:]
+    assert_same_output(out, one_node_bytes(lora, tmp_path / "lora"))
+    adapter = "lora_adapter/adapter_model.safetensors"
+    assert (out / adapter).read_bytes() == (tmp_path / "lora" / "one-node" / adapter).read_bytes()
 
     titan = tt_ckpts["tt_llama3_gqa_tied_w3"]
     runs, out = merge_where_they_lie(titan, by_rank(r"__(\d+)_\d+\.distcp$", lambda r: (min(r, 1),)),
