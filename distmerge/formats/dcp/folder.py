@@ -127,6 +127,12 @@ class DcpFormat(FormatDefaults):
     options = (EMA_KEY,)
 
     def scan(self, source: Source, options: Mapping[str, Any]) -> Scan:
+        try:
+            return self._scan(source, options)
+        finally:  # the table and the decoding's columns are freed: their memory goes back (rank 0 carries on)
+            private.return_freed_memory()
+
+    def _scan(self, source: Source, options: Mapping[str, Any]) -> Scan:
         root = source.root
         md = load_metadata(source, root)
         names, ema_notes, ema = _names(md, str(root), options.get(EMA_KEY.dest))

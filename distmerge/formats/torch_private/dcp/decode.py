@@ -85,17 +85,16 @@ class Machine:
         self.chunk_runs: list[runs.Run] = []  # every chunk run, by its first memo index (recall)
         self.chunk_bases: list[int] = []
         self.callables = {id(v) for v in table.values()}  # what REDUCE may call: the allow-list's constructors
-        self.ops: dict[int, Callable[[], None]] = {ord(k): getattr(self, f"op_{v}") for k, v in OPCODES.items()}
 
     def run(self) -> Any:
-        data, ops = self.data, self.ops
+        data, ops = self.data, HANDLERS
         try:
             while (op := data[self.pos]) != STOP:
                 self.pos += 1
                 handler = ops.get(op)
                 if handler is None:
                     raise NotDecoded(f"opcode {op:#04x}")
-                handler()
+                handler(self)
         except (IndexError, KeyError, TypeError, ValueError) as err:  # a short stack, a missing memo entry ...
             raise NotDecoded(str(err)) from None
         if len(self.stack) != 1 or self.marks or self.pos != len(data) - 1:
@@ -386,3 +385,9 @@ OPCODES = {
     "a": "append", "e": "appends", "}": "empty_dict", "s": "setitem", "u": "setitems", "\x93": "stack_global",
     "\x81": "newobj", "R": "reduce", "b": "build",
 }
+
+# Each opcode's handler, the class's function (called with the machine), not a bound method kept on the machine: a
+# machine holding its own bound methods is a reference cycle, which kept the whole decoded skeleton (its runs'
+# columns: ~0.3 GB at 1024 ranks) alive after `decode` returned, until a full collection, never while the engine
+# runs with the collector off (engine/run.py).
+HANDLERS: dict[int, Callable[[Machine], None]] = {ord(k): getattr(Machine, f"op_{v}") for k, v in OPCODES.items()}
