@@ -73,6 +73,8 @@ def options(parser) -> None:
     parser.add_argument("--scale-input", type=Path, help="instead: this checkpoint folder (a rank file's rank in its "
                         "name: FSDP, DCP), split by rank over the nodes by hard links, merged split and shared, "
                         "for the time and peak RSS per rank (--world: its training world size)")
+    parser.add_argument("--rest-on", type=int, default=0, choices=(0, 1), help="with --scale-input: the node that "
+                        "holds the files of no rank (.metadata, huggingface/): 1 makes rank 0 read them from node 1")
 
 
 def scale(args, work: Path) -> int:
@@ -83,7 +85,7 @@ def scale(args, work: Path) -> int:
     at.mkdir(parents=True)
     for path in sorted(p for p in whole.rglob("*") if p.is_file()):
         m = RANK.search(path.name)
-        node = 0 if m is None else int(int(m.group(1) or m.group(2)) >= args.world // 2)
+        node = args.rest_on if m is None else int(int(m.group(1) or m.group(2)) >= args.world // 2)
         dest = disks[node] / path.relative_to(whole)
         dest.parent.mkdir(parents=True, exist_ok=True)
         os.link(path, dest)
