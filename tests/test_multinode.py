@@ -361,3 +361,22 @@ def test_a_remote_read_of_several_pieces_is_the_file(monkeypatch):
     assert bytes(f.pread(100, 4990)) == data[4990:]
     buf = bytearray(2048)
     assert f.read_full(memoryview(buf), 4000) == 1000 and bytes(buf[:1000]) == data[4000:]
+
+
+def test_a_lora_only_save_and_its_base_model_on_two_nodes(lora_only_ckpts, tmp_path):
+    """verl's save_lora_only (the adapter's A/B only) with rank 1's file on node 1, and --base-model naming a folder
+    only node 1 holds: rank 0, on node 0, finds the base model's config and headers there, node 1 reads its weights,
+    and the whole model (--lora merge) is one node's merge of the same files, byte for byte."""
+    ckpt = lora_only_ckpts["fsdp2_llama_lora_only_w2"]
+    base = reference_dir(ckpt) / "base_model"
+    node1_base = tmp_path / "base-node1"
+    split_files(base, [node1_base, node1_base], lambda rel: (0,))
+    seen = tmp_path / "base"
+    seen.mkdir()
+    disks = [tmp_path / "node0", tmp_path / "node1"]
+    split_files(ckpt, disks, by_rank(r"rank_(\d+)\.pt$", lambda r: (r,)))
+    out = tmp_path / "out"
+    args = ["merge", "--input", tmp_path / "ckpt", "--output", out, "--base-model", seen, "--lora", "merge"]
+    runs = run_two_nodes(disks, tmp_path / "ckpt", args, nproc=(1, 1), before=("", f"mount --bind {node1_base} {seen}"))
+    assert [r.returncode for r in runs] == [0, 0], runs[0].log[-3000:] + runs[1].log[-3000:]
+    assert_same_output(out, one_node_bytes(ckpt, tmp_path, "--base-model", base, "--lora", "merge"))

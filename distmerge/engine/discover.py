@@ -15,6 +15,7 @@ from distmerge.errors import ConfigError, InputError
 from distmerge.formats import registry
 from distmerge.formats.base import Scan
 from distmerge.input import source, tree
+from distmerge.input.nodes import NodesSource
 from distmerge.input.source import Source
 
 
@@ -36,7 +37,7 @@ def discover(root: Path | Source, fmt_name: str, hf_config: Path | None, options
     scan = scan_input(src, fmt_name, options)
     hf_dir = Path(hf_config) if hf_config else (Path(scan.hf_dir) if scan.hf_dir else None)
     if base_model is not None:
-        scan = registry.with_base_model(scan, base_model)
+        scan = _with_base_model(scan, Path(base_model))
         if not hf_config and (hf_dir is None or not src.is_file(hf_dir / "config.json")):
             hf_dir = Path(base_model)
     if hf_dir is None:
@@ -47,6 +48,17 @@ def discover(root: Path | Source, fmt_name: str, hf_config: Path | None, options
     if not hf_config and src.holds(hf_dir):
         _check_hf_dir(config, hf_dir)
     return Discovery(scan=scan, config=read_config(config), hf_dir=str(hf_dir))
+
+
+def _with_base_model(scan: Scan, folder: Path) -> Scan:
+    """The scan with the base folder's weight files, and the record of them where the nodes' listings of the folder
+    were joined (each rank then opens its files by its node's record: input/nodes.py)."""
+    src = source.looking_at(folder)  # the folder as it is, or the nodes' joined listing of it
+    scan = registry.with_base_model(scan, src)
+    if not isinstance(src, NodesSource):
+        return scan
+    paths = [Path(f.root) / f.path for f in scan.files if f.root == str(src.root)]
+    return replace(scan, base_walked=src.record(src.root, paths))
 
 
 def config_source(hf_dir: Path | str) -> Source:

@@ -90,8 +90,8 @@ class Spread:
     def input_of(self, spec: InputSpec) -> InputSpec:
         """What rank 0 discovers by: each input that is a local folder as its joined source; a joined --hf-config
         folder stands in this merge's session, where discovery and finalize look it up by its path."""
-        if spec.hf_config is not None and str(spec.hf_config) in self.sources:
-            source.session().standing = [self.sources[str(spec.hf_config)]]
+        source.session().standing = [self.sources[str(folder)] for folder in (spec.hf_config, spec.base_model)
+                                     if folder is not None and str(folder) in self.sources]
         return replace(spec, locations=tuple(self.sources.get(str(where), where) for where in spec.locations))
 
     def root_only(self, comm: Comm, work: Callable[[], T]) -> T:
@@ -185,6 +185,8 @@ def placement(scan: Scan, nodes: Nodes) -> Placement:
     --base-model folder's)."""
     ranks_of = {key: tuple(r for r, n in enumerate(nodes.of_rank) if nodes.keys[n] == key) for key in nodes.keys}
     walked_of = {str(s.root): s.walked for s in (scan, *(p.scan for p in scan.parts))}
+    if scan.base_walked is not None:
+        walked_of[scan.base_walked.root] = scan.base_walked
     may_read = []
     for f in scan.files:
         root = f.root or str(scan.root)

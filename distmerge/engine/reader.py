@@ -54,6 +54,8 @@ class Reader:
         self.kept_bytes = 0
         self._session = source.session()
         self._session.adopt(scan.walked, also=second)  # files are opened by the walk's record, on every rank
+        if scan.base_walked is not None:  # a --base-model folder the nodes joined: opened by its record
+            self._session.adopt(scan.base_walked, also=True)
         for part in scan.parts:  # an average's other inputs (engine/inputs.py): each opened by its own record
             self._session.adopt(part.scan.walked, also=True)
         # the input's source (input/source.py) sets the read policy: what `batch` makes, and whether a round's
@@ -78,9 +80,13 @@ class Reader:
         return found
 
     def _source_of(self, index: int) -> Any:
-        """The source that holds input file `index`: its input's (an average's other input), else the input's."""
+        """The source that holds input file `index`: its input's (an average's other input); for a --base-model
+        file, the record of that folder where the nodes' listings were joined; else the input's."""
         part = registry.part_of(self.scan, index) if self._parts else None
-        return self.source if part is None else self._parts[part.index]
+        if part is not None:
+            return self._parts[part.index]
+        file = self.files[index]
+        return (source.find(Path(file.root) / file.path) or self.source) if file.root else self.source
 
     def can_copy(self, frag: Fragment) -> bool:
         return frag.byte_offset >= 0

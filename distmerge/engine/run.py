@@ -106,7 +106,7 @@ def _release(held: list[Lease]) -> None:
 def _merge(opts: MergeOptions, comm: Comm, progress: Progress, store: Store, held: list[Lease],
            start: float) -> MergeResult:
     comm.phase("discovery")
-    spread = nodes.spread_inputs(comm, [*opts.input.locations, opts.input.hf_config])
+    spread = nodes.spread_inputs(comm, [*opts.input.locations, opts.input.hf_config, opts.input.base_model])
     try:
         return _merge_on(spread, opts, comm, progress, store, held, start)
     finally:

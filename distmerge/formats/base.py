@@ -111,6 +111,7 @@ class Scan:
     hints: Hints = field(default_factory=Hints)
     state: Any = None  # the format's own scan -> open() state (picklable); nothing else reads it
     walked: Any = None  # local.Walked: the walk's record of `files`, each rank opens them by (discover sets it)
+    base_walked: Any = None  # the same for a --base-model folder the nodes joined (engine/nodes.py); else None
     # An average's other inputs, each read by its own format and source (engine/inputs.py): their files follow
     # this scan's own in `files`, their tensors' names carry input_prefix(i)
     parts: tuple[Part, ...] = ()

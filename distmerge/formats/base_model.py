@@ -20,7 +20,6 @@ from pathlib import Path
 from distmerge.errors import InputError
 from distmerge.formats.base import BASE_MODEL_PREFIX, Fragment, InputFile, OpenedFile, Scan, input_file
 from distmerge.formats.safetensors_header import read_header
-from distmerge.input import source
 from distmerge.input.source import Source
 
 SINGLE = "model.safetensors"
@@ -29,10 +28,10 @@ LAYOUT = "Hugging Face base model file (--base-model)"
 INDEX_CAP = 64 * 1024 * 1024  # the index names each tensor once (~100 bytes a tensor): a real one is far smaller
 
 
-def attach(scan: Scan, folder: Path) -> Scan:
-    """The scan with the base folder's weight files appended (indices after the checkpoint's own): the folder is a
-    source of its own, as the user named it (nothing walked: its links are judged when each file is sized)."""
-    src = source.open_source(folder)
+def attach(scan: Scan, src: Source) -> Scan:
+    """The scan with the base folder's weight files appended (indices after the checkpoint's own), the folder
+    looked at through `src` (its root: the folder as the user named it, nothing walked, its links judged when each
+    file is sized; or a folder the nodes' listings joined, engine/nodes.py)."""
     folder = src.root  # resolved by the source: the name each file is opened by on every rank
     names = weight_files(src, folder)
     first = len(scan.files)
@@ -63,8 +62,9 @@ def weight_files(src: Source, folder: Path) -> list[str]:
 
 
 def open_file(src: Source, file: InputFile) -> OpenedFile:
-    """One whole tensor per header entry; the header is checked before any byte is trusted. `src`: the input's
-    source, which opens a file of a folder it does not hold as the user named it."""
+    """One whole tensor per header entry; the header is checked before any byte is trusted. `src`: the source
+    that holds the file (the reader's choice), or the input's, which opens a file of a folder it does not hold as
+    the user named it."""
     header = read_header(src, Path(file.root) / file.path)
     opened = OpenedFile(fragments=[], layout={LAYOUT: len(header.entries)})
     for key, entry in header.entries.items():

@@ -133,8 +133,9 @@ def check_options(fmt: InputFormat, given: Mapping[str, Any]) -> None:
 
 
 # -- a second input root: the --base-model folder, read by the engine beside the checkpoint's own files -------------
-def with_base_model(scan: Scan, folder: Path) -> Scan:
-    """The scan plus the weight files of a Hugging Face base-model folder (formats/base_model.py)."""
+def with_base_model(scan: Scan, folder: Source) -> Scan:
+    """The scan plus the weight files of a Hugging Face base-model folder (formats/base_model.py), looked at
+    through `folder`, a source whose root is the folder."""
     return base_model.attach(scan, folder)
 
 

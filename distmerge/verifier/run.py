@@ -76,8 +76,9 @@ def verify(opts: VerifyOptions, comm: Comm) -> VerifyResult:
 def _verify(opts: VerifyOptions, comm: Comm) -> VerifyResult:
     comm.phase("discovery")
     # a checkpoint side on the nodes' own disks (engine/nodes.py): read where it lies, as merge reads it
-    spread = nodes.spread_inputs(comm, [*opts.merged.locations, opts.merged.hf_config, *opts.reference.locations,
-                                        opts.reference.hf_config])
+    spread = nodes.spread_inputs(comm, [*opts.merged.locations, opts.merged.hf_config, opts.merged.base_model,
+                                        *opts.reference.locations, opts.reference.hf_config,
+                                        opts.reference.base_model])
     if spread is None:
         return _verify_on(opts, comm)
     try:
