@@ -361,6 +361,9 @@ def test_a_remote_read_of_several_pieces_is_the_file(monkeypatch):
     assert bytes(f.pread(100, 4990)) == data[4990:]
     buf = bytearray(2048)
     assert f.read_full(memoryview(buf), 4000) == 1000 and bytes(buf[:1000]) == data[4000:]
+    copied = bytearray()
+    assert f.copy_range(100, 3000, lambda piece, at: copied.extend(piece), memoryview(bytearray(700)), "r") == 3000
+    assert bytes(copied) == data[100:3100]
 
 
 def test_a_lora_only_save_and_its_base_model_on_two_nodes(lora_only_ckpts, tmp_path):

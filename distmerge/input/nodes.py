@@ -233,14 +233,7 @@ class RemoteFile:
 
     def copy_range(self, offset: int, nbytes: int, put: Callable[[memoryview, int], None], bounce: memoryview,
                    shown: str) -> int:
-        done = 0
-        while done < nbytes:
-            got = self.readinto(bounce[: min(len(bounce), nbytes - done)], offset + done)
-            if got == 0:
-                break
-            put(bounce[:got], done)
-            done += got
-        return done
+        return tree.copy_through(self.readinto, offset, nbytes, put, bounce)
 
     def close(self, *_exc: object) -> None:
         pass

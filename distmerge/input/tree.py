@@ -214,17 +214,13 @@ class Opened:
         """Bytes [offset, offset + nbytes) to `put(piece, position in the range)` through the reused `bounce`
         buffer; returns how many (fewer where the file ends). A read failure is one line naming `shown`; put's own
         failures (a full disk) pass through."""
-        done = 0
-        while done < nbytes:
+        def read(buf: memoryview, at: int) -> int:
             try:
-                got = os.preadv(self.fd, [bounce[: min(len(bounce), nbytes - done)]], offset + done)
+                return os.preadv(self.fd, [buf], at)
             except OSError as err:
                 raise CorruptInputError(f"cannot read {shown}: {err.strerror}") from None
-            if got == 0:
-                break
-            put(bounce[:got], done)
-            done += got
-        return done
+
+        return copy_through(read, offset, nbytes, put, bounce)
 
     def close(self, *_exc: object) -> None:
         if self.fd >= 0:
@@ -235,6 +231,20 @@ class Opened:
         return self
 
     __exit__ = close
+
+
+def copy_through(read: Callable[[memoryview, int], int], offset: int, nbytes: int,
+                 put: Callable[[memoryview, int], None], bounce: memoryview) -> int:
+    """Bytes [offset, offset + nbytes) of a file, `read(buf, at)` a piece at a time into the reused `bounce`, each
+    piece handed to `put(piece, position in the range)`; returns how many (fewer where the file ends)."""
+    done = 0
+    while done < nbytes:
+        got = read(bounce[: min(len(bounce), nbytes - done)], offset + done)
+        if got == 0:
+            break
+        put(bounce[:got], done)
+        done += got
+    return done
 
 
 def readable(f: Any) -> Any:
