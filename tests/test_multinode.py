@@ -84,6 +84,15 @@ def test_fsdp2_rank_files_on_two_nodes_markers_on_the_other(fsdp_ckpts, tmp_path
     assert "│ node │" in runs[0].log.replace("┃", "│")
 
 
+def test_a_copy_of_the_checkpoint_on_each_node(fsdp_ckpts, tmp_path):
+    """Each node holds its own copy of every file (listed alike, so read as one folder): each rank reads its node's
+    copy, though the copies are other files (device, inode) than the ones rank 0 listed. N=2 (1 + 1), W=4."""
+    ckpt = fsdp_ckpts["fsdp2_llama_w4"]
+    runs, out = merge_where_they_lie(ckpt, lambda rel: (0, 1), tmp_path, nproc=(1, 1))
+    assert [r.returncode for r in runs] == [0, 0], runs[0].log[-3000:] + runs[1].log[-3000:]
+    assert_same_output(out, one_node_bytes(ckpt, tmp_path))
+
+
 def test_dcp_save_on_two_nodes(dcp_ckpts, tmp_path):
     """dcp.save of FSDP2, W=4: each rank's __R_0.distcp on its node (ranks 0-1 node 0, 2-3 node 1), .metadata and
     huggingface/ on node 0. Node 1 alone lists files .metadata names, node 0 a .metadata missing half its files:
@@ -383,3 +392,65 @@ def test_a_lora_only_save_and_its_base_model_on_two_nodes(lora_only_ckpts, tmp_p
     runs = run_two_nodes(disks, tmp_path / "ckpt", args, nproc=(1, 1), before=("", f"mount --bind {node1_base} {seen}"))
     assert [r.returncode for r in runs] == [0, 0], runs[0].log[-3000:] + runs[1].log[-3000:]
     assert_same_output(out, one_node_bytes(ckpt, tmp_path, "--base-model", base, "--lora", "merge"))
+
+
+def test_verify_of_finished_models_on_node_local_disks(dcp_ckpts, tmp_path):
+    """verify --merged MODEL --reference MODEL, both finished models on node-local disks: the merged model's files
+    split over the two nodes (its index on node 1), the reference on node 1 only. Each file is read on the node that
+    holds it; every tensor is compared, bit-exact."""
+    ckpt = dcp_ckpts["dcp_llama_wrapped_w4"]
+    merged = tmp_path / "merged-here"
+    assert merge_inproc("--input", ckpt, "--output", merged, *SMALL_FILES) == 0
+    shards = sorted(p.name for p in merged.glob("model-*.safetensors"))
+    assert len(shards) >= 3
+    disks = [tmp_path / "node0", tmp_path / "node1"]
+    split_files(merged, [d / "merged" for d in disks],
+                lambda rel: (0,) if rel in shards[: len(shards) // 2] else (1,))
+    split_files(reference_dir(ckpt), [d / "reference" for d in disks], lambda rel: (1,))
+    at = tmp_path / "disk"
+    runs = run_two_nodes(disks, at, ["verify", "--merged", at / "merged", "--reference", at / "reference",
+                                     "--json", tmp_path / "report.json"], nproc=(1, 2))
+    assert [r.returncode for r in runs] == [0, 0], runs[0].log[-3000:] + runs[1].log[-3000:]
+    total = len(json.loads((merged / WEIGHTS[0]).read_text())["weight_map"])
+    assert re.search(rf"^verify: PASS {total} tensors bit-exact", runs[0].log, re.M), runs[0].log[-2000:]
+    # node 1's ranks compare the files node 1 holds; rank 0 those of node 0, whose reference tensors only node 1 has
+    per_rank = json.loads((tmp_path / "report.json").read_text())["run"]["compared_per_rank"]
+    on_node_1 = sum(len(safe_open(disks[1] / "merged" / f, "pt").keys()) for f in shards[len(shards) // 2:])
+    assert per_rank[1] + per_rank[2] == on_node_1 and per_rank[0] == total - on_node_1, per_rank
+
+
+def test_verify_of_a_checkpoint_against_a_reference_on_one_node(dcp_ckpts, tmp_path):
+    """verify --merged CHECKPOINT --reference MODEL, the checkpoint split over the nodes and the reference on node 1's
+    disk only: the checkpoint's tensors are assembled where the reference lies and compared there, bit-exact."""
+    ckpt = dcp_ckpts["dcp_llama_wrapped_w4"]
+    disks = [tmp_path / "node0", tmp_path / "node1"]
+    split_files(ckpt, [d / "ckpt" for d in disks], by_rank(r"__(\d+)_\d+\.distcp$", lambda r: (r // 2,)))
+    split_files(reference_dir(ckpt), [d / "reference" for d in disks], lambda rel: (1,))
+    at = tmp_path / "disk"
+    runs = run_two_nodes(disks, at, ["verify", "--merged", at / "ckpt", "--reference", at / "reference"],
+                         nproc=(2, 1))
+    assert [r.returncode for r in runs] == [0, 0], runs[0].log[-3000:] + runs[1].log[-3000:]
+    total = len(safe_open(reference_dir(ckpt) / "model.safetensors", "pt").keys())
+    assert re.search(rf"^verify: PASS {total} tensors bit-exact", runs[0].log, re.M), runs[0].log[-2000:]
+
+
+def test_verify_refuses_what_no_node_holds_whole(dcp_ckpts, tmp_path):
+    """A reference split over the nodes' disks cannot be compared with a checkpoint (each target is compared where
+    the reference lies), nor can --logits load models rank 0's node lacks: one line on every node, non-zero exits."""
+    ckpt = dcp_ckpts["dcp_llama_wrapped_w4"]
+    model = tmp_path / "model"
+    assert merge_inproc("--input", ckpt, "--output", model, *SMALL_FILES) == 0
+    disks = [tmp_path / "node0", tmp_path / "node1"]
+    split_files(ckpt, [d / "ckpt" for d in disks], lambda rel: (0, 1))  # a copy on each node: read as on one
+    split_files(model, [d / "reference" for d in disks], lambda rel: (0,) if "-00001-of-" in rel else (1,))
+    at = tmp_path / "disk"
+    runs = run_two_nodes(disks, at, ["verify", "--merged", at / "ckpt", "--reference", at / "reference"],
+                         nproc=(1, 1))
+    lines = [last_error(r.log) for r in runs]
+    assert [r.returncode != 0 for r in runs] == [True, True] and lines[0] == lines[1], lines
+    assert "no node holds all its files" in lines[0], lines[0]
+    runs = run_two_nodes(disks, at, ["verify", "--merged", at / "reference", "--reference", at / "reference",
+                                     "--logits"], nproc=(1, 1))
+    lines = [last_error(r.log) for r in runs]
+    assert [r.returncode != 0 for r in runs] == [True, True] and lines[0] == lines[1], lines
+    assert "--logits loads both models on rank 0's node" in lines[0], lines[0]

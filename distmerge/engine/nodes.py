@@ -88,10 +88,8 @@ class Spread:
     asking: list[requests.Ask] = field(default_factory=list)  # rank 0, while others serve: how to ask
 
     def input_of(self, spec: InputSpec) -> InputSpec:
-        """What rank 0 discovers by: each input that is a local folder as its joined source; a joined --hf-config
-        folder stands in this merge's session, where discovery and finalize look it up by its path."""
-        source.session().standing = [self.sources[str(folder)] for folder in (spec.hf_config, spec.base_model)
-                                     if folder is not None and str(folder) in self.sources]
+        """What rank 0 discovers by: each input that is a local folder as its joined source (a joined --hf-config or
+        --base-model folder is looked up by its path: spread_inputs)."""
         return replace(spec, locations=tuple(self.sources.get(str(where), where) for where in spec.locations))
 
     def root_only(self, comm: Comm, work: Callable[[], T]) -> T:
@@ -137,9 +135,15 @@ class NodesComm:
         return getattr(self.base, name)
 
 
-def placement_of(comm: Comm | NodesComm, scan: Scan) -> Placement | None:
-    """The placement of a scan's files when the ranks are on several nodes (a NodesComm), else None."""
-    return placement(scan, comm.spread.nodes) if isinstance(comm, NodesComm) else None
+def nodes_of(comm: Comm | NodesComm) -> Nodes | None:
+    """The nodes of a merge over several (a NodesComm), else None."""
+    return comm.spread.nodes if isinstance(comm, NodesComm) else None
+
+
+def placement_of(comm: Comm | NodesComm, scan: Scan, may_own: tuple[int, ...] = ()) -> Placement | None:
+    """The placement of a scan's files when the ranks are on several nodes (a NodesComm), else None. `may_own`: the
+    nodes whose ranks may own output files (() any)."""
+    return replace(placement(scan, comm.spread.nodes), may_own=may_own) if isinstance(comm, NodesComm) else None
 
 
 def each_node(comm: Comm, work: Callable[[], T]) -> list[T] | None:
@@ -172,6 +176,9 @@ def spread_inputs(comm: Comm, locations: list[Any]) -> Spread | None:
     spread.sources = comm.agree(lambda: {where: NodesSource(where, [b[where] for b in by_node], list(nodes.keys), 0,
                                                             spread.fetch(where)) for where in apart}
                                 if comm.rank == 0 else {})
+    # every joined folder stands in this merge's session on rank 0: discovery and finalize look a --hf-config folder
+    # up by its path, verify a finished model's files
+    source.session().standing = list(spread.sources.values())
     return spread
 
 

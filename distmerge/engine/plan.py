@@ -122,6 +122,8 @@ class Placement:
 
     node_of_rank: tuple[int, ...]
     may_read: tuple[tuple[int, ...], ...]
+    # the nodes whose ranks may own the output files (() any): verify compares each target where its reference lies
+    may_own: tuple[int, ...] = ()
 
     def crossing(self, plan: Plan, rank: int) -> int:
         """Bytes of source that reach `rank`'s units from readers on other nodes (what crosses the network)."""
@@ -248,7 +250,8 @@ def make_plan(
     sizes = [sum(t.nbytes for i in g for t in units[i].targets) for g in groups]
     readers = assign_readers(files, world, placement)
     owners = assign_owners(sizes, world) if placement is None else owners_near_reads(
-        sizes, [_node_bytes(g, units, sources, readers, placement) for g in groups], placement.node_of_rank)
+        sizes, [_node_bytes(g, units, sources, readers, placement) for g in groups], placement.node_of_rank,
+        placement.may_own)
     owner_of = [0] * len(units)
     for f, group in enumerate(groups):
         for i in group:
@@ -288,14 +291,18 @@ def make_plan(
 NEAR = 0.9  # a node reading this share of what the node reading most of a file reads is as near (ties: balance)
 
 
-def owners_near_reads(sizes: list[int], node_bytes: list[dict[int, int]], node_of_rank: tuple[int, ...]) -> list[int]:
+def owners_near_reads(sizes: list[int], node_bytes: list[dict[int, int]], node_of_rank: tuple[int, ...],
+                      may_own: tuple[int, ...] = ()) -> list[int]:
     """Largest file first onto the least-loaded rank of the nodes that read (about) most of its sources, so that as
     few bytes cross nodes as the layout allows: a file whose sources lie on one node is written there, one whose
-    sources every node holds alike (FSDP's Shard(0): each tensor's rows over all ranks) goes where the load is least."""
+    sources every node holds alike (FSDP's Shard(0): each tensor's rows over all ranks) goes where the load is least.
+    `may_own`: only those nodes' ranks own files (of them, the nodes that read most of the file's sources)."""
     owners, loads = [0] * len(sizes), [0] * len(node_of_rank)
+    allowed = set(may_own) or set(node_of_rank)
     for f in sorted(range(len(sizes)), key=lambda f: (-sizes[f], f)):
-        most = max(node_bytes[f].values(), default=0)
-        near = {n for n, b in node_bytes[f].items() if b >= NEAR * most} if most else set(node_of_rank)
+        reads = {n: b for n, b in node_bytes[f].items() if n in allowed}
+        most = max(reads.values(), default=0)
+        near = {n for n, b in reads.items() if b >= NEAR * most} if most else allowed
         ranks = [r for r, n in enumerate(node_of_rank) if n in near]
         owners[f] = min(ranks, key=lambda r: (loads[r], r))
         loads[owners[f]] += sizes[f]

@@ -15,19 +15,20 @@ from typing import Any
 from distmerge.errors import InputError
 from distmerge.input import source, tree
 from distmerge.input.reads import FileBatch
-from distmerge.input.tree import InputTree, Opened, host_id, node_key
+from distmerge.input.tree import InputTree, Opened, node_key
 
 
 @dataclass(frozen=True, kw_only=True)
 class Walked:
     """What the walk saw of the files a scan lists, sent to every rank with the scan: for each file (by the
     absolute path formats open it by) its path inside the walked root, with no link on the way, its size,
-    device and inode. Device and inode are compared only on the host that walked: across the nodes of a
-    shared file system inode numbers usually agree but device numbers do not, and some file systems (FUSE,
-    some NFS exports) number inodes per mount, so another node compares the size only."""
+    device and inode. Device and inode are compared only on the node that walked (its machine and mount namespace):
+    across the nodes of a shared file system inode numbers usually agree but device numbers do not, some file
+    systems (FUSE, some NFS exports) number inodes per mount, and nodes that each hold a copy of the folder hold
+    other files at the same path, so another node compares the size only."""
 
     root: str  # the walked input folder, resolved
-    host: str  # host_id() of the walking process
+    host: str  # node_key() of the walking process: its machine and mount namespace, where a path shows the same file
     files: dict[str, tuple[str, int, int, int]] = field(default_factory=dict)  # path -> (inside, size, dev, ino)
     folders: dict[str, str] = field(default_factory=dict)  # folders whose unlisted files are opened (scan root)
     listing: Any = None  # a source's own record (s3.Listing): what other ranks make the source again from
@@ -116,7 +117,7 @@ class LocalSource:
     def record(self, folder: Path | str, paths: Iterable[Path | str]) -> Walked:
         walk = self.tree
         assert walk is not None, "record() is rank 0's, after walk()"
-        walked = Walked(root=str(walk.root), host=host_id(), listing=self._listing())
+        walked = Walked(root=str(walk.root), host=node_key(), listing=self._listing())
         walked.folders[os.path.abspath(folder)] = str(walk.folder(folder).relative_to(walk.root))
         for path in paths:
             real, entry = walk._checked(path, "file")
@@ -154,7 +155,7 @@ class LocalSource:
                 rel, size, dev, ino = walked.files[full]
                 if walked.nodes:
                     return self._on_this_node(walked, path, full, rel, size)
-                return self._file(path, rel, size, (dev, ino) if walked.host == host_id() else None)
+                return self._file(path, rel, size, (dev, ino) if walked.host == node_key() else None)
             folder = next((f for f in walked.folders if Path(full).is_relative_to(f)), None)
             if folder is not None:  # an unlisted file of the save (DCP's .metadata): no link on the way, regular
                 return self._file(path, os.path.normpath(os.path.join(walked.folders[folder],

@@ -163,6 +163,11 @@ class NodesSource(LocalSource):
         kind = entry.kind if entry.kind in ("file", "dir") else "other"
         return source.Stat(kind=kind, size=entry.size, mtime_ns=entry.mtime_ns)
 
+    def nodes_holding(self, path: Path | str) -> tuple[int, ...]:
+        """The nodes whose disks hold the file at `path` (verify's finished models: who compares what)."""
+        real, _ = self.tree._checked(path, "file")
+        return tuple(sorted(self.tree.holders(str(real.relative_to(self.tree.root)))))
+
     # -- the record every rank opens by ---------------------------------------------------------------------------
     def record(self, folder: Path | str, paths: Any) -> Walked:
         walked = super().record(folder, paths)

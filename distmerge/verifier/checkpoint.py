@@ -40,6 +40,7 @@ from distmerge.engine import nodes
 from distmerge.engine import plan as planning
 from distmerge.engine.finalize import main_dtype
 from distmerge.engine.inputs import scans
+from distmerge.engine.nodes import Nodes
 from distmerge.engine.plan import Plan
 from distmerge.engine.reader import Reader
 from distmerge.engine.run import plan_checkpoint, run_rounds
@@ -71,13 +72,16 @@ def verify_checkpoint(opts: VerifyOptions, comm: Comm, role: str = "merged") -> 
     user's sides either way (merged minus reference, the merged side's file names)."""
     side = checkpoint_side(opts, role)
     found = comm.root_only(side.discover)
+    finished: list[Side] = []  # rank 0: the finished model's side, opened once
+    where = comm.root_only(lambda: _finished_on(opts, role, nodes.nodes_of(comm), finished))
     reader = Reader(found.scan, registry.get(found.scan.format))
     try:
         # No file is written, so none is shared by the ranks of one host: the ranks count as one host, and any
         # rank may take any unit when whole files cannot balance the work (spread.py).
         plan = plan_checkpoint(found, reader, comm, opts.settings, host=lambda: "",
-                               placement=nodes.placement_of(comm, found.scan))
-        listing = comm.root_only(lambda: _pair(plan, {**found.config, **plan.config_updates}, opts, role))
+                               placement=nodes.placement_of(comm, found.scan, may_own=where))
+        listing = comm.root_only(lambda: _pair(plan, {**found.config, **plan.config_updates}, opts, role,
+                                               finished[0]))
         todo = _compared_units(plan, listing, role)
         other = TensorFiles(listing.reference if role == "merged" else listing.merged)
         sink = StreamSink(todo, listing, other, streamed=role, crit=opts.criteria, device=comm.device)
@@ -97,25 +101,40 @@ def verify_checkpoint(opts: VerifyOptions, comm: Comm, role: str = "merged") -> 
                     per_rank=[len(c) for c in per_rank], **mine)
 
 
-def _pair(plan: Plan, config: dict, opts: VerifyOptions, role: str) -> Listing:
-    """Rank 0: the checkpoint's side as the plan describes it, paired with the other side's headers. The merged
-    side's config.json says which heads are tied: the checkpoint's, or the finished model's own when it has one."""
+def _finished_on(opts: VerifyOptions, role: str, nodes_: Nodes | None, opened: list[Side]) -> tuple[int, ...]:
+    """Rank 0: the finished model's side (into `opened`), and the nodes that hold all its files when it lies on the
+    nodes' own disks (() when every rank opens it: one node, or a shared folder). Each target is compared on a node
+    that holds the reference; a model no node holds whole is refused."""
+    # the other side is a finished model: a local path (kinds.py)
+    path = Path((opts.reference if role == "merged" else opts.merged).location)
+    side = open_side(path, role="reference" if role == "merged" else "merged model", allow_torch=True)
+    opened.append(side)
+    if nodes_ is None or not side.held:
+        return ()
+    whole = tuple(sorted(set(range(len(nodes_.keys))).intersection(*side.held)))
+    if not whole:
+        flag = "--reference" if role == "merged" else "--merged"
+        raise InputError(f"{flag} {path} lies split over the nodes' disks, and no node holds all its files: put the "
+                         "model whole on one node's disk (or every node's, or a shared folder) and verify again")
+    return whole
+
+
+def _pair(plan: Plan, config: dict, opts: VerifyOptions, role: str, finished: Side) -> Listing:
+    """Rank 0: the checkpoint's side as the plan describes it, paired with the finished model's (`finished`: its
+    headers). The merged side's config.json says which heads are tied: the checkpoint's, or the finished model's own
+    when it has one."""
     named = (opts.merged if role == "merged" else opts.reference).named
     if not plan.model_files:
         raise InputError(f"{named} holds a LoRA adapter only: verify compares model weights; pass --base-model DIR "
                          "(the base model's folder) with it as --merged so that the model is made")
     planned = planned_side(plan, named)
-    # the other side is a finished model: a local path (kinds.py)
-    finished = Path((opts.reference if role == "merged" else opts.merged).location)
     if role == "merged":
         # config.json as merge would write it: its dtype (what encoded weights, compared decoded, were encoded from)
         # and the values it makes late (a quantization_config's record: how the weights are encoded)
         config = {**config, "torch_dtype": dtypes.hf_dtype_name(main_dtype(plan) or "F32")}
-        return pair_sides(planned, open_side(finished, role="reference", allow_torch=True), config,
-                          later=plan.config_later)
-    own = merged_config(beside(finished))
-    return pair_sides(open_side(finished, role="merged model", allow_torch=True), planned,
-                      own if own is not None else config)
+        return pair_sides(planned, finished, config, later=plan.config_later)
+    own = merged_config(beside(Path(opts.merged.location)))
+    return pair_sides(finished, planned, own if own is not None else config)
 
 
 def planned_side(plan: Plan, named: str) -> Side:

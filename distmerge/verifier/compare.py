@@ -11,18 +11,48 @@ from pathlib import Path
 import torch
 
 from distmerge.distributed.comm import Comm
+from distmerge.engine.nodes import Nodes
 from distmerge.engine.plan import assign_owners
 from distmerge.verifier.blocks import Running, Scratch, block_size
 from distmerge.verifier.bounded import Bounded, bounded_running
 from distmerge.verifier.listing import Listing, Pair
 from distmerge.verifier.report import Check, Criteria
-from distmerge.verifier.sides import TensorFiles
+from distmerge.verifier.sides import Side, TensorFiles
 from distmerge.verifier.stream import make_check
 
 
-def check_mine(listing: Listing, crit: Criteria, comm: Comm) -> list[Check]:
-    owners = assign_owners(list(listing.merged.sizes), comm.world)
-    mine = [p for p in listing.pairs if owners[listing.merged.tensors[p.merged_name].file] == comm.rank]
+def assign_comparers(listing: Listing, nodes: Nodes | None, world: int) -> list[int | None]:
+    """The rank that compares the pairs of each merged file, the largest files first onto the rank with the fewest
+    bytes. On several nodes (sides on the nodes' own disks: Side.held), a rank of a node that holds the file and
+    every reference file its pairs read; None where no node holds them all (rank 0 compares those, reading through
+    the other nodes: run.py)."""
+    if nodes is None or not (listing.merged.held or listing.reference.held):
+        return list(assign_owners(list(listing.merged.sizes), world))
+    everywhere = tuple(range(len(nodes.keys)))
+    needs: list[set[int]] = [set() for _ in listing.merged.files]
+    for p in listing.pairs:
+        needs[listing.merged.tensors[p.merged_name].file].add(listing.reference.tensors[p.reference_name].file)
+    comparers: list[int | None] = [None] * len(listing.merged.files)
+    loads = [0] * world
+    for i in sorted(range(len(listing.merged.files)), key=lambda i: (-listing.merged.sizes[i], i)):
+        holding = set(_held(listing.merged, i, everywhere)).intersection(
+            *(_held(listing.reference, r, everywhere) for r in needs[i]))
+        ranks = [r for r in range(world) if nodes.of_rank[r] in holding]
+        if ranks:
+            comparers[i] = min(ranks, key=lambda r: (loads[r], r))
+            loads[comparers[i]] += listing.merged.sizes[i]
+    return comparers
+
+
+def _held(side: Side, file: int, everywhere: tuple[int, ...]) -> tuple[int, ...]:
+    return side.held[file] if side.held else everywhere
+
+
+def check_mine(listing: Listing, crit: Criteria, comm: Comm, comparers: list[int | None], *,
+               crossing: bool = False) -> list[Check]:
+    """This rank's pairs (`crossing`: those no node holds all the files of, rank 0's while the nodes answer)."""
+    me = None if crossing else comm.rank
+    mine = [p for p in listing.pairs if comparers[listing.merged.tensors[p.merged_name].file] == me]
     merged, reference = TensorFiles(listing.merged), TensorFiles(listing.reference)
     try:
         scratch = Scratch()

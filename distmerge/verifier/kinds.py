@@ -21,6 +21,7 @@ The options that shape the output (output_options.py) say how verify takes them:
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +34,7 @@ from distmerge.engine.inputs import InputSpec, discover_spec
 from distmerge.engine.prepare import OutputSettings
 from distmerge.errors import DistmergeError, InputError
 from distmerge.formats import registry
-from distmerge.input.source import name_of
+from distmerge.input import source
 from distmerge.verifier.listing import VerifyOptions
 from distmerge.verifier.sides import LAYOUTS
 
@@ -107,17 +108,19 @@ def _refuse_merged_only(opts: VerifyOptions, opt: output_options.OutputOption, m
     weights against full precision): the merge of a --reference checkpoint would be shaped by it too (the settings
     apply to every merge in memory). Its declaration's words."""
     said = opt.refusals["checkpoint" if merged else "model"]
-    raise InputError(said.format(merged=name_of(opts.merged.location), reference=name_of(opts.reference.location)))
+    raise InputError(said.format(merged=source.name_of(opts.merged.location),
+                                 reference=source.name_of(opts.reference.location)))
 
 
 def _is_checkpoint(spec: InputSpec, *, also_unmarked: bool) -> bool:
     path = spec.location
     if not isinstance(path, Path):  # a URL or a Source: read through its source, as merge reads it
         return True
-    if not path.is_dir():
+    src = source.of(path)  # the folder as it is, or as the nodes joined it (engine/nodes.py)
+    if not src.is_dir(path):
         return False
     return spec.format != "auto" or registry.detect(path) is not None or (
-        also_unmarked and not any(any(path.glob(mark)) for mark in MODEL_MARKS))
+        also_unmarked and not any(fnmatch.fnmatch(name, mark) for name in src.listdir(path) for mark in MODEL_MARKS))
 
 
 def _refuse(given: list[str], spec: InputSpec, flag: str) -> None:

@@ -15,6 +15,8 @@ from distmerge.families import hub_names
 from distmerge.families.base import ModelTraits, claim
 from distmerge.families.megatron import mtp
 from distmerge.formats.base import Hints
+from distmerge.input import source
+from distmerge.input.tree import CONFIG_CAP
 from distmerge.natural_order import natural_key
 from distmerge.quantize.compare import Encoding, encoding_of
 from distmerge.verifier.report import Check, Criteria
@@ -92,7 +94,7 @@ def make_listing(opts: VerifyOptions) -> Listing:
 
 def beside(model: Path) -> Path:
     """The config.json of a finished model: in its folder, or beside its one weights file."""
-    return model / "config.json" if model.is_dir() else model.parent / "config.json"
+    return model / "config.json" if source.of(model).is_dir(model) else model.parent / "config.json"
 
 
 def pair_sides(merged: Side, reference: Side, config: dict | None, later: dict | None = None) -> Listing:
@@ -150,10 +152,12 @@ def _dtype_code(name: object) -> str | None:
 
 
 def merged_config(path: Path) -> dict | None:
-    if not path.is_file():
+    """The config.json at `path`, looked up as the model's files are (sides.open_side), or None."""
+    src = source.of(path)
+    if not src.is_file(path):
         return None
     try:
-        config = json.loads(path.read_text())
+        config = json.loads(src.read_text(path, CONFIG_CAP, "config.json"))
     except ValueError:
         raise ConfigError(f"{path} is not valid JSON: fix it or copy the training run's config.json") from None
     return config if isinstance(config, dict) else {}

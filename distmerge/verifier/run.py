@@ -26,18 +26,20 @@ from __future__ import annotations
 import resource
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from distmerge.distributed.comm import Comm
 from distmerge.engine import nodes
 from distmerge.engine.inputs import InputSpec
+from distmerge.errors import InputError
 from distmerge.natural_order import natural_key
 from distmerge.threads import one_thread
 from distmerge.verifier.checkpoint import verify_checkpoint
-from distmerge.verifier.compare import check_mine
+from distmerge.verifier.compare import assign_comparers, check_mine
 from distmerge.verifier.kinds import kinds
-from distmerge.verifier.listing import VerifyOptions, make_listing
+from distmerge.verifier.listing import Listing, VerifyOptions, make_listing
 from distmerge.verifier.report import Check, LogitsCheck, print_report, report_json, write_json
 from distmerge.verifier.totals import totals, totals_json, totals_lines
 from distmerge.verifier.two_checkpoints import verify_two_checkpoints
@@ -82,15 +84,20 @@ def _verify(opts: VerifyOptions, comm: Comm) -> VerifyResult:
     if spread is None:
         return _verify_on(opts, comm)
     try:
-        return _verify_on(replace(opts, merged=spread.input_of(opts.merged),
-                                  reference=spread.input_of(opts.reference)), spread.comm(comm))
+        return _verify_on(opts, spread.comm(comm), joined=spread.input_of)
     finally:
         spread.close()
 
 
-def _verify_on(opts: VerifyOptions, comm: Comm) -> VerifyResult:
+def _verify_on(opts: VerifyOptions, comm: Comm | nodes.NodesComm,
+               joined: Callable[[InputSpec], InputSpec] | None = None) -> VerifyResult:
+    """`joined`: a side's spec with its folder as the nodes joined it, for a checkpoint side to be merged from (a
+    finished model's files are looked up by their paths, in the folders the nodes joined: sides.open_side)."""
     start = time.perf_counter()
     merged_ckpt, reference_ckpt = comm.root_only(lambda: kinds(opts))
+    if joined is not None:
+        opts = replace(opts, merged=joined(opts.merged) if merged_ckpt else opts.merged,
+                       reference=joined(opts.reference) if reference_ckpt else opts.reference)
     if merged_ckpt or reference_ckpt:
         got = verify_two_checkpoints(opts, comm) if merged_ckpt and reference_ckpt else verify_checkpoint(
             opts, comm, role="merged" if merged_ckpt else "reference")
@@ -102,7 +109,14 @@ def _verify_on(opts: VerifyOptions, comm: Comm) -> VerifyResult:
     comm.phase("the listing of the tensors (rank 0)")
     listing = comm.root_only(lambda: make_listing(opts))
     comm.phase("the comparison of the tensors")
-    per_rank = comm.gather(lambda: check_mine(listing, opts.criteria, comm))
+    comparers = assign_comparers(listing, nodes.nodes_of(comm), comm.world)
+    per_rank = comm.gather(lambda: check_mine(listing, opts.criteria, comm, comparers))
+    if None in comparers:
+        # the files of a pair on different nodes only: rank 0 compares them, reading what other nodes hold through
+        # them, while they answer (engine/nodes.py)
+        comm.phase("the comparison of the tensors whose files lie on different nodes (rank 0)")
+        crossed = comm.root_only(lambda: check_mine(listing, opts.criteria, comm, comparers, crossing=True))
+        per_rank[0] = [*per_rank[0], *crossed]
     checks = sorted([*listing.settled, *(c for mine in per_rank for c in mine)],
                     key=lambda c: natural_key(c.name))
     logits = None
@@ -110,9 +124,19 @@ def _verify_on(opts: VerifyOptions, comm: Comm) -> VerifyResult:
         from distmerge.verifier.logits import compare_logits
 
         comm.phase("the comparison of the logits (rank 0)")
-        logits = comm.root_only(lambda: compare_logits(listing, opts, comm.device))
+        logits = comm.root_only(lambda: compare_logits(_on_rank_0s_node(listing), opts, comm.device))
     return VerifyResult(checks=checks, logits=logits, processes=comm.world, per_rank=[len(c) for c in per_rank],
                         device=str(comm.device), seconds=time.perf_counter() - start, peak_rss=_peak_rss(comm))
+
+
+def _on_rank_0s_node(listing: Listing) -> Listing:
+    """The listing, when rank 0's node holds both models' files (--logits loads them there with transformers)."""
+    away = [f for side in (listing.merged, listing.reference) for f, held in zip(side.files, side.held, strict=False)
+            if 0 not in held]
+    if away:
+        raise InputError(f"--logits loads both models on rank 0's node, and {away[0]} is not on its disk: verify "
+                         "without --logits, or run it where one node holds both models")
+    return listing
 
 
 def _peak_rss(comm: Comm) -> tuple[int, ...]:

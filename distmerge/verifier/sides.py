@@ -16,6 +16,7 @@ import torch
 
 from distmerge import dtypes
 from distmerge.errors import CorruptInputError, InputError
+from distmerge.formats.base_model import INDEX_CAP
 from distmerge.formats.safetensors_header import read_header
 from distmerge.formats.torch_private import torch_save
 from distmerge.formats.torch_private.restricted import TENSOR_GLOBALS, TensorRef
@@ -45,12 +46,20 @@ class Side:
     files: tuple[str, ...]
     sizes: tuple[int, ...]
     tensors: dict[str, Loc]
+    # per file, the nodes whose disks hold it, when the side lies on the nodes' own disks (engine/nodes.py: a folder
+    # the nodes list differently); () when every rank can open every file (one node, or a shared folder)
+    held: tuple[tuple[int, ...], ...] = ()
 
 
 def open_side(path: Path, *, role: str, allow_torch: bool) -> Side:
-    if not path.exists():
+    """The side's files and tensors from its index and headers. Looked up through the source this verify reads
+    `path` by (source.of): the folder as it is, or one the nodes joined, whose files on other nodes are asked of
+    them (rank 0, while they answer)."""
+    src = source.of(path)
+    if not src.exists(path):
         raise InputError(f"{role} {path} does not exist: pass a model folder or a weights file")
-    kind, files, weight_map = _folder_layout(path, role, allow_torch) if path.is_dir() else _one_file(path, role)
+    kind, files, weight_map = (_folder_layout(src, path, role, allow_torch) if src.is_dir(path)
+                               else _one_file(src, path, role))
     if kind == "torch" and not allow_torch:
         raise InputError(f"{role} {path} is not safetensors: distmerge writes model.safetensors files")
     listed = [_list_safetensors(f) if kind == "safetensors" else _list_torch(f) for f in files]
@@ -62,29 +71,31 @@ def open_side(path: Path, *, role: str, allow_torch: bool) -> Side:
             tensors[name] = Loc(file=i, dtype=dtype, shape=shape)
     if weight_map is not None:
         _check_index(path, files, weight_map, tensors)
-    return Side(path=str(path), kind=kind, files=tuple(map(str, files)), sizes=tuple(f.stat().st_size for f in files),
-                tensors=tensors)
+    held = getattr(src, "nodes_holding", None)  # a folder the nodes joined (input/nodes.py)
+    return Side(path=str(path), kind=kind, files=tuple(map(str, files)), sizes=tuple(src.stat(f).size for f in files),
+                tensors=tensors, held=tuple(held(f) for f in files) if held is not None else ())
 
 
-def _folder_layout(folder: Path, role: str, allow_torch: bool) -> tuple[str, list[Path], dict[str, str] | None]:
+def _folder_layout(src: source.Source, folder: Path, role: str, allow_torch: bool
+                   ) -> tuple[str, list[Path], dict[str, str] | None]:
     for kind, index, single in LAYOUTS if allow_torch else LAYOUTS[:1]:
-        if (folder / index).is_file():
-            weight_map = _read_index(folder / index)
+        if src.is_file(folder / index):
+            weight_map = _read_index(src, folder / index)
             return kind, [folder / f for f in sorted(set(weight_map.values()))], weight_map
-        if (folder / single).is_file():
+        if src.is_file(folder / single):
             return kind, [folder / single], None
     if not allow_torch:  # the merged side: distmerge always writes the index, last
         raise InputError(f"{role} {folder} has no {INDEX_NAME}: the merge did not finish; run it again")
-    loose = sorted(folder.glob("*.safetensors"))
+    loose = [folder / name for name in src.listdir(folder) if name.endswith(".safetensors")]
     if loose:  # sharded without an index: the files together are the model
         return "safetensors", loose, None
     raise InputError(f"{role} {folder} holds no model.safetensors, pytorch_model.bin or index of either: "
                      "pass the folder of a Hugging Face model or one weights file")
 
 
-def _one_file(path: Path, role: str) -> tuple[str, list[Path], dict[str, str] | None]:
+def _one_file(src: source.Source, path: Path, role: str) -> tuple[str, list[Path], dict[str, str] | None]:
     if path.name.endswith(".index.json"):
-        weight_map = _read_index(path)
+        weight_map = _read_index(src, path)
         kind = "torch" if any(f.endswith(TORCH_SUFFIXES) for f in weight_map.values()) else "safetensors"
         return kind, [path.parent / f for f in sorted(set(weight_map.values()))], weight_map
     if path.suffix == ".safetensors":
@@ -94,15 +105,15 @@ def _one_file(path: Path, role: str) -> tuple[str, list[Path], dict[str, str] | 
     raise InputError(f"{role} {path}: not a .safetensors, .bin or .index.json file")
 
 
-def _read_index(path: Path) -> dict[str, str]:
+def _read_index(src: source.Source, path: Path) -> dict[str, str]:
     try:
-        weight_map = json.loads(path.read_text())["weight_map"]
+        weight_map = json.loads(src.read_text(path, INDEX_CAP, path.name))["weight_map"]
     except (ValueError, KeyError, TypeError):
         raise CorruptInputError(f"{path} is not a weights index (JSON with a weight_map)") from None
     ok = isinstance(weight_map, dict) and all(isinstance(v, str) and Path(v).name == v for v in weight_map.values())
     if not ok:
         raise CorruptInputError(f"{path}: weight_map must map tensor names to file names in the same folder")
-    missing = sorted({f for f in weight_map.values() if not (path.parent / f).is_file()})
+    missing = sorted({f for f in weight_map.values() if not src.is_file(path.parent / f)})
     if missing:
         raise InputError(f"{path} names files that are not there: {', '.join(missing)}; copy them or fix the index")
     return weight_map
