@@ -318,12 +318,10 @@ def test_sigterm_in_a_once_watch_exits_130_and_the_next_watch_resumes(trained, t
     so that a preempted job does not report success; it names the step, leaves no lock, and the next watch finishes.
     In this process: the signal is sent to it while the step's merge waits after its round. Seen failing with the
     interrupt of a --once watch returned as a stopped watch: exit 0."""
-    from distmerge.engine import run as engine_run
-
     run, _, out, _, _ = trained
     new = tmp_path / "out"
     lock = new / "global_step_2" / "actor" / ".distmerge.lock"
-    monkeypatch.setattr(engine_run, "ROUND_DELAY_S", 30.0)  # the merge waits after its round: SIGTERM lands in it
+    monkeypatch.setenv("DISTMERGE_TEST_ROUND_DELAY", "30")  # the merge waits after its round: SIGTERM lands in it
     sent, watching = [], threading.Event()
 
     def terminate_mid_merge() -> None:
@@ -351,7 +349,7 @@ def test_sigterm_in_a_once_watch_exits_130_and_the_next_watch_resumes(trained, t
     assert re.search(r"^distmerge watch: interrupted in global_step_2/actor \(.+\); run it again to finish$",
                      said.err, re.MULTILINE), said.err
     assert not lock.exists()
-    monkeypatch.setattr(engine_run, "ROUND_DELAY_S", 0.0)
+    monkeypatch.delenv("DISTMERGE_TEST_ROUND_DELAY")
     result = distmerge.watch(run, new, once=True)
     assert result.last()["global_step_2/actor"].status in (RESUMED, MERGED)
     for step in STEPS:
