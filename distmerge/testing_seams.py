@@ -14,6 +14,7 @@ function here, documented with the test that uses it. docs/dev/testing.md lists 
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 from distmerge.errors import CorruptInputError
@@ -79,7 +80,9 @@ def side_group_on_gloo() -> bool:
 
 def pause_before_rank_0_error() -> None:
     """RANK0_ERROR_DELAY=SECONDS: rank 0 sleeps that long before it prints an error, as a loaded machine may make
-    it, so that a test sees the other ranks wait for it (tests/test_errors_fsdp.py)."""
+    it, so that a test sees the other ranks wait for it (tests/test_errors_fsdp.py). It says so on stderr first:
+    the test checks that rank 0 was slowed down, which the run's time alone would not show."""
     seconds = float(_set(RANK0_ERROR_DELAY) or 0)
     if seconds > 0:
+        print(f"distmerge test seam: rank 0 waits {seconds:g} s before its error", file=sys.stderr, flush=True)
         time.sleep(seconds)

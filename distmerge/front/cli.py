@@ -367,7 +367,7 @@ def _report_error(err: DistmergeError, debug: bool) -> None:
         print(f"distmerge: error: {err}", file=sys.stderr, flush=True)
         return
     if shared:
-        let_rank_0_speak()  # at once on rank 0 (but for the test aid)
+        let_rank_0_speak()  # at once on rank 0 (but for a test seam)
     if shared and _rank() != 0:
         return
     if debug:
