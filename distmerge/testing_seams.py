@@ -32,6 +32,12 @@ def _set(name: str) -> str:
     return os.environ.get(name, "")
 
 
+def _say(what: str) -> None:
+    """Tell the test on stderr that a fault it can see no other way happened (a pause: the run's time alone would
+    not show it): its test checks the line, so a seam no longer reached fails the test instead of passing it."""
+    print(f"distmerge test seam: {what}", file=sys.stderr, flush=True)
+
+
 def pause_after_round() -> None:
     """ROUND_DELAY=SECONDS: sleep that long after every round of the merge, so that a test can kill a rank, send
     SIGTERM or start a second merge while this one is mid-way (tests/test_resume.py, test_output_lock.py,
@@ -50,13 +56,15 @@ def fail_in_round(rank: int, k: int) -> None:
 
 def stall_in_round(rank: int, k: int) -> None:
     """STALL=RANK:ROUNDS:SECONDS (ROUNDS: K or K-L, 0-based): sleep that long on that rank in each of those rounds,
-    before its reads, as a hung file system holds a process whose threads live (tests/test_silent_rank.py)."""
+    before its reads, as a hung file system holds a process whose threads live (tests/test_silent_rank.py). It says
+    so on stderr."""
     stall = _set(STALL)
     if not stall:
         return
     who, rounds, seconds = stall.split(":")
     first, _, last = rounds.partition("-")
     if int(who) == rank and int(first) <= k <= int(last or first):
+        _say(f"rank {rank} stalls {float(seconds):g} s in round {k}")
         time.sleep(float(seconds))
 
 
@@ -80,9 +88,8 @@ def side_group_on_gloo() -> bool:
 
 def pause_before_rank_0_error() -> None:
     """RANK0_ERROR_DELAY=SECONDS: rank 0 sleeps that long before it prints an error, as a loaded machine may make
-    it, so that a test sees the other ranks wait for it (tests/test_errors_fsdp.py). It says so on stderr first:
-    the test checks that rank 0 was slowed down, which the run's time alone would not show."""
+    it, so that a test sees the other ranks wait for it (tests/test_errors_fsdp.py). It says so on stderr."""
     seconds = float(_set(RANK0_ERROR_DELAY) or 0)
     if seconds > 0:
-        print(f"distmerge test seam: rank 0 waits {seconds:g} s before its error", file=sys.stderr, flush=True)
+        _say(f"rank 0 waits {seconds:g} s before its error")
         time.sleep(seconds)
