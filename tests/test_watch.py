@@ -134,6 +134,25 @@ def test_a_second_pass_touches_nothing(trained, capsys):
     assert "0 step(s) merged in 1 pass(es)" in said
 
 
+def test_each_step_starts_with_no_walk_of_an_input_kept(trained, tmp_path, monkeypatch):
+    """A watch's step walks its input in a session of its own (input/source.py's fresh_session, entered by
+    watcher/step.py): no step starts holding an earlier step's walk, nor one this process made before the watch.
+    Seen failing with the step's fresh_session removed: [0, 1, 1]."""
+    from distmerge.input import source as input_source
+    from distmerge.watcher import step as watch_step
+
+    run = trained[0]
+    merge, held = watch_step.engine_merge, []
+
+    def merge_counting_walks(opts, comm, progress):
+        held.append(len(input_source.session().sources))
+        return merge(opts, comm, progress)
+
+    monkeypatch.setattr(watch_step, "engine_merge", merge_counting_walks)
+    assert watch("--input", run, "--output", tmp_path / "out", "--once") == 0
+    assert held == [0] * len(STEPS)
+
+
 def test_a_half_written_step_waits_then_merges_and_an_interrupted_one_is_resumed(trained, tmp_path, capsys):
     run, _, out, _, _ = trained
     half = linked(run, tmp_path / "run")
