@@ -259,15 +259,15 @@ def job_group(values: Mapping[str, Any], on_silence: Callable[[str, bool], None]
 def as_found() -> Iterator[None]:
     """The process as the call found it, in what a library could change unasked: Python's global `random` state
     (a library imported or called during the merge may draw from it), and no walk of the input kept
-    (input_source.forget)."""
+    (input_source.fresh_session)."""
     from distmerge.input import source as input_source
 
     state = random.getstate()
     try:
-        yield
+        with input_source.fresh_session():
+            yield
     finally:
         random.setstate(state)
-        input_source.forget()
 
 
 def _initialized() -> bool:

@@ -21,12 +21,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from distmerge import testing_seams as seams
+
 SCHEME = "s3://"
 MAX_ATTEMPTS = 8  # per request, by the SDK (its backoff grows to ~20 s between the last tries)
 BODY_RETRIES = 4  # a body that breaks off is asked again for the rest this many times (5 breaks: an error)
-BODY_BACKOFF = 0.4  # seconds before the first such retry, doubling: 0.4 + 0.8 + 1.6 + 3.2 s in all
-# The fault tests' torchrun jobs shorten it (their count of retries is what they check, not the waits between).
-BODY_BACKOFF = float(os.environ.get("DISTMERGE_TEST_S3_BODY_BACKOFF", BODY_BACKOFF))
+# Seconds before the first such retry, doubling: 0.4 + 0.8 + 1.6 + 3.2 s in all (the fault tests' torchrun jobs
+# shorten it through testing_seams.s3_body_backoff: their count of retries is what they check, not the waits).
+BODY_BACKOFF = 0.4
 READ_PIECE = 1 << 20
 POOL = 32  # connections per process: part uploads and ranged reads run in a few threads each
 
@@ -151,7 +153,7 @@ def stream_range(bucket: str, key: str, offset: int = 0, nbytes: int | None = No
             breaks += 1
             if breaks > BODY_RETRIES:
                 raise BrokenBody(f"the body broke off {breaks} times; {done:,} of {nbytes:,} bytes read") from err
-            time.sleep(BODY_BACKOFF * 2 ** (breaks - 1))
+            time.sleep(seams.s3_body_backoff(BODY_BACKOFF) * 2 ** (breaks - 1))
         finally:
             body.close()
         if done == end < nbytes:  # the object ends before the bytes asked

@@ -146,10 +146,12 @@ def said_first(line: str, stderr: str) -> bool:
 def test_the_one_line_comes_even_when_rank_0_is_slow(tmp_path):
     """Rank 1 holds the same error and stays silent: it must not exit before rank 0 has printed it, or torchrun
     kills rank 0 first (issue 25 saw the line missing once in 625 tests on a loaded machine). Made deterministic
-    by slowing rank 0 down by 3 s (cli.RANK_0_ERROR_DELAY_S). Seen failing with cli.let_rank_0_speak's wait set
-    to 0: neither run printed the line."""
+    by slowing rank 0 down by 3 s (the test seam DISTMERGE_TEST_RANK0_ERROR_DELAY), checked to happen: the seam
+    says so on stderr. Seen failing with cli.let_rank_0_speak's wait set to 0: neither run printed the line."""
     with ThreadPoolExecutor(2) as pool:  # the two error cases side by side: each mostly waits out rank 0's delay
         runs = list(pool.map(lambda k: failing_job(k, tmp_path, {"DISTMERGE_TEST_RANK0_ERROR_DELAY": "3"}), range(2)))
+    slowed = [run.stderr.count("distmerge test seam: rank 0 waits 3 s before its error") for _, run in runs]
+    assert slowed == [1, 1], f"rank 0 was not slowed down once in each run: {slowed}"
     missed = one_line_each(runs)
     assert not missed, f"{len(missed)} of 2 runs without exactly one error line; first:\n{missed[0]}"
 

@@ -190,27 +190,27 @@ def test_another_rank_opens_by_the_record_sent_with_the_scan(fsdp_ckpts, tmp_pat
     """A rank other than 0 has no walk of its own: it opens by the record in the scan (Walked). Shown to fail
     with Reader not adopting it: open_input followed the link (DID NOT RAISE)."""
     ckpt = Path(shutil.copytree(fsdp_ckpts["fsdp2_llama_w4"], tmp_path / "ckpt", symlinks=True))
-    input_source.forget()
-    found = disc.discover(disc.check_input(ckpt), "auto", None, {})
-    input_source.forget()  # now as in another process: only the scan came over
-    reader = Reader(found.scan, registry.get(found.scan.format))
-    try:
-        frags = reader.open([0, 2])
-        link_out(rank(ckpt, 1), elsewhere)
-        with bounded(), pytest.raises(InputError, match="rank_1.pt cannot be opened"):
-            reader.open([1])
-        frag = next(f for f in frags if f.file_index == 2 and f.byte_offset >= 0)
-        shutil.copy(rank(ckpt, 3), rank(ckpt, 2).with_suffix(".tmp"))  # rank 2's bytes are read later, by fd:
-        rank(ckpt, 2).with_suffix(".tmp").rename(rank(ckpt, 2))  # that open is checked too (same host: inode)
-        with pytest.raises(InputError, match="rank_2.pt is not the regular file distmerge listed"):
-            reader.read_into(frag, torch.empty(frag.nbytes, dtype=torch.uint8))
-        monkeypatch.setattr(input_tree, "host_id", lambda: "another-node/boot")  # inodes are not compared there,
-        with open(rank(ckpt, 3), "ab") as f:  # sizes are
-            f.write(b"\0")
-        with pytest.raises(InputError, match="listed with 220,761"):
-            reader.open([3])
-    finally:
-        reader.close()
+    with input_source.fresh_session():
+        found = disc.discover(disc.check_input(ckpt), "auto", None, {})
+    with input_source.fresh_session():  # now as in another process: only the scan came over
+        reader = Reader(found.scan, registry.get(found.scan.format))
+        try:
+            frags = reader.open([0, 2])
+            link_out(rank(ckpt, 1), elsewhere)
+            with bounded(), pytest.raises(InputError, match="rank_1.pt cannot be opened"):
+                reader.open([1])
+            frag = next(f for f in frags if f.file_index == 2 and f.byte_offset >= 0)
+            shutil.copy(rank(ckpt, 3), rank(ckpt, 2).with_suffix(".tmp"))  # rank 2's bytes are read later, by fd:
+            rank(ckpt, 2).with_suffix(".tmp").rename(rank(ckpt, 2))  # that open is checked too (same host: inode)
+            with pytest.raises(InputError, match="rank_2.pt is not the regular file distmerge listed"):
+                reader.read_into(frag, torch.empty(frag.nbytes, dtype=torch.uint8))
+            monkeypatch.setattr(input_tree, "host_id", lambda: "another-node/boot")  # inodes are not compared there,
+            with open(rank(ckpt, 3), "ab") as f:  # sizes are
+                f.write(b"\0")
+            with pytest.raises(InputError, match="listed with 220,761"):
+                reader.open([3])
+        finally:
+            reader.close()
 
 
 AFTER_WALK = """

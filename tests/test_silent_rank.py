@@ -187,7 +187,7 @@ def test_a_rank_stuck_in_a_read_is_named(fsdp_ckpts, tmp_path):
 @pytest.mark.torchrun
 def test_a_slow_rank_that_progresses_is_no_alarm(fsdp_ckpts, tmp_path):
     """Rank 1 takes 4 s over each of the first 2 rounds (8 s in all, over --timeout 6), rank 0 waiting for it
-    each time less than --timeout: the merge succeeds."""
+    each time less than --timeout: the merge succeeds. The stalls are checked to happen (the seam's lines)."""
     out = tmp_path / "out"
     job = start(fsdp_ckpts["fsdp2_llama_w4"], out, {"DISTMERGE_TEST_STALL": "1:0-1:4"})
     try:
@@ -195,6 +195,8 @@ def test_a_slow_rank_that_progresses_is_no_alarm(fsdp_ckpts, tmp_path):
     finally:
         finish(job) if job.poll() is None else None
     assert job.returncode == 0, stderr[-3000:]
+    assert re.findall(r"^distmerge test seam: rank 1 stalls 4 s in round (\d)$", stderr, re.MULTILINE) == ["0", "1"], \
+        stderr[-3000:]
     assert (out / "model.safetensors.index.json").exists()
 
 

@@ -14,7 +14,8 @@ MAX_LINES = 400
 # the layer of the longest entry that is it or a package above it (engine.run is 5, the rest of engine/ 4).
 LAYERS = {
     0: ("errors", "dtypes", "results", "threads", "input", "s3_client", "distributed.watchdog",
-        "output_options", "option_kinds", "natural_order", "disjoint_sets"),
+        "distributed.namespaces", "output_options", "option_kinds", "natural_order", "disjoint_sets",
+        "testing_seams"),
     1: ("formats", "distributed.comm", "distributed.requests", "families.transforms", "quantize"),
     2: ("families", "quantize.table", "quantize.fused", "average"),
     3: ("engine.plan", "engine.coverage", "engine.spread", "engine.inventory", "output",  # coverage: the plan's
@@ -25,7 +26,7 @@ LAYERS = {
 }
 # The modules at the top of distmerge/: what every part uses, and the API. A new module belongs to a part.
 TOP = {"__init__", "__main__", "api", "errors", "dtypes", "results", "threads", "report", "s3_client", "catalog",
-       "output_options", "option_kinds", "natural_order", "disjoint_sets"}
+       "output_options", "option_kinds", "natural_order", "disjoint_sets", "testing_seams"}
 # Inside a package, the same rule one level down: its modules' layers among themselves.
 SUBLAYERS = {
     "verifier": {
@@ -296,3 +297,50 @@ def test_nothing_is_imported_for_its_side_effect():
     families/__init__.py's imports of every family and of quantize.table)."""
     found = [f for p in sorted(PACKAGE.rglob("*.py")) for f in side_effect_imports(p)]
     assert found == []
+
+
+# Test hooks and per-process state (#44): the fault tests' variables are read in one module, the test seams, and
+# each piece of per-process or per-merge state has one owner.
+SEAMS = "distmerge/testing_seams.py"
+NAMESPACES = "distmerge/distributed/namespaces.py"
+
+
+def test_production_modules_read_no_test_variable():
+    """Only the test-seam module names a `DISTMERGE_TEST_` variable: every other module calls its seams. Shown to
+    fail on the code before #44 (s3_client.py, engine/run.py, output/s3.py, distributed/comm.py, front/cli.py)."""
+    naming = sorted(str(p.relative_to(PACKAGE.parent)) for p in PACKAGE.rglob("*.py")
+                    if "DISTMERGE_TEST_" in p.read_text())
+    assert naming == [SEAMS]
+
+
+def module_counters(path: Path) -> list[str]:
+    """The `itertools.count()` a module keeps for the whole process (assigned at module or class level), as
+    PATH:LINE; a count made inside a function lives for its call only."""
+    tree = ast.parse(path.read_text())
+    kept = [n for n in (*tree.body, *(b for c in tree.body if isinstance(c, ast.ClassDef) for b in c.body))
+            if isinstance(n, ast.Assign | ast.AnnAssign) and n.value is not None]
+    return [f"{path.relative_to(PACKAGE.parent)}:{n.lineno}" for n in kept for call in ast.walk(n.value)
+            if isinstance(call, ast.Call) and ast.unparse(call.func) in ("itertools.count", "count")]
+
+
+def test_one_counter_names_the_store_namespaces():
+    """The store namespaces of the groups a process starts (comm.py's group, its watchdog) come from one counter,
+    in distributed/namespaces.py: two counters that must give every rank the same sequence are one too many.
+    Shown to fail on the code before #44 (comm._GROUPS and watchdog/dog._COMMS)."""
+    found = [c for p in sorted(PACKAGE.rglob("*.py")) for c in module_counters(p)]
+    assert [c.split(":")[0] for c in found] == [NAMESPACES], found
+
+
+def test_a_context_variable_is_touched_only_by_its_module():
+    """A ContextVar (input/source.py's session of a merge) is read and set only in the module that defines it;
+    others use that module's named entry points (source.fresh_session). Shown to fail with watcher/step.py
+    resetting the session itself (`input_source._SESSION.set(None)`)."""
+    mods = modules()
+    owners = {t.id: p for p in mods.values() for n in ast.parse(p.read_text()).body
+              if isinstance(n, ast.Assign | ast.AnnAssign) and isinstance(n.value, ast.Call)
+              and ast.unparse(n.value.func).endswith("ContextVar")
+              for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
+    assert owners, "no ContextVar found: the check would see nothing"
+    touched = sorted(f"{p.relative_to(PACKAGE.parent)}: {name}" for name, owner in owners.items()
+                     for p in mods.values() if p != owner and re.search(rf"\b{name}\b", p.read_text()))
+    assert touched == []

@@ -134,6 +134,25 @@ def test_a_second_pass_touches_nothing(trained, capsys):
     assert "0 step(s) merged in 1 pass(es)" in said
 
 
+def test_each_step_starts_with_no_walk_of_an_input_kept(trained, tmp_path, monkeypatch):
+    """A watch's step walks its input in a session of its own (input/source.py's fresh_session, entered by
+    watcher/step.py): no step starts holding an earlier step's walk, nor one this process made before the watch.
+    Seen failing with the step's fresh_session removed: [0, 1, 1]."""
+    from distmerge.input import source as input_source
+    from distmerge.watcher import step as watch_step
+
+    run = trained[0]
+    merge, held = watch_step.engine_merge, []
+
+    def merge_counting_walks(opts, comm, progress):
+        held.append(len(input_source.session().sources))
+        return merge(opts, comm, progress)
+
+    monkeypatch.setattr(watch_step, "engine_merge", merge_counting_walks)
+    assert watch("--input", run, "--output", tmp_path / "out", "--once") == 0
+    assert held == [0] * len(STEPS)
+
+
 def test_a_half_written_step_waits_then_merges_and_an_interrupted_one_is_resumed(trained, tmp_path, capsys):
     run, _, out, _, _ = trained
     half = linked(run, tmp_path / "run")
@@ -318,12 +337,10 @@ def test_sigterm_in_a_once_watch_exits_130_and_the_next_watch_resumes(trained, t
     so that a preempted job does not report success; it names the step, leaves no lock, and the next watch finishes.
     In this process: the signal is sent to it while the step's merge waits after its round. Seen failing with the
     interrupt of a --once watch returned as a stopped watch: exit 0."""
-    from distmerge.engine import run as engine_run
-
     run, _, out, _, _ = trained
     new = tmp_path / "out"
     lock = new / "global_step_2" / "actor" / ".distmerge.lock"
-    monkeypatch.setattr(engine_run, "ROUND_DELAY_S", 30.0)  # the merge waits after its round: SIGTERM lands in it
+    monkeypatch.setenv("DISTMERGE_TEST_ROUND_DELAY", "30")  # the merge waits after its round: SIGTERM lands in it
     sent, watching = [], threading.Event()
 
     def terminate_mid_merge() -> None:
@@ -351,7 +368,7 @@ def test_sigterm_in_a_once_watch_exits_130_and_the_next_watch_resumes(trained, t
     assert re.search(r"^distmerge watch: interrupted in global_step_2/actor \(.+\); run it again to finish$",
                      said.err, re.MULTILINE), said.err
     assert not lock.exists()
-    monkeypatch.setattr(engine_run, "ROUND_DELAY_S", 0.0)
+    monkeypatch.delenv("DISTMERGE_TEST_ROUND_DELAY")
     result = distmerge.watch(run, new, once=True)
     assert result.last()["global_step_2/actor"].status in (RESUMED, MERGED)
     for step in STEPS:

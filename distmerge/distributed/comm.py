@@ -20,7 +20,6 @@ the side group and drops distmerge's references, never the job's group.
 
 from __future__ import annotations
 
-import itertools
 import os
 import pickle
 import sys
@@ -35,15 +34,14 @@ from typing import Any, TypeVar
 import torch
 
 from distmerge import errors
+from distmerge import testing_seams as seams
+from distmerge.distributed.namespaces import next_namespace
 from distmerge.distributed.watchdog.dog import Watchdog
 from distmerge.distributed.watchdog.pulse import BACKSTOP_S, Pulse, WatchedWork
 from distmerge.errors import DistmergeError, InputError
 from distmerge.input import source as input_source
 
 T = TypeVar("T")
-# Test aid: a borrowed gloo group gets a gloo side group for the small messages, as an NCCL group does, so that
-# the side group's making and destroying run on a CPU (tests/jobs/api_in_job.py). Unset otherwise.
-SIDE_GROUP = os.environ.get("DISTMERGE_TEST_SIDE_GROUP", "") == "1"
 KEPT_COLLECTIVES = 16  # object collectives whose tensors Comm holds (_keep): a worker thread lags a few behind
 
 
@@ -108,7 +106,7 @@ class Comm:
         comm._borrowed = True
         comm._side = None
         comm._pulse, comm._aborts, comm._watchdog = Pulse(), [], None  # the job's group: no watchdog of ours
-        if "gloo" not in backend or SIDE_GROUP:
+        if "gloo" not in backend or seams.side_group_on_gloo():  # the test seam: a CPU runs it too
             comm._side = _side_group(group, timedelta(seconds=timeout_s))
         cpu_data = comm.device.type == "cpu" and "gloo" not in backend  # NCCL carries only CUDA tensors
         comm._control = comm._side if comm._side is not None else group
@@ -290,15 +288,13 @@ class Comm:
         return outcomes
 
 
-_GROUPS = itertools.count()  # groups this process started: the same sequence on every rank, so a store prefix each
-
 def _own_store(timeout: timedelta) -> tuple[Any, int, int]:
     """The job's rendezvous store (env://, made with `timeout`), rank and world size, under a prefix of this group's
     own: torch keys each default group alike ("default_pg", group "0" again once destroyed), so a second merge in one
     process read the first's gloo addresses left there (refused, or a hang, in half the runs: tests/test_api.py)."""
     import torch.distributed as dist
     store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
-    return dist.PrefixStore(f"distmerge/group/{next(_GROUPS)}", store), rank, world
+    return dist.PrefixStore(next_namespace("group"), store), rank, world
 
 
 @contextmanager

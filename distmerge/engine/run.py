@@ -30,13 +30,13 @@ lives: every byte it writes goes through the output store (output/store.py docum
 from __future__ import annotations
 
 import gc
-import os
 import resource
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from distmerge import testing_seams as seams
 from distmerge.average import units as average
 from distmerge.distributed.comm import Comm
 from distmerge.engine import discover as disc
@@ -52,7 +52,7 @@ from distmerge.engine.plan import Plan
 from distmerge.engine.prepare import OutputSettings, prepare_merge
 from distmerge.engine.reader import Reader
 from distmerge.engine.sink import FileSink, Sink
-from distmerge.errors import CorruptInputError, Interrupted
+from distmerge.errors import Interrupted
 from distmerge.formats import registry
 from distmerge.formats.base import Fragment
 from distmerge.input.source import name_of
@@ -63,16 +63,6 @@ from distmerge.output.store import Sharing, Store
 from distmerge.output.writer import ShardWriter
 from distmerge.report import Progress
 from distmerge.results import Laps, MergeResult, RankStats
-
-# Fault-injection aid for tests that kill a rank mid-merge: a pause after every round. Zero otherwise.
-ROUND_DELAY_S = float(os.environ.get("DISTMERGE_TEST_ROUND_DELAY", "0"))
-# Fault-injection aid for the test that one rank's error mid-round is raised on every rank: "RANK:ROUND" makes
-# that rank's share of that round fail as a read error would (tests/test_promises.py). Empty otherwise.
-FAIL_AT = os.environ.get("DISTMERGE_TEST_FAIL_AT", "")
-# Fault-injection aid for the watchdog's tests (tests/test_silent_rank.py): "RANK:ROUNDS:SECONDS" (ROUNDS: K or
-# K-L, 0-based) makes that rank sleep that long in its share of each of those rounds, before its reads, as a hung
-# filesystem would hold it while its threads live. Empty otherwise.
-STALL = os.environ.get("DISTMERGE_TEST_STALL", "")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -261,11 +251,10 @@ def run_in_lockstep(works: tuple[Work, ...], comm: Comm, progress: Progress) -> 
         for k in range(depth):
             comm.phase(f"round {k + 1} of {depth}")
             ahead = start(k + 1) if k + 1 < depth else []
-            done = comm.gather(lambda p=pending, k=k: _test_fault(k, comm.rank) or _test_stall(k, comm.rank) or sum(
-                _build(w, k, pk, comm) for w, pk in zip(works, p, strict=True)))
+            done = comm.gather(lambda p=pending, k=k: _round_work(works, p, k, comm))
             progress.advance(sum(done))
             pending, ahead = ahead, []
-            time.sleep(ROUND_DELAY_S)
+            seams.pause_after_round()
     except BaseException as err:
         if hasattr(err, "origin_rank"):  # every rank agreed on the error, so in-flight exchanges complete
             for work in (*pending, *ahead):
@@ -273,17 +262,12 @@ def run_in_lockstep(works: tuple[Work, ...], comm: Comm, progress: Progress) -> 
         raise
 
 
-def _test_fault(k: int, rank: int) -> None:
-    if f"{rank}:{k}" == FAIL_AT:
-        raise CorruptInputError(f"test fault (DISTMERGE_TEST_FAIL_AT) on rank {rank} in round {k}")
-
-
-def _test_stall(k: int, rank: int) -> None:
-    if STALL:
-        who, rounds, seconds = STALL.split(":")
-        first, _, last = rounds.partition("-")
-        if int(who) == rank and int(first) <= k <= int(last or first):
-            time.sleep(float(seconds))
+def _round_work(works: tuple[Work, ...], pending: list[Pending], k: int, comm: Comm) -> int:
+    """This rank's share of round k: its targets built and handed to their sinks; the bytes it wrote. The test seams
+    of a fault in a round (testing_seams.py) sit here, inside the round's gather, where a read error would be."""
+    seams.fail_in_round(comm.rank, k)
+    seams.stall_in_round(comm.rank, k)
+    return sum(_build(w, k, pk, comm) for w, pk in zip(works, pending, strict=True))
 
 
 def _discover(opts: MergeOptions, store: Store, held: list[Lease], say: Callable[[str], None]) -> disc.Discovery:

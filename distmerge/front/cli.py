@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from distmerge import __version__, options
+from distmerge import testing_seams as seams
 from distmerge.errors import DistmergeError, InputError
 from distmerge.front import verl_cli
 from distmerge.options.cli_options import add_options
@@ -42,8 +43,6 @@ torchrun: the processes share the reading, assembling and writing; the result is
 # exits first could kill rank 0 before its one line is out (seen under CPU load). Rank 0's exit ends the wait (its
 # SIGTERM), so this costs nothing when rank 0 gets to say it.
 SILENT_RANK_WAIT_S = 60.0
-# Test aid: rank 0 pauses this long before it prints an error, as a loaded machine may make it.
-RANK_0_ERROR_DELAY_S = float(os.environ.get("DISTMERGE_TEST_RANK0_ERROR_DELAY", "0"))
 
 
 def _rank() -> int:
@@ -53,7 +52,7 @@ def _rank() -> int:
 def let_rank_0_speak() -> None:
     """On a silent rank under torchrun: wait for rank 0 to print the error and exit (torchrun then ends us)."""
     if _rank() == 0:
-        time.sleep(RANK_0_ERROR_DELAY_S)
+        seams.pause_before_rank_0_error()  # a test's slow rank 0 (testing_seams.py); nothing otherwise
         return
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 or "TORCHELASTIC_RUN_ID" not in os.environ:
         return  # alone, or under a launcher other than torchrun (which one stops the job is its own rule)
@@ -368,7 +367,7 @@ def _report_error(err: DistmergeError, debug: bool) -> None:
         print(f"distmerge: error: {err}", file=sys.stderr, flush=True)
         return
     if shared:
-        let_rank_0_speak()  # at once on rank 0 (but for the test aid)
+        let_rank_0_speak()  # at once on rank 0 (but for a test seam)
     if shared and _rank() != 0:
         return
     if debug:

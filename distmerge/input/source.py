@@ -30,7 +30,7 @@ assigns input files (plan.readers):
                                                                   or Reader.fill's spans (files)
     errors    every rank     shown(message)                       the message naming the input as the user
                                                                   named it (an object's URL, not its path)
-    exit      every process  session.forget()                     nothing of the input kept (api.as_found)
+    exit      every process  the end of fresh_session()           nothing of the input kept (api.as_found)
 
 Formats and the engine never ask which kind of source they read: a lookup that works on a disk works in a bucket.
 Paths are names within the source (rooted at `root`); a format never opens, lists or stats one itself
@@ -314,14 +314,6 @@ class Session:
         found = [s for s in (*self.sources, *self.standing) if s.holds(full)]
         return max(found, key=lambda s: len(str(s.root))) if found else None
 
-    @contextmanager
-    def bound(self) -> Iterator[None]:
-        token = _SESSION.set(self)
-        try:
-            yield
-        finally:
-            _SESSION.reset(token)
-
     def bind(self) -> None:
         """In a thread a source starts (ThreadPoolExecutor's initializer): this session is its own."""
         _SESSION.set(self)
@@ -339,9 +331,16 @@ def session() -> Session:
     return found
 
 
-def forget() -> None:
-    """Nothing of any input kept in this context (an API call's end: a job outlives its merges)."""
-    _SESSION.set(None)
+@contextmanager
+def fresh_session() -> Iterator[None]:
+    """Run the block with a session of its own, made on first use, and put back the one before at its end: nothing
+    of the inputs the block walked is kept (an API call's end, as a job outlives its merges; a watch's step, as the
+    next step's walk is its own). The one way code outside this module starts or drops a session."""
+    token = _SESSION.set(None)
+    try:
+        yield
+    finally:
+        _SESSION.reset(token)
 
 
 def find(path: Path | str) -> Source | None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import bisect
 import fnmatch
 import hashlib
-import os
 import re
 import threading
 from collections.abc import Iterable
@@ -26,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from distmerge import s3_client
+from distmerge import testing_seams as seams
 from distmerge.errors import OutputError
 from distmerge.output.names import FINISHED, INDEX_NAME, LOCK, RECORDS
 from distmerge.output.s3_lock import ObjectLock
@@ -34,15 +34,15 @@ from distmerge.output.store import FileLayout, Sharing
 MIN_PART = 5 << 20  # S3's smallest part (all but the last)
 MAX_PARTS = 10_000  # S3's most parts per upload
 # Parts of 16 MiB: throughput and memory measured in docs/benchmarks.md ("Object stores"); tests shrink them
-# (DISTMERGE_TEST_S3_PART, with the test server's own minimum) so that tiny models exercise shared uploads.
+# (testing_seams.s3_part_size, with the test server's own minimum) so that tiny models exercise shared uploads.
 PART = 16 << 20
 IN_FLIGHT = 4  # parts per rank being sent or waiting for a thread: at most this x PART bytes held
 
 
 def part_size() -> int:
-    """PART, or the tests' smaller part: read when a store is made, as a test process imports this module before
-    it sets DISTMERGE_TEST_S3_PART."""
-    return int(os.environ.get("DISTMERGE_TEST_S3_PART", PART))
+    """PART, or the tests' smaller part (testing_seams.s3_part_size): asked when a store is made, as a test process
+    imports this module before it shrinks the parts."""
+    return seams.s3_part_size(PART)
 
 
 class ObjectStore:

@@ -53,7 +53,13 @@ class QuietStart(Progress):
 
 
 def merge(step: Target, comm: Comm, show: bool, upload: str | None) -> Outcome:
-    """Collective: the step's outcome, the same on every rank."""
+    """Collective: the step's outcome, the same on every rank. The step walks its input in a session of its own
+    (input/source.py), dropped at its end: the next step's walk is its own."""
+    with input_source.fresh_session():
+        return _merge(step, comm, show, upload)
+
+
+def _merge(step: Target, comm: Comm, show: bool, upload: str | None) -> Outcome:
     nbytes = comm.root_only(lambda: done.merged_bytes(step.opts))
     if nbytes is not None:
         return _uploaded(Outcome(name=step.name, number=step.number, status=DONE, nbytes=nbytes), step, comm,
@@ -70,8 +76,6 @@ def merge(step: Target, comm: Comm, show: bool, upload: str | None) -> Outcome:
     except KeyboardInterrupt as stop:
         raise StepInterrupted(Outcome(name=step.name, number=step.number, status=INTERRUPTED,
                                       seconds=time.perf_counter() - start, detail=_kept(stop))) from stop
-    finally:
-        input_source.forget()  # the next step's walk is its own
     kept, files = result.resumed_files, len(result.files)
     status = DONE if result.already_complete else RESUMED if kept else MERGED
     detail = f"kept {kept} of {files} file(s) an earlier merge finished" if status == RESUMED else ""

@@ -4,15 +4,16 @@
 
 The job starts its group itself (gloo on the CPU; NCCL on each rank's GPU) and takes a training step. Then, in the
 job's processes: distmerge.merge(CKPT, OUT/first); distmerge.verify(OUT/first, REFERENCE); a second merge into
-OUT/second with the other layout of groups (gloo: the gloo side group distmerge makes beside an NCCL group, forced
-by comm.SIDE_GROUP; NCCL: device='cpu', the fragments then in the side group too); distmerge.verify(CKPT,
-REFERENCE) of the checkpoint merged in memory. Each call must leave the process as it found it: no signal handler,
-the GC's state, default dtype, RNG states, environment, cwd, threads, open files, process groups, torch.cuda
-untouched on the CPU (current device and allocated memory on a GPU), no distmerge object or tensor left alive;
-every rank gets the same results; the job's group and its training steps work after it. Rank 0 prints one line
-per rank and exits 0 only when all of that holds.
+OUT/second with the other layout of groups (gloo: the gloo side group distmerge makes beside an NCCL group, forced by
+the test seam DISTMERGE_TEST_SIDE_GROUP and checked to be made; NCCL: device='cpu', the fragments then in the side
+group too); distmerge.verify(CKPT, REFERENCE) of the checkpoint merged in memory. Each call must leave the process as
+it found it: no signal handler, the GC's state, default dtype, RNG states, environment, cwd, threads, open files,
+process groups, torch.cuda untouched on the CPU (current device and allocated memory on a GPU), no distmerge object or
+tensor left alive; every rank gets the same results; the job's group and its training steps work after it. Rank 0
+prints one line per rank and exits 0 only when all of that holds.
 """
 
+import contextlib
 import gc
 import os
 import random
@@ -25,7 +26,6 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 import distmerge
-from distmerge.distributed import comm as dm_comm
 from distmerge.input import tree as input_tree
 
 
@@ -117,6 +117,23 @@ def checked(call, device: torch.device, problems: list[str], what: str, *, warm:
     return result
 
 
+@contextlib.contextmanager
+def side_groups_counted():
+    """The backends of the groups distmerge makes in the block (dist.new_group: its side group), listed."""
+    made: list[str] = []
+    new_group = dist.new_group
+
+    def counted(*args, **kwargs):
+        made.append(kwargs.get("backend"))
+        return new_group(*args, **kwargs)
+
+    dist.new_group = counted
+    try:
+        yield made
+    finally:
+        dist.new_group = new_group
+
+
 def main(checkpoint: str, output: str, reference: str, backend: str = "gloo") -> None:
     device = torch.device("cpu")
     if backend == "nccl":
@@ -133,14 +150,17 @@ def main(checkpoint: str, output: str, reference: str, backend: str = "gloo") ->
                      "merge", warm=False)
     report = checked(lambda: verdict(distmerge.verify(f"{output}/first", reference)), device, problems, "verify",
                      warm=False)
-    if backend == "gloo":
-        dm_comm.SIDE_GROUP = True  # the second merge: the group layout of an NCCL job, on the CPU
+    if backend == "gloo":  # the second merge: the group layout of an NCCL job, on the CPU (the test seam)
+        os.environ["DISTMERGE_TEST_SIDE_GROUP"] = "1"
     second = dict(device="cpu") if backend == "nccl" else {}
-    again = checked(lambda: merged_figures(distmerge.merge(checkpoint, f"{output}/second", **second)), device,
-                    problems, "merge 2", warm=True)
+    with side_groups_counted() as side_groups:
+        again = checked(lambda: merged_figures(distmerge.merge(checkpoint, f"{output}/second", **second)), device,
+                        problems, "merge 2", warm=True)
     in_memory = checked(lambda: verdict(distmerge.verify(checkpoint, reference, **second)), device, problems,
                         "verify 2", warm=True)
-    dm_comm.SIDE_GROUP = False
+    os.environ.pop("DISTMERGE_TEST_SIDE_GROUP", None)
+    if side_groups != ["gloo"]:  # the seam not applied: merge 2 would check nothing the first did not
+        problems.append(f"merge 2: side groups made {side_groups}, not one gloo group")
 
     if not same_on_every_rank((merged, again, report, in_memory)) or merged != again:
         problems.append("the results differ (between ranks, or between the two merges)")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import os
 import socket
@@ -14,6 +13,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from distmerge.distributed.namespaces import next_namespace
 from distmerge.distributed.watchdog.pulse import Pulse
 from distmerge.distributed.watchdog.verdict import Reading, Record, Verdict, judge, lost_line, verdict_line
 
@@ -23,7 +23,12 @@ SPEAKER_WAIT_S = 10.0  # how long a rank that found the verdict waits for the lo
 # What gloo and NCCL say when a peer's connection closes (its process killed, its node lost): Watchdog.lost
 LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited")
 CLEANUP_WAIT_S = 5.0  # the most the on_abort callbacks may take before the process ends anyway
-_COMMS = itertools.count()  # Comms started by this process: the same sequence on every rank, so a namespace each
+
+
+def _run() -> str:
+    """The torchrun run and restart this process belongs to: an agent's store outlives a restart's processes, whose
+    counts start again at 0."""
+    return os.environ.get("TORCHELASTIC_RUN_ID", "") + "." + os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
 
 
 class StoreSilent(Exception):
@@ -61,15 +66,16 @@ class Watchdog:
         (a file:// rendezvous: the group's own timeout alone then)."""
         import torch.distributed as dist
 
+        # Taken before anything can return None, so that every rank counts it alike (distributed/namespaces.py).
+        namespace = next_namespace(f"distributed/watchdog/{_run()}")
         store = dist.distributed_c10d._get_default_store()
         while isinstance(store, dist.PrefixStore):
             store = store.underlying_store
         if not isinstance(store, dist.TCPStore):
             log.debug("no watchdog: the rendezvous store is a %s, not a TCPStore", type(store).__name__)
             return None
-        run = os.environ.get("TORCHELASTIC_RUN_ID", "") + "." + os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
         dog = cls(pulse=pulse, rank=rank, world=world, timeout_s=timeout_s, address=(store.host, store.port),
-                  namespace=f"distmerge/distributed/watchdog/{run}/{next(_COMMS)}",
+                  namespace=namespace,
                   served_by_rank_0=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True",
                   aborts=aborts, on_silence=on_silence)
         try:
