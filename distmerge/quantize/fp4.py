@@ -228,8 +228,8 @@ def bound(reference: torch.Tensor, scale: torch.Tensor, cast_unit: float = 0.0) 
 NVFP4 = Scheme(name="nvfp4", preset="NVFP4A16", format="nvfp4-pack-quantized", group=16, scale="F8_E4M3",
                global_scale=True,
                description="compressed-tensors nvfp4-pack-quantized: e2m1 pairs in uint8, a float8_e4m3fn scale per "
-                           "16 inputs, a float32 global scale shared by q/k/v and gate/up (llm-compressor's NVFP4A16)")
+                           "16 inputs, a float32 global scale shared by q/k/v and gate/up")
 MXFP4 = Scheme(name="mxfp4", preset="MXFP4A16", format="mxfp4-pack-quantized", group=32, scale="U8",
                global_scale=False,
                description="compressed-tensors mxfp4-pack-quantized: e2m1 pairs in uint8, a uint8 e8m0 exponent per "
-                           "32 inputs (llm-compressor's MXFP4A16)")
+                           "32 inputs")

@@ -183,6 +183,6 @@ def bound(reference: torch.Tensor, scale: torch.Tensor, cast_unit: float = 0.0,
 
 
 FP8_BLOCK = Scheme(name="fp8-block", scale_suffix="_scale_inv", block=BLOCK,
-                   description="DeepSeek-V3 / Qwen3-FP8: 128x128 blocks, float32 weight_scale_inv (quant_method fp8)")
+                   description="DeepSeek-V3 / Qwen3-FP8: 128x128 blocks, float32 weight_scale_inv")
 FP8_CHANNEL = Scheme(name="fp8-channel", scale_suffix="_scale", block=None, library="compressed_tensors",
                      description="compressed-tensors float-quantized: one float32 weight_scale per output row")
