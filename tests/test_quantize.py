@@ -307,7 +307,7 @@ from distmerge.quantize import compressed_config
 comm.launched_world = lambda: 2
 c = comm.Comm(device="cpu", timeout_s=60)
 group = weakref.ref(dist.group.WORLD)
-compressed_config.fp8_dynamic(["lm_head"])
+compressed_config.fp8_dynamic(["lm_head"], "fp8-channel")
 c.close()
 gc.collect()
 print("alive" if group() is not None else "freed")

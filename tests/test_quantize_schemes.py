@@ -198,6 +198,6 @@ def test_a_missing_library_names_the_quantize_extra(fsdp_ckpts, tmp_path, capsys
     with pytest.raises(DistmergeError, match=r"--quantize nvfp4 .*distmerge\[quantize\]"):
         compressed_config.preset("NVFP4A16", "nvfp4-pack-quantized", [], "nvfp4")
     with pytest.raises(DistmergeError, match=r"--quantize fp8-channel .*distmerge\[quantize\]"):
-        compressed_config.fp8_dynamic([])
+        compressed_config.fp8_dynamic([], "fp8-channel")
     extras = tomllib.loads(Path(REPO, "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert extras["quantize"] == extras["fp8"] and any(r.startswith("compressed-tensors") for r in extras["quantize"])

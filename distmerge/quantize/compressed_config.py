@@ -23,8 +23,9 @@ def _missing(scheme: str) -> DistmergeError:
                           "(or pip install compressed-tensors)")
 
 
-def fp8_dynamic(ignore: list[str]) -> dict[str, Any]:
-    """FP8_DYNAMIC on every Linear but `ignore` (the modules whose weights stay in the merge's dtype)."""
+def fp8_dynamic(ignore: list[str], scheme: str) -> dict[str, Any]:
+    """FP8_DYNAMIC on every Linear but `ignore` (the modules whose weights stay in the merge's dtype); `scheme`: the
+    --quantize choice, for the message when the library is missing."""
     try:
         import compressed_tensors
         import torch
@@ -45,7 +46,7 @@ def fp8_dynamic(ignore: list[str]) -> dict[str, Any]:
             QuantizationType,
         )
     except ImportError:
-        raise _missing("fp8-channel") from None
+        raise _missing(scheme) from None
     weights = QuantizationArgs(num_bits=8, type=QuantizationType.FLOAT, strategy=QuantizationStrategy.CHANNEL,
                                symmetric=True, dynamic=False, scale_dtype=torch.float32)
     activations = QuantizationArgs(num_bits=8, type=QuantizationType.FLOAT, strategy=QuantizationStrategy.TOKEN,

@@ -1,5 +1,7 @@
 """4-bit weights, the two compressed-tensors layouts `--quantize` writes: a pure function of the merged tensor (and,
-for NVFP4, of the tensors vLLM fuses with it, which share its global scale: fused.py).
+for NVFP4, of the tensors vLLM fuses with it, which share its global scale: fused.py). The schemes NVFP4 and MXFP4
+(registered in schemes.py) carry their math, their config.json (which names bfloat16: `Scheme.announced`) and
+verify's decoder.
 
     nvfp4  `nvfp4-pack-quantized` (llm-compressor's NVFP4A16): `weight_packed` uint8 [rows, cols/2], two e2m1 values a
            byte; `weight_scale` float8_e4m3fn [rows, cols/16], one per 16 input elements; `weight_global_scale`

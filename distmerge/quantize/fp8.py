@@ -1,4 +1,5 @@
-"""FP8 weights, the two layouts `--quantize` writes: each a pure function of the merged tensor.
+"""FP8 weights, the two layouts `--quantize` writes: each a pure function of the merged tensor. The schemes
+FP8_BLOCK and FP8_CHANNEL (registered in schemes.py) carry their math, their config.json and verify's decoder.
 
     fp8-block    DeepSeek-V3 / Qwen3-FP8: float8_e4m3fn weight, float32 `<name>_scale_inv` per 128 x 128 block
                  (ceil division: edge blocks are partial), config `quant_method: fp8`; transformers, vLLM and
@@ -90,7 +91,7 @@ class Scheme(scheme.Scheme):
     def config(self, unconverted: list[str]) -> dict[str, Any]:
         """fp8-block: transformers' own `quant_method: fp8` dict; fp8-channel: compressed-tensors' FP8_DYNAMIC."""
         if self.block is None:
-            return compressed_config.fp8_dynamic(unconverted)
+            return compressed_config.fp8_dynamic(unconverted, self.name)
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                 "weight_block_size": list(self.block), "modules_to_not_convert": unconverted}
 
