@@ -12,7 +12,9 @@ option, and each place that needs one iterates over the declarations instead of 
 
 Adding an option that shapes the output is one declaration here (plus the code that uses its setting: a field of
 engine.prepare.OutputSettings that the engine reads). An option whose choices are a registry's (--quantize: the
-scheme registry, quantize/schemes.py) names it in `registry`, read each time the options table is built.
+scheme registry, quantize/schemes.py) names it in `registry`, read each time the options table is built. Light on
+purpose (the command line imports it before it turns the GC off and imports torch: cli._start_up): a registry is
+imported when it is read.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from distmerge.option_kinds import Kind
-from distmerge.quantize import schemes
 
 CAST_NAMES = ("keep", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32")
 EVERY = ("merge", "inspect", "verify", "watch")
@@ -93,6 +94,13 @@ class OutputOption:
         return tuple(registered), f"{self.help}: " + "; ".join(f"{name}: {line}" for name, line in registered.items())
 
 
+def _schemes() -> Mapping[str, str]:
+    """--quantize's choices: the scheme registry's, each with its line of help."""
+    from distmerge.quantize import schemes
+
+    return schemes.choices()
+
+
 def _dtype_record(name: str) -> str:
     """Aliases that give the same output are recorded alike (bf16 and bfloat16)."""
     from distmerge.dtypes import CAST_CHOICES, hf_dtype_name
@@ -111,7 +119,7 @@ OUTPUT_OPTIONS: tuple[OutputOption, ...] = (
     OutputOption(name="dtype", flag="--dtype", default="keep", choices=CAST_NAMES, setting="dtype",
                  help="cast floating tensors (default: keep the checkpoint's dtype)",
                  record=_dtype_record, recorded="always", criteria={"accept_cast": True}),
-    OutputOption(name="quantize", flag="--quantize", registry=schemes.choices, metavar="SCHEME",
+    OutputOption(name="quantize", flag="--quantize", registry=_schemes, metavar="SCHEME",
                  setting="quantize", verify="merged", refusals={
                      "checkpoint": "--quantize compares quantized weights with a full-precision reference: pass a "
                                    "Hugging Face folder as --reference (merge the reference checkpoint first), not a "
