@@ -11,7 +11,10 @@ option, and each place that needs one iterates over the declarations instead of 
                                        it), api.verify_request (what it changes in the comparison)
 
 Adding an option that shapes the output is one declaration here (plus the code that uses its setting: a field of
-engine.prepare.OutputSettings that the engine reads). Light on purpose (the command line imports it): no torch.
+engine.prepare.OutputSettings that the engine reads). An option whose choices are a registry's (--quantize: the
+scheme registry, quantize/schemes.py) names it in `registry`, read each time the options table is built. Light on
+purpose (the command line imports it before it turns the GC off and imports torch: cli._start_up): a registry is
+imported when it is read.
 """
 
 from __future__ import annotations
@@ -23,14 +26,6 @@ from typing import Any
 from distmerge.option_kinds import Kind
 
 CAST_NAMES = ("keep", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32")
-# --quantize: each choice and what it writes (quantize/schemes.py)
-QUANTIZE_CHOICES = {"fp8-block": "DeepSeek-V3/Qwen3-FP8 layout, float32 scale per 128x128 block (quant_method fp8)",
-                    "fp8-channel": "compressed-tensors layout, float32 scale per output channel (needs "
-                                   "compressed-tensors)",
-                    "nvfp4": "compressed-tensors nvfp4-pack-quantized, e2m1 with a float8 scale per 16 inputs and a "
-                             "float32 global scale (as llm-compressor's NVFP4A16; needs compressed-tensors)",
-                    "mxfp4": "compressed-tensors mxfp4-pack-quantized, e2m1 with an e8m0 scale per 32 inputs (as "
-                             "llm-compressor's MXFP4A16; needs compressed-tensors)"}
 EVERY = ("merge", "inspect", "verify", "watch")
 # How verify treats an option given (verify.kinds): its merges in memory are shaped by it, and where none is, it is
 # refused in one line.
@@ -70,6 +65,8 @@ class OutputOption:
     parse: Callable[[str], Any] | None = None  # kind "value": its parser (a bad value: ValueError or ArgumentTypeError)
     default: Any = None  # as the command line spells it; None: not given
     choices: tuple[str, ...] | None = None
+    # choices from a registry: each choice -> its line of help, appended to `help` (replaces `choices`)
+    registry: Callable[[], Mapping[str, str]] | None = None
     metavar: str | None = None
     commands: tuple[str, ...] = EVERY
     # the output settings: the engine.prepare.OutputSettings field it sets ("lora.alpha": a field of that field),
@@ -87,6 +84,21 @@ class OutputOption:
     verify: str = "every"
     refusals: Mapping[str, str] = field(default_factory=dict)
     criteria: Mapping[str, Any] = field(default_factory=dict)
+
+    def offered(self) -> tuple[tuple[str, ...] | None, str]:
+        """The choices and help the command line shows: its registry's as it is now, when it has one, each choice
+        with its line of help."""
+        if self.registry is None:
+            return self.choices, self.help
+        registered = self.registry()
+        return tuple(registered), f"{self.help}: " + "; ".join(f"{name}: {line}" for name, line in registered.items())
+
+
+def _schemes() -> Mapping[str, str]:
+    """--quantize's choices: the scheme registry's, each with its line of help."""
+    from distmerge.quantize import schemes
+
+    return schemes.choices()
 
 
 def _dtype_record(name: str) -> str:
@@ -107,17 +119,16 @@ OUTPUT_OPTIONS: tuple[OutputOption, ...] = (
     OutputOption(name="dtype", flag="--dtype", default="keep", choices=CAST_NAMES, setting="dtype",
                  help="cast floating tensors (default: keep the checkpoint's dtype)",
                  record=_dtype_record, recorded="always", criteria={"accept_cast": True}),
-    OutputOption(name="quantize", flag="--quantize", choices=tuple(QUANTIZE_CHOICES), metavar="SCHEME",
+    OutputOption(name="quantize", flag="--quantize", registry=_schemes, metavar="SCHEME",
                  setting="quantize", verify="merged", refusals={
-                     "checkpoint": "--quantize compares FP8 weights with a full-precision reference: pass a Hugging "
-                                   "Face folder as --reference (merge the reference checkpoint first), not a second "
-                                   "checkpoint",
-                     "model": "--quantize: --merged {merged} is a finished model (its FP8 weights, if any, are "
+                     "checkpoint": "--quantize compares quantized weights with a full-precision reference: pass a "
+                                   "Hugging Face folder as --reference (merge the reference checkpoint first), not a "
+                                   "second checkpoint",
+                     "model": "--quantize: --merged {merged} is a finished model (its quantized weights, if any, are "
                               "compared as written) and --reference {reference} a checkpoint, merged in full "
                               "precision; leave --quantize out"},
-                 help="write the linear weights of attention and MLP blocks in FP8 or 4 bits, quantized from the "
-                 "merged tensors: " + "; ".join(f"{k}: {v}" for k, v in QUANTIZE_CHOICES.items()) +
-                 " (docs/quantize.md)"),
+                 help="write the linear weights of attention and MLP blocks quantized from the merged tensors "
+                 "(docs/quantize.md)"),
     OutputOption(name="max_shard_size", flag="--max-shard-size", kind=Kind.SIZE, default="5GB", metavar="SIZE",
                  setting="max_shard_bytes", recorded="always",
                  help="largest output file (default 5GB; one file is named model.safetensors)"),

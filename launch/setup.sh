@@ -13,9 +13,10 @@ quiet() { "$@" >"$log" 2>&1 || { cat "$log"; echo "setup failed: $*" >&2; exit 1
 quiet .venv/bin/python -m pip install --upgrade pip
 quiet .venv/bin/python -m pip install "$TORCH_SPEC"
 # '.[test]' includes matplotlib, which the tests of `verify --plot` need (the 'plot' extra, optional for users), and
-# compressed-tensors, which `--quantize fp8-channel` needs and its tests read the output back with (the 'fp8' extra),
+# compressed-tensors, which `--quantize fp8-channel`, `nvfp4` and `mxfp4` need and their tests read the output back
+# with (the 'quantize' extra),
 # and moto's S3 server, which tests/test_s3.py starts on 127.0.0.1 for the object-store tests (boto3: the 's3' extra)
-quiet .venv/bin/python -m pip install -e '.[test,plot,fp8,s3]'
+quiet .venv/bin/python -m pip install -e '.[test,plot,quantize,s3]'
 # The Megatron test fixtures save real checkpoints with megatron-core; --no-deps keeps the pinned torch
 # (its import needs only numpy and packaging, which the line above brought).
 quiet .venv/bin/python -m pip install --no-deps "${MEGATRON_SPEC:-megatron-core==0.16.1}"

@@ -440,6 +440,10 @@ RUN: dict[tuple[str, str], Run] = {
 }
 
 ELSEWHERE: dict[tuple[str, str], str] = {
+    ("extending.md", "class Int8Row(Scheme):"):
+        "tests/test_quantize_schemes.py::test_a_registered_scheme_gets_its_own_config",
+    ("extending.md", "int8_row.INT8_ROW,"):
+        "tests/test_quantize_schemes.py::test_a_registered_scheme_gets_its_own_config",
     ("multinode.md", "slurm/multinode_example.sh 123456"):
         "tests/test_multinode.py::test_the_slurm_example_submits_on_the_training_nodes",
     ("multinode.md", "torchrun --nnodes 2 --node-rank 0"): "tests/test_multinode.py::test_the_transcript_in_the_docs",

@@ -57,8 +57,8 @@ def another_value(opt: OutputOption) -> list[str]:
     """A value of the option other than its default, as the command line spells it (a switch: none)."""
     if opt.kind == "switch":
         return []
-    if opt.choices:
-        return [next(c for c in reversed(opt.choices) if c != opt.default)]
+    if choices := opt.offered()[0]:  # its own, or its registry's (--quantize)
+        return [next(c for c in reversed(choices) if c != opt.default)]
     if opt.kind == "value":
         return [SAMPLES[opt.name]]
     return [{"float": "2.5", "size": "1MB", "text": "somewhere"}[opt.kind]]

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distmerge.quantize import fp8
+from distmerge.quantize import schemes
 from tests.conftest import REPO, free_port, load_merged, merge_inproc, reference_dir, torchrun, tree_bytes
 from tests.helpers import fp8_recipe
 from tests.helpers.fp8_recipe import RECIPES, SCALE_NAMES, recipe_block
@@ -88,7 +88,7 @@ def test_the_quantization_is_the_recipe(scheme, shape, dtype):
         w[:128, :128] = 0  # an all-zero block, and rows
     elif shape[0] > 1:
         w[0] = 0  # an all-zero row
-    q, s = fp8.SCHEMES[scheme].quantize(w)
+    q, s = schemes.SCHEMES[scheme].quantize(w)
     want_q, want_s = RECIPES[scheme](w)
     assert same_bytes(q, want_q) and same_bytes(s, want_s)
     assert s.shape == ((shape[0], 1) if scheme == "fp8-channel" else (-(-shape[0] // 128), -(-shape[1] // 128)))
@@ -303,11 +303,11 @@ GROUP_AFTER_CLOSE = """
 import gc, sys, weakref
 import torch.distributed as dist
 from distmerge.distributed import comm
-from distmerge.quantize import fp8_compressed
+from distmerge.quantize import compressed_config
 comm.launched_world = lambda: 2
 c = comm.Comm(device="cpu", timeout_s=60)
 group = weakref.ref(dist.group.WORLD)
-fp8_compressed.config(["lm_head"])
+compressed_config.fp8_dynamic(["lm_head"], "fp8-channel")
 c.close()
 gc.collect()
 print("alive" if group() is not None else "freed")

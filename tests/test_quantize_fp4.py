@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from distmerge.quantize import fp4, fused
+from distmerge.quantize import fp4, fused, schemes
 from tests.conftest import REPO, load_merged, merge_inproc, reference_dir, torchrun, tree_bytes
 from tests.helpers import fp4_recipe
 from tests.helpers.inputs import input_of
@@ -115,7 +115,7 @@ def assert_same_tensors(ours: dict[str, torch.Tensor], theirs: dict[str, torch.T
 def test_each_format_equals_the_peer(case, dtype, scheme, merged, peer):
     ours, theirs = load_merged(merged[case, dtype, scheme]), load_merged(peer[case, dtype, scheme])
     assert_same_tensors(ours, theirs)
-    row = fp4.SCHEMES[scheme]
+    row = schemes.SCHEMES[scheme]
     assert sum(n.endswith(".weight_packed") for n in ours) >= 8
     assert all(ours[n].dtype == torch.uint8 for n in ours if n.endswith(".weight_packed"))
     assert {ours[n].dtype for n in ours if n.endswith(".weight_scale")} == {
@@ -176,7 +176,7 @@ def test_random_weights_equal_the_peer(dtype, scheme, peer):
     """fp4.py's recipe on its own (what the merge calls), fused sets from fused.py, against the peer's bytes."""
     source = peer["random", dtype, scheme].parent / f"random-{dtype}"
     weights = {k: v for k, v in load_merged_file(source).items() if k != "model.embed_tokens.weight"}
-    theirs, row = load_merged(peer["random", dtype, scheme]), fp4.SCHEMES[scheme]
+    theirs, row = load_merged(peer["random", dtype, scheme]), schemes.SCHEMES[scheme]
     sets = fused.sets_of(list(weights))
     members: dict[str, list[str]] = {}
     for name in weights:
@@ -270,7 +270,7 @@ def test_transformers_loads_each_4_bit_folder_on_cpu(case, scheme, merged):
     Not NVFP4 MoE: transformers 5.25 fuses the experts and leaves their global scale out (the peer's folder too)."""
     from transformers import AutoModelForCausalLM
 
-    folder, row = merged[case, "bf16", scheme], fp4.SCHEMES[scheme]
+    folder, row = merged[case, "bf16", scheme], schemes.SCHEMES[scheme]
     model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
     assert not any(info.values()), info
     plain = AutoModelForCausalLM.from_pretrained(merged[case, "bf16", "plain"])

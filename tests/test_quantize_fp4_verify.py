@@ -86,17 +86,17 @@ def test_block_by_block_is_the_whole_tensor(scheme, block, monkeypatch):
     """The comparison a block at a time gives the figures, the largest error / bound and the count beyond it of the
     whole tensor dequantized at once, by the format's specification (tests/helpers/fp4_recipe.py: e2m1 values times
     their group's scale), each value within e2m1's rounding of the reference."""
-    from distmerge.quantize.compare import ENCODINGS
+    from distmerge.quantize import schemes
     from distmerge.verifier import blocks
     from distmerge.verifier.bounded import Bounded
     from distmerge.verifier.report import Criteria
 
     monkeypatch.setitem(blocks.BLOCK, "cpu", block)
-    row, gen = fp4.SCHEMES[scheme], torch.Generator().manual_seed(0)
+    row, gen = schemes.SCHEMES[scheme], torch.Generator().manual_seed(0)
     r = torch.randn(96, 320, generator=gen).to(torch.bfloat16)
     shared = row.shared([r])
     packed, scale, *_ = row.quantize(r, shared)
-    decoder = ENCODINGS[scheme].decoder(tuple(r.shape), [scale, *[shared] * (shared is not None)],
+    decoder = schemes.SCHEMES[scheme].decoder(tuple(r.shape), [scale, *[shared] * (shared is not None)],
                                             torch.device("cpu"))
     run = Bounded(tuple(r.shape), decoder, 0.0, torch.device("cpu"), Criteria(), blocks.Scratch())
     blocks.whole(packed, lambda start, count: r.reshape(-1)[start : start + count], run, per=2)

@@ -102,18 +102,17 @@ def test_block_by_block_is_the_whole_tensor(scheme, block, monkeypatch):
     finding its own scale) gives the figures, the largest error / bound and the count beyond it of the whole tensors
     dequantized at once (as fp8.Scheme.dequantize and fp8.bound do); with one scale off by 5%, the elements it scales
     go beyond."""
-    from distmerge.quantize import fp8
-    from distmerge.quantize.compare import ENCODINGS
+    from distmerge.quantize import fp8, schemes
     from distmerge.verifier import blocks
     from distmerge.verifier.bounded import Bounded
     from distmerge.verifier.report import Criteria
 
     monkeypatch.setitem(blocks.BLOCK, "cpu", block)
-    grid, gen = fp8.SCHEMES[scheme], torch.Generator().manual_seed(0)
+    grid, gen = schemes.SCHEMES[scheme], torch.Generator().manual_seed(0)
     r = torch.randn(300, 257, generator=gen).to(torch.bfloat16)
     q, scale = grid.quantize(r)
     for s in (scale, scale.clone().index_put_((torch.tensor([1]), torch.tensor([0])), scale[1, 0] * 1.05)):
-        decoder = ENCODINGS[scheme].decoder(tuple(r.shape), [s], torch.device("cpu"))
+        decoder = schemes.SCHEMES[scheme].decoder(tuple(r.shape), [s], torch.device("cpu"))
         run = Bounded(tuple(r.shape), decoder, 0.0, torch.device("cpu"), Criteria(), blocks.Scratch())
         blocks.whole(q, lambda start, count: r.reshape(-1)[start : start + count], run)
         got = grid.dequantize(q, s)
@@ -149,7 +148,7 @@ def test_quantize_with_a_checkpoint_as_reference_is_refused(quantized, fsdp_ckpt
     ckpt = fsdp_ckpts[CASE]
     assert distmerge_main(["verify", "--merged", str(quantized["fp8-block"]), "--reference", str(ckpt),
                            "--quantize", "fp8-block"]) == 1
-    assert "is a finished model (its FP8 weights, if any, are compared as written)" in capsys.readouterr().err
+    assert "is a finished model (its quantized weights, if any, are compared as written)" in capsys.readouterr().err
     assert distmerge_main(["verify", "--merged", str(ckpt), "--reference", str(fsdp_ckpts["fsdp2_llama_w4"]),
                            "--quantize", "fp8-block"]) == 1
     assert "not a second checkpoint" in capsys.readouterr().err

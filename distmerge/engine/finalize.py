@@ -30,6 +30,15 @@ def main_dtype(plan: Plan) -> str | None:
     return by_bytes.most_common(1)[0][0] if by_bytes else None
 
 
+def announced_dtype(plan: Plan) -> str | None:
+    """The dtype config.json names: the main one, unless a value made late says the model loads in another (a
+    quantized model whose loader decodes its weights into a dtype of its own: a plain from_pretrained must run it)."""
+    dtype = main_dtype(plan)
+    for value in plan.config_later.values():
+        dtype = value.dtype(dtype)
+    return dtype
+
+
 def write_config(out: Store, config: dict[str, Any], dtype: str | None) -> None:
     """config.json with the dtype updated: transformers 5 reads `dtype`, 4.x `torch_dtype`."""
     config = dict(config)
@@ -90,7 +99,7 @@ def finalize(out: Store, plan: Plan, config: dict[str, Any], hf_source: Source, 
         return []
     copied = copy_hf_files(hf_source, out, skip)
     later = {key: value.config() for key, value in plan.config_later.items()}  # made here, on rank 0 only
-    write_config(out, {**config, **plan.config_updates, **later}, main_dtype(plan))
+    write_config(out, {**config, **plan.config_updates, **later}, announced_dtype(plan))
     remove_strays(out, plan)
     write_extra_files(out, plan)
     write_manifest(out, plan)

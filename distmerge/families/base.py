@@ -111,7 +111,14 @@ class FamilyResult:
 class Later(Protocol):
     """A config.json value made late (FamilyResult.config_later)."""
 
-    def config(self) -> Any: ...
+    def config(self) -> Any:
+        """The value, made on rank 0 as finalize writes config.json."""
+        ...
+
+    def dtype(self, main: str | None) -> str | None:
+        """The dtype config.json names, given the one most written bytes are in (`main`): `main`, or the dtype the
+        model's loader turns it into (a quantized model's)."""
+        ...
 
 
 @dataclass(frozen=True, kw_only=True)

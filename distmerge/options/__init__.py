@@ -232,8 +232,9 @@ def _format_option_rows() -> list[Opt]:
 
 def output_row(opt: output_options.OutputOption) -> Opt:
     """An option that shapes the output, as a row of the table (output_options.py declares the rest of it)."""
+    choices, help = opt.offered()
     return Opt(name=opt.name, flags=(opt.flag,), commands=opt.commands, group="output", kind=opt.kind,
-               default=opt.default, choices=opt.choices, metavar=opt.metavar, help=opt.help, parse=opt.parse)
+               default=opt.default, choices=choices, metavar=opt.metavar, help=help, parse=opt.parse)
 
 
 def _reference_rows() -> list[Opt]:

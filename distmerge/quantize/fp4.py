@@ -1,5 +1,7 @@
 """4-bit weights, the two compressed-tensors layouts `--quantize` writes: a pure function of the merged tensor (and,
-for NVFP4, of the tensors vLLM fuses with it, which share its global scale: fused.py).
+for NVFP4, of the tensors vLLM fuses with it, which share its global scale: fused.py). The schemes NVFP4 and MXFP4
+(registered in schemes.py) carry their math, their config.json (which names bfloat16: `Scheme.announced`) and
+verify's decoder.
 
     nvfp4  `nvfp4-pack-quantized` (llm-compressor's NVFP4A16): `weight_packed` uint8 [rows, cols/2], two e2m1 values a
            byte; `weight_scale` float8_e4m3fn [rows, cols/16], one per 16 input elements; `weight_global_scale`
@@ -29,9 +31,13 @@ on every CPU and GPU.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
+
+from distmerge.quantize import compressed_config, scheme
 
 PACKED, GLOBAL = "U8", "F32"  # safetensors codes: the packed weight, the global scale
 FP4_MAX, FP8_MAX = 6.0, 448.0
@@ -42,16 +48,21 @@ NVFP4_EPS = 0.125  # the scale of a group whose e4m3 scale rounds to zero (compr
 
 
 @dataclass(frozen=True, kw_only=True)
-class Scheme:
-    """A 4-bit layout: a row of SCHEMES. `quantize` and `dequantize` are its math."""
+class Scheme(scheme.Scheme):
+    """A 4-bit layout in compressed-tensors' pack-quantized formats. `quantize` and `dequantize` are its math."""
 
     name: str  # the --quantize choice
+    description: str  # what it is, for --help and the docs
     preset: str  # compressed-tensors' preset scheme (llm-compressor's name for it)
     format: str  # compressed-tensors' format
     group: int  # input elements per scale
     scale: str  # the scale tensor's safetensors code
     global_scale: bool  # NVFP4: a float32 per-tensor scale, shared across a fused set
-    layout: str  # what it is, for notes and the docs
+    library: str | None = "compressed_tensors"  # makes its config, and decompresses it in transformers
+    bits = "4-bit"
+    # What compressed-tensors decompresses the weights into whatever the model's dtype (its unpack_fp4_from_uint8's
+    # default): config.json names it, so that a plain from_pretrained runs the whole model in it
+    DECODED: ClassVar[str] = "BF16"
 
     @property
     def fused(self) -> bool:
@@ -109,6 +120,64 @@ class Scheme:
             return scale.to(torch.float32) / shared.to(torch.float32)
         return torch.pow(2.0, scale.to(torch.int32).sub(127).to(torch.float32))
 
+    def config(self, unconverted: list[str]) -> dict[str, Any]:
+        """compressed-tensors' preset, in one config group named after it, as llm-compressor writes it."""
+        return compressed_config.preset(self.preset, self.format, unconverted, self.name)
+
+    def announced(self, dtype: str | None) -> str | None:
+        """bfloat16 whatever the merge's dtype: transformers decompresses the weights into it, and a model whose
+        other tensors it loaded in another dtype fails at its first matmul. Those tensors stay as merged (a float32
+        merge's bytes are the peer's); transformers casts them as it loads them."""
+        return self.DECODED
+
+    def recognises(self, quant: Mapping[str, Any]) -> bool:
+        return quant.get("quant_method") == "compressed-tensors" and quant.get("format") == self.format
+
+    def stored(self, codes: Mapping[str, str]) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+        """Each `<module>.weight_packed` with its scale (and global scale, nvfp4), as `<module>.weight`."""
+        found, names = {}, {}
+        for packed in codes:
+            module = packed.removesuffix(".weight_packed")
+            if module == packed or f"{module}.weight_scale" not in codes:
+                continue
+            shared = f"{module}.weight_global_scale" if self.global_scale else ""
+            if shared and shared not in codes:
+                continue
+            found[packed] = {"parts": (f"{module}.weight_scale", shared) if shared else (f"{module}.weight_scale",),
+                             "per": 2}
+            names[packed] = f"{module}.weight"
+        return found, names
+
+    def decoder(self, shape: tuple[int, ...], parts: list[torch.Tensor], device: torch.device) -> Decoder:
+        return Decoder(self, parts, device)
+
+    def loader(self, transformers: Any) -> Any:
+        return transformers.CompressedTensorsConfig
+
+
+class Decoder:
+    """A 4-bit weight with its scales (and global scale, nvfp4): its stored bytes hold two e2m1 values each."""
+
+    kind, dtype, per = "FP4", PACKED, 2
+
+    def __init__(self, scheme: Scheme, parts: list[torch.Tensor], device: torch.device) -> None:
+        scale, *shared = parts
+        self.group, self.device = scheme.group, device
+        # a copy: a scale read from a file comes in a buffer the next read reuses (sides.TensorFiles.read)
+        self.scale = scheme.scales(scale.to(device, copy=True), shared[0].to(device) if shared else None)
+        self.scale = self.scale.reshape(-1).contiguous()
+
+    def decode(self, start: int, q: torch.Tensor, n: int, take: scheme.Take) -> tuple[torch.Tensor, torch.Tensor]:
+        """The groups tile each row (its columns are a whole number of groups): element e's group is e // group."""
+        at = torch.arange(start, start + n, out=take("at", n, torch.int64))
+        group = at.div_(self.group, rounding_mode="floor")
+        scale = torch.index_select(self.scale, 0, group, out=take("scale", n))
+        values = unpack(q.to(self.device).reshape(1, -1)).reshape(-1)
+        return values.mul_(scale), scale
+
+    def limit(self, ref: torch.Tensor, scale: torch.Tensor, cast_unit: float, take: scheme.Take) -> torch.Tensor:
+        return bound(ref, scale, cast_unit)
+
 
 def mx_exponent(amax: torch.Tensor) -> torch.Tensor:
     """The e8m0 exponent (uint8, bias 127) of each group's power-of-two scale, from its amax in D: the amax rounded
@@ -158,21 +227,11 @@ def bound(reference: torch.Tensor, scale: torch.Tensor, cast_unit: float = 0.0) 
     return torch.maximum(r * (1 + cast_unit), scale).mul_(0.25).add_(r, alpha=cast_unit).mul_(1 + 2.0**-20)
 
 
-SCHEMES: dict[str, Scheme] = {
-    "nvfp4": Scheme(name="nvfp4", preset="NVFP4A16", format="nvfp4-pack-quantized", group=16, scale="F8_E4M3",
-                    global_scale=True,
-                    layout="compressed-tensors nvfp4-pack-quantized: e2m1 pairs in uint8, a float8_e4m3fn scale per "
-                           "16 inputs, a float32 global scale shared by q/k/v and gate/up"),
-    "mxfp4": Scheme(name="mxfp4", preset="MXFP4A16", format="mxfp4-pack-quantized", group=32, scale="U8",
-                    global_scale=False,
-                    layout="compressed-tensors mxfp4-pack-quantized: e2m1 pairs in uint8, a uint8 e8m0 exponent per "
-                           "32 inputs"),
-}
-
-
-def scheme_of(config: dict) -> Scheme | None:
-    """The scheme of a folder's config.json quantization_config, when it is a 4-bit one distmerge writes."""
-    quant = config.get("quantization_config") if isinstance(config, dict) else None
-    if not isinstance(quant, dict) or quant.get("quant_method") != "compressed-tensors":
-        return None
-    return next((s for s in SCHEMES.values() if quant.get("format") == s.format), None)
+NVFP4 = Scheme(name="nvfp4", preset="NVFP4A16", format="nvfp4-pack-quantized", group=16, scale="F8_E4M3",
+               global_scale=True,
+               description="compressed-tensors nvfp4-pack-quantized: e2m1 pairs in uint8, a float8_e4m3fn scale per "
+                           "16 inputs, a float32 global scale shared by q/k/v and gate/up")
+MXFP4 = Scheme(name="mxfp4", preset="MXFP4A16", format="mxfp4-pack-quantized", group=32, scale="U8",
+               global_scale=False,
+               description="compressed-tensors mxfp4-pack-quantized: e2m1 pairs in uint8, a uint8 e8m0 exponent per "
+                           "32 inputs")

@@ -1,4 +1,5 @@
-"""FP8 weights, the two layouts `--quantize` writes: each a pure function of the merged tensor.
+"""FP8 weights, the two layouts `--quantize` writes: each a pure function of the merged tensor. The schemes
+FP8_BLOCK and FP8_CHANNEL (registered in schemes.py) carry their math, their config.json and verify's decoder.
 
     fp8-block    DeepSeek-V3 / Qwen3-FP8: float8_e4m3fn weight, float32 `<name>_scale_inv` per 128 x 128 block
                  (ceil division: edge blocks are partial), config `quant_method: fp8`; transformers, vLLM and
@@ -21,9 +22,13 @@ normal range, 2^-10 * scale of w: `bound` is that, per element, what `verify` ch
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from distmerge.quantize import compressed_config, scheme
 
 FP8 = "F8_E4M3"  # the safetensors code of the quantized weights
 SCALE = "F32"
@@ -34,11 +39,15 @@ BLOCK = (128, 128)
 
 
 @dataclass(frozen=True, kw_only=True)
-class Scheme:
+class Scheme(scheme.Scheme):
+    """An FP8 layout: a weight in float8_e4m3fn beside its float32 scales, one per row or per block."""
+
     name: str  # the --quantize choice
+    description: str  # what it is, for --help and the docs
     scale_suffix: str  # the scale tensor is `<weight name><scale_suffix>`
     block: tuple[int, int] | None  # rows x columns per scale; None: one scale per row (per output channel)
-    layout: str  # what it is, for --help and the docs
+    library: str | None = None  # fp8-channel: compressed-tensors makes its config and loads it
+    bits = "FP8"
 
     def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, int]:
         rows, cols = shape
@@ -49,8 +58,6 @@ class Scheme:
     def scale_name(self, name: str) -> str:
         return name + self.scale_suffix
 
-    fused = False  # no scale shared across weights (schemes.py: what table.py asks of every scheme)
-
     def takes(self, shape: tuple[int, ...]) -> bool:
         return len(shape) == 2
 
@@ -58,20 +65,17 @@ class Scheme:
         """What weight `name` of `shape` is written as: (name, shape, safetensors code) each."""
         return [(name, shape, FP8), (self.scale_name(name), self.scale_shape(shape), SCALE)]
 
-    def shared(self, weights: list[torch.Tensor]) -> None:
-        return None
-
-    def quantize(self, weight: torch.Tensor, shared: None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def quantize(self, weight: torch.Tensor, shared: torch.Tensor | None = None) -> list[torch.Tensor]:
         """(float8_e4m3fn weight, float32 scales), on the weight's device."""
         w = weight.to(torch.float32)
         if self.block is None:
             scale = _scale(_amax(w, (1,)))
-            return _cast(w / scale), scale
+            return [_cast(w / scale), scale]
         blocks = _blocks(w, self.block)  # (R, b0, C, b1), zero-padded at the edges
         scale = _scale(_amax(blocks, (1, 3)))
         q = _cast(blocks / scale[:, None, :, None])
         rows, cols = w.shape
-        return q.reshape(blocks.shape[0] * blocks.shape[1], -1)[:rows, :cols].contiguous(), scale
+        return [q.reshape(blocks.shape[0] * blocks.shape[1], -1)[:rows, :cols].contiguous(), scale]
 
     def expand(self, scale: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         """Each element's scale: the scale grid repeated over its blocks (cut at the edges) or rows."""
@@ -83,6 +87,65 @@ class Scheme:
     def dequantize(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """float32 q * scale."""
         return q.to(torch.float32) * self.expand(scale.to(torch.float32), tuple(q.shape))
+
+    def config(self, unconverted: list[str]) -> dict[str, Any]:
+        """fp8-block: transformers' own `quant_method: fp8` dict; fp8-channel: compressed-tensors' FP8_DYNAMIC."""
+        if self.block is None:
+            return compressed_config.fp8_dynamic(unconverted, self.name)
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": list(self.block), "modules_to_not_convert": unconverted}
+
+    def recognises(self, quant: Mapping[str, Any]) -> bool:
+        if self.block is not None:
+            return quant.get("quant_method") == "fp8" and list(quant.get("weight_block_size") or ()) == list(self.block)
+        if quant.get("quant_method") != "compressed-tensors" or quant.get("format") != "float-quantized":
+            return False
+        groups = quant.get("config_groups") or {}
+        weights = [g.get("weights") or {} for g in groups.values() if isinstance(g, dict)]
+        return bool(weights) and all(w.get("strategy") == "channel" and w.get("num_bits") == 8 for w in weights)
+
+    def stored(self, codes: Mapping[str, str]) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+        """Each float8 weight with its scale beside it; a weight keeps its own name."""
+        return {w: {"parts": (s,)} for s in codes if s.endswith(self.scale_suffix)
+                and (w := s.removesuffix(self.scale_suffix)) in codes and codes[w] == FP8}, {}
+
+    def decoder(self, shape: tuple[int, ...], parts: list[torch.Tensor], device: torch.device) -> Decoder:
+        return Decoder(self, shape, parts, device)
+
+    def loader(self, transformers: Any) -> Any:
+        return transformers.CompressedTensorsConfig if self.block is None else transformers.FineGrainedFP8Config
+
+
+class Decoder:
+    """An FP8 weight of `shape` with its scales (one per row, or per 128 x 128 block), decoded block by block."""
+
+    kind, dtype, per = "FP8", FP8, 1  # what the record says the weight is; reference elements per stored one
+
+    def __init__(self, scheme: Scheme, shape: tuple[int, ...], parts: list[torch.Tensor],
+                 device: torch.device) -> None:
+        (scale,) = parts
+        self.cols, self.block = shape[1], scheme.block
+        self.scale_cols = 1 if scheme.block is None else scale.shape[1]
+        # a copy: a scale read from a file comes in a buffer the next read reuses (sides.TensorFiles.read)
+        self.scale = scale.to(device, torch.float32, copy=True).reshape(-1)
+
+    def decode(self, start: int, q: torch.Tensor, n: int, take: scheme.Take) -> tuple[torch.Tensor, torch.Tensor]:
+        """Elements [start, start + n) dequantized, and each one's scale (float32, scratch buffers)."""
+        scale = self._scales(start, n, take)
+        return take("got", n).copy_(q).mul_(scale), scale  # Scheme.dequantize, one block
+
+    def limit(self, ref: torch.Tensor, scale: torch.Tensor, cast_unit: float, take: scheme.Take) -> torch.Tensor:
+        return bound(ref, scale, cast_unit, out=take("limit", ref.numel()))
+
+    def _scales(self, start: int, n: int, take: scheme.Take) -> torch.Tensor:
+        """The scale of each element [start, start + n) of the flattened weight: its row's, or its block's."""
+        at = torch.arange(start, start + n, out=take("at", n, torch.int64))
+        row = torch.div(at, self.cols, rounding_mode="floor", out=take("row", n, torch.int64))
+        if self.block is not None:
+            col = at.sub_(torch.mul(row, self.cols, out=take("t", n, torch.int64)))
+            col.div_(self.block[1], rounding_mode="floor")
+            row.div_(self.block[0], rounding_mode="floor").mul_(self.scale_cols).add_(col)
+        return torch.index_select(self.scale, 0, row, out=take("scale", n))
 
 
 def _amax(w: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
@@ -120,30 +183,7 @@ def bound(reference: torch.Tensor, scale: torch.Tensor, cast_unit: float = 0.0,
     return r.mul_(REL_BOUND * (1 + cast_unit) + cast_unit).add_(scale, alpha=SUBNORMAL_BOUND).mul_(1 + 2.0**-20)
 
 
-def unit_roundoff(code: str) -> float:
-    """Half the spacing of the floating dtype at 1 (bf16 2^-9, fp16 2^-11, fp32 2^-24)."""
-    mantissa = {"BF16": 7, "F16": 10, "F32": 23, "F64": 52}.get(code)
-    return 0.0 if mantissa is None else 2.0 ** -(mantissa + 1)
-
-
-SCHEMES: dict[str, Scheme] = {
-    "fp8-block": Scheme(name="fp8-block", scale_suffix="_scale_inv", block=BLOCK,
-                        layout="DeepSeek-V3 / Qwen3-FP8: 128x128 blocks, float32 weight_scale_inv"),
-    "fp8-channel": Scheme(name="fp8-channel", scale_suffix="_scale", block=None,
-                          layout="compressed-tensors float-quantized: one float32 weight_scale per output row"),
-}
-
-
-def scheme_of(config: dict) -> Scheme | None:
-    """The scheme of a folder's config.json quantization_config, when it is one distmerge writes."""
-    quant = config.get("quantization_config") if isinstance(config, dict) else None
-    if not isinstance(quant, dict):
-        return None
-    if quant.get("quant_method") == "fp8" and list(quant.get("weight_block_size") or ()) == list(BLOCK):
-        return SCHEMES["fp8-block"]
-    if quant.get("quant_method") == "compressed-tensors" and quant.get("format") == "float-quantized":
-        groups = quant.get("config_groups") or {}
-        weights = [g.get("weights") or {} for g in groups.values() if isinstance(g, dict)]
-        if weights and all(w.get("strategy") == "channel" and w.get("num_bits") == 8 for w in weights):
-            return SCHEMES["fp8-channel"]
-    return None
+FP8_BLOCK = Scheme(name="fp8-block", scale_suffix="_scale_inv", block=BLOCK,
+                   description="DeepSeek-V3 / Qwen3-FP8: 128x128 blocks, float32 weight_scale_inv")
+FP8_CHANNEL = Scheme(name="fp8-channel", scale_suffix="_scale", block=None, library="compressed_tensors",
+                     description="compressed-tensors float-quantized: one float32 weight_scale per output row")

@@ -7,7 +7,7 @@ Applied to any family's units (their targets carry Hugging Face names by then), 
       ->  sources -> quantized(transform) -> [t0, packed(t1), scale(t1), global(t1)]      (nvfp4; mxfp4: no global)
 
 so the safetensors headers (the quantized dtypes, the added scale tensors) are known from the plan before any byte
-is read, and the quantized bytes are made where the unit is assembled (quantized below; the math: schemes.py's rows).
+is read, and the quantized bytes are made where the unit is assembled (quantized below; the math: the scheme's).
 A scheme whose fused weights share a scale (nvfp4) first joins the units of each fused set into one (fused.py). What
 the table leaves alone, or the scheme cannot take (4-bit: inputs not a whole number of groups), keeps the merge's
 dtype; the Linear modules among those are named in config.json (modules_to_not_convert, or compressed-tensors'
@@ -27,12 +27,13 @@ from distmerge.errors import InputError
 from distmerge.families.base import FamilyResult, ModelTraits, Target, Unit
 from distmerge.families.transforms import TRANSFORMS, Params
 from distmerge.natural_order import natural_key
-from distmerge.quantize import fp8_compressed, fused, schemes
+from distmerge.quantize import fused, schemes
+from distmerge.quantize.scheme import Scheme
 
 # A decoder layer of the text model, under the names save_pretrained writes (hub_names.py: a Qwen2-VL language
 # model's layers are `model.layers`, LLaVA's `language_model.model.layers`; vision towers never match).
 LAYER = r"(?:model\.|model\.language_model\.|language_model\.model\.)layers\.\d+\."
-# The linear layers of attention and MLP blocks, experts included: the weights written in FP8. Everything else
+# The linear layers of attention and MLP blocks, experts included: the weights quantized. Everything else
 # stays in the merge's dtype, as DeepSeek-V3's and Qwen3's FP8 checkpoints keep it: embeddings, norms, biases,
 # routers (mlp.gate, Qwen2-MoE's shared_expert_gate) and their bias, the LM head, value heads, the multi-token
 # prediction block's own eh_proj (vLLM builds it as a plain Linear), vision towers.
@@ -49,30 +50,28 @@ QUANTIZED = re.compile(LAYER + "(?:" + "|".join(QUANTIZED_MODULES) + r")\.weight
 
 def quantize(result: FamilyResult, scheme: str, traits: ModelTraits, config: dict[str, Any]) -> FamilyResult:
     """The family's result with the table's weights quantized, and what config.json must say about it: its
-    quantization_config, made by finalize on rank 0 (schemes.Quantized.config: compressed-tensors' classes)."""
-    row = schemes.SCHEMES[scheme]
-    if scheme in schemes.COMPRESSED_TENSORS:
-        fp8_compressed.require(scheme)
+    quantization_config, made by finalize on rank 0 (schemes.Quantized.config: the scheme's own)."""
+    row = schemes.scheme(scheme)
+    row.require()
     units, sets = result.units, {}
     if row.fused:
         units, sets = fused.join(units, lambda t: _quantizes(t, row))
     units = [_quantize_unit(u, scheme, row, sets) for u in units]
-    targets = [t for u in units for t in u.targets if t.group == "model"]
-    written = {t.name for t in targets}
+    targets = [t for u in result.units for t in u.targets if t.group == "model"]
     count = sum(len(u.params.weights) for u in units if isinstance(u.params, Quantized))
     if not count:
         raise InputError(f"--quantize {scheme}: no tensor of this model is a linear layer of an attention or MLP "
                          "block (distmerge/quantize/table.py lists them) that the scheme can take; merge without "
                          "--quantize")
-    kept = _unconverted(targets, traits, config, written)
+    kept = _unconverted(targets, row, traits, config)
     quantized = schemes.Quantized(scheme=scheme, unconverted=kept)
-    note = (f"--quantize {scheme}: {count} linear weights quantized ({row.layout}); {len(kept)} modules kept in the "
-            f"merge's dtype ({', '.join(kept[:4])}{', ...' * (len(kept) > 4)})")
+    note = (f"--quantize {scheme}: {count} linear weights quantized ({row.description}); {len(kept)} modules kept in "
+            f"the merge's dtype ({', '.join(kept[:4])}{', ...' * (len(kept) > 4)})")
     return replace(result, units=units, notes=[*result.notes, note],
                    config_later={**result.config_later, "quantization_config": quantized})
 
 
-def _quantize_unit(unit: Unit, scheme: str, row: schemes.Scheme, sets: dict[str, str]) -> Unit:
+def _quantize_unit(unit: Unit, scheme: str, row: Scheme, sets: dict[str, str]) -> Unit:
     which = [i for i, t in enumerate(unit.targets) if _quantizes(t, row)]
     if not which:
         return unit
@@ -90,18 +89,18 @@ def _quantize_unit(unit: Unit, scheme: str, row: schemes.Scheme, sets: dict[str,
     return Unit(sources=unit.sources, targets=tuple(targets), transform="quantized", params=params)
 
 
-def _quantizes(target: Target, row: schemes.Scheme) -> bool:
+def _quantizes(target: Target, row: Scheme) -> bool:
     return (target.group == "model" and len(target.shape) == 2 and dtypes.is_float(target.dtype)
             and QUANTIZED.fullmatch(target.name) is not None and row.takes(target.shape))
 
 
-def _unconverted(targets: list[Target], traits: ModelTraits, config: dict[str, Any], names: set[str]) -> tuple[
-        str, ...]:
+def _unconverted(targets: list[Target], row: Scheme, traits: ModelTraits, config: dict[str, Any]) -> tuple[str, ...]:
     """Modules with a 2-D floating weight left as it is (the table leaves it alone, or the scheme cannot take it),
     and heads the model re-creates from a tied embedding (written nowhere, yet a Linear module of the model all the
-    same). A quantized weight is written under other names (4-bit), or in float8_e4m3fn next to its scale (FP8)."""
+    same). `targets`: the model's, before quantization."""
     kept = {t.name.removesuffix(".weight") for t in targets if t.name.endswith(".weight") and len(t.shape) == 2
-            and dtypes.is_float(t.dtype) and t.dtype != "F8_E4M3"}
+            and dtypes.is_float(t.dtype) and not _quantizes(t, row)}
+    names = {t.name for t in targets}
     if traits.ties(config):
         kept |= {head.removesuffix(".weight") for head, embed in traits.tied_heads if embed in names
                  and head not in names}
@@ -136,7 +135,7 @@ def quantized(sources: list[torch.Tensor], inner: str, inner_params: Params, sch
 def quantize_targets(out: list[torch.Tensor], scheme: str,
                      weights: tuple[tuple[int, str, str | None], ...]) -> list[torch.Tensor]:
     """The inner transform's targets, the weights among them quantized, each as the scheme's parts (quantized)."""
-    row = schemes.SCHEMES[scheme]
+    row = schemes.scheme(scheme)
     extremes: dict[str, list[torch.Tensor]] = {}
     for i, dtype, key in weights:
         if key is not None:

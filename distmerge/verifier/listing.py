@@ -4,6 +4,8 @@ is settled from the headers alone (missing, extra, shape). Tied heads follow the
 from __future__ import annotations
 
 import json
+import math
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -81,7 +83,8 @@ class Listing:
     pairs: tuple[Pair, ...]
     settled: tuple[Check, ...]  # decided from the headers alone (missing, extra, shape)
     encoding: Encoding | None = None  # how the merged model's weights are stored, when encoded (merge --quantize)
-    model_dtype: str | None = None  # its config.json's dtype: what its encoded weights were encoded from
+    model_dtype: str | None = None  # the dtype of most of its floating bytes: what its encoded weights were encoded
+    # from (a quantized model's config.json names the dtype its loader decodes them into, which may be another)
 
 
 def make_listing(opts: VerifyOptions) -> Listing:
@@ -136,8 +139,7 @@ def pair_sides(merged: Side, reference: Side, config: dict | None, later: dict |
         else:
             settled.append(_settled(name, merged, reference, "shape", _shape_reason(m.shape, r.shape), pair))
     return Listing(merged=merged, reference=reference, traits=traits, ties=ties, hub_rules=rules, pairs=tuple(pairs),
-                   settled=tuple(settled), encoding=encoding,
-                   model_dtype=_dtype_code((config or {}).get("torch_dtype") or (config or {}).get("dtype")))
+                   settled=tuple(settled), encoding=encoding, model_dtype=_main_dtype(merged))
 
 
 def _logical(shape: tuple[int, ...], per: int) -> tuple[int, ...]:
@@ -145,10 +147,14 @@ def _logical(shape: tuple[int, ...], per: int) -> tuple[int, ...]:
     return shape if per == 1 else (*shape[:-1], shape[-1] * per)
 
 
-def _dtype_code(name: object) -> str | None:
-    """config.json's dtype name ("bfloat16") as a safetensors code."""
-    codes = {dtypes.hf_dtype_name(c): c for c in ("BF16", "F16", "F32", "F64")}
-    return codes.get(name) if isinstance(name, str) else None
+def _main_dtype(side: Side) -> str | None:
+    """The floating dtype holding most of the side's bytes, of those a config.json may name (as merge's finalize
+    finds it: engine.finalize.main_dtype)."""
+    by_bytes: Counter[str] = Counter()
+    for loc in side.tensors.values():
+        if dtypes.announced(loc.dtype):
+            by_bytes[loc.dtype] += math.prod(loc.shape) * dtypes.itemsize(loc.dtype)
+    return by_bytes.most_common(1)[0][0] if by_bytes else None
 
 
 def merged_config(path: Path) -> dict | None:

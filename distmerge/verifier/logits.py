@@ -68,7 +68,7 @@ def compare_logits(listing: Listing, opts: VerifyOptions, device: torch.device) 
 
 def _model_dtype(listing: Listing) -> str:
     """The merged files' most common floating dtype: both models run in it, as the tensors were compared. Encoded
-    weights (merge --quantize) are decoded into their config.json's dtype."""
+    weights (merge --quantize), decoded by transformers, are cast to the dtype they were encoded from."""
     if listing.encoding:
         return listing.model_dtype or "F32"
     counts = Counter(loc.dtype for loc in listing.merged.tensors.values() if dtypes.is_float(loc.dtype))

@@ -95,7 +95,7 @@ def agreement(ours: Path, theirs: Path, bf16: Path) -> list[str]:
     from safetensors.torch import load_file
 
     sys.path.insert(0, str(HERE.parents[1]))
-    from distmerge.quantize import fp8
+    from distmerge.quantize import fp8, schemes
 
     def load(folder: Path) -> dict:
         return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
@@ -104,7 +104,7 @@ def agreement(ours: Path, theirs: Path, bf16: Path) -> list[str]:
     if not (a and b and x):
         return ["an output is missing"]
     problems = [f"names differ: {sorted(set(a) ^ set(b))[:5]}"] if set(a) != set(b) else []
-    grid, worst, same, total = fp8.SCHEMES["fp8-channel"], [0.0, 0.0], 0, 0
+    grid, worst, same, total = schemes.SCHEMES["fp8-channel"], [0.0, 0.0], 0, 0
     for name in sorted(n for n in a if n.endswith(".weight_scale") and n in b):
         w = name.removesuffix("_scale")
         if a[w].dtype != torch.float8_e4m3fn or b[w].dtype != torch.float8_e4m3fn:

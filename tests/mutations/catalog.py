@@ -21,7 +21,7 @@ class Mutation:
 
 LOCK = "tests/test_output_lock.py"
 FINALIZE_TAIL = """\
-    write_config(out, {**config, **plan.config_updates, **later}, main_dtype(plan))
+    write_config(out, {**config, **plan.config_updates, **later}, announced_dtype(plan))
     remove_strays(out, plan)
     write_extra_files(out, plan)
     write_manifest(out, plan)
@@ -212,3 +212,35 @@ NODES = (
 )
 
 MUTATIONS: tuple[Mutation, ...] = ISSUE_43 + PROMISES + EARLIER_AUDIT + NODES
+
+# The --quantize registry (#44): a scheme is one object, the command line offers what is registered, each folder runs
+# in a plain from_pretrained
+SCHEMES_FILE = "tests/test_quantize_schemes.py"
+SCHEMES = (
+    Mutation(name="44-1-scheme-config-falls-back-to-fp8", guarantee="quantization layouts",
+             why="a scheme the config code does not name gets fp8-channel's quantization_config, silently",
+             file="distmerge/quantize/schemes.py",
+             old="        return scheme(self.scheme).config(list(self.unconverted))",
+             new="        row = scheme(self.scheme)\n"
+                 "        known = row.name in ('fp8-block', 'nvfp4', 'mxfp4')\n"
+                 "        return (row if known else fp8.FP8_CHANNEL).config(list(self.unconverted))",
+             tests=(f"{SCHEMES_FILE}::test_a_registered_scheme_gets_its_own_config",)),
+    Mutation(name="44-2-quantize-choices-written-out", guarantee="quantization layouts",
+             why="--quantize's choices written out by hand, one scheme left out",
+             file="distmerge/output_options.py", old='registry=_schemes, metavar="SCHEME"',
+             new='choices=("fp8-block", "fp8-channel", "nvfp4"), metavar="SCHEME"',
+             tests=(f"{SCHEMES_FILE}::test_the_command_line_offers_every_registered_scheme",)),
+    Mutation(name="44-3-4-bit-config-names-the-merge-dtype", guarantee="quantization layouts",
+             why="a float32 or float16 merge's 4-bit folder names its dtype: transformers decompresses into bfloat16 "
+                 "and the first matmul fails",
+             file="distmerge/quantize/fp4.py", old="        return self.DECODED", new="        return dtype",
+             tests=(f"{SCHEMES_FILE}::test_each_folder_runs_in_a_plain_from_pretrained",)),
+    Mutation(name="44-4-encoded-from-config-dtype", guarantee="quantization layouts",
+             why="verify takes the dtype a folder's weights were quantized from out of its config.json, which names "
+                 "the dtype they load in",
+             file="distmerge/verifier/listing.py", old="model_dtype=_main_dtype(merged))",
+             new="model_dtype={'bfloat16': 'BF16', 'float32': 'F32'}.get((config or {}).get('dtype')))",
+             tests=("tests/test_quantize_fp4_verify.py::"
+                    "test_in_memory_and_against_the_checkpoint_give_the_folder_records",)),
+)
+MUTATIONS = MUTATIONS + SCHEMES

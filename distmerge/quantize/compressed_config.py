@@ -1,6 +1,7 @@
-"""config.json's quantization_config of `--quantize fp8-channel`, `nvfp4` and `mxfp4`, made by the compressed-tensors
-library's own classes (an optional extra: `pip install distmerge[fp8]`). Imported only by schemes.Quantized.config, on
-rank 0 when finalize writes config.json: the import alone costs seconds (it imports transformers).
+"""config.json's quantization_config in compressed-tensors' layout (`fp8-channel`, `nvfp4`, `mxfp4`), made by the
+compressed-tensors library's own classes (the `quantize` extra: `pip install 'distmerge[quantize]'`). Called only
+by those schemes' `config`, on rank 0 when finalize writes config.json: the import alone costs seconds (it imports
+transformers).
 
 fp8-channel is compressed-tensors' FP8_DYNAMIC preset (what llm-compressor writes for it): per-channel float8 weights,
 static, symmetric, and per-token float8 activations quantized at run time, stored in the float-quantized format.
@@ -14,12 +15,17 @@ from __future__ import annotations
 from typing import Any
 
 from distmerge.errors import DistmergeError
+from distmerge.quantize.scheme import INSTALL
 
-INSTALL = "pip install 'distmerge[fp8]' (or compressed-tensors)"
+
+def _missing(scheme: str) -> DistmergeError:
+    return DistmergeError(f"--quantize {scheme} writes compressed-tensors' layout and needs the library: {INSTALL} "
+                          "(or pip install compressed-tensors)")
 
 
-def config(ignore: list[str]) -> dict[str, Any]:
-    """`ignore`: the Linear modules whose weights stay in the merge's dtype."""
+def fp8_dynamic(ignore: list[str], scheme: str) -> dict[str, Any]:
+    """FP8_DYNAMIC on every Linear but `ignore` (the modules whose weights stay in the merge's dtype); `scheme`: the
+    --quantize choice, for the message when the library is missing."""
     try:
         import compressed_tensors
         import torch
@@ -40,8 +46,7 @@ def config(ignore: list[str]) -> dict[str, Any]:
             QuantizationType,
         )
     except ImportError:
-        raise DistmergeError(f"--quantize fp8-channel writes compressed-tensors' layout and needs the library: "
-                             f"{INSTALL}") from None
+        raise _missing(scheme) from None
     weights = QuantizationArgs(num_bits=8, type=QuantizationType.FLOAT, strategy=QuantizationStrategy.CHANNEL,
                                symmetric=True, dynamic=False, scale_dtype=torch.float32)
     activations = QuantizationArgs(num_bits=8, type=QuantizationType.FLOAT, strategy=QuantizationStrategy.TOKEN,
@@ -58,18 +63,18 @@ def config(ignore: list[str]) -> dict[str, Any]:
     }
 
 
-def preset_config(preset: str, format: str, ignore: list[str]) -> dict[str, Any]:
-    """A weight-only preset (NVFP4A16, MXFP4A16) on every Linear but `ignore`, compressed in `format`."""
+def preset(name: str, format: str, ignore: list[str], scheme: str) -> dict[str, Any]:
+    """A weight-only preset `name` (NVFP4A16, MXFP4A16) on every Linear but `ignore`, compressed in `format`;
+    `scheme`: the --quantize choice, for the message when the library is missing."""
     try:
         import compressed_tensors
         from compressed_tensors.base import COMPRESSION_VERSION_NAME, QUANTIZATION_METHOD_NAME, TRANSFORM_CONFIG_NAME
         from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus, preset_name_to_scheme
     except ImportError:
-        raise DistmergeError(f"--quantize writes compressed-tensors' {format} layout and needs the library: "
-                             f"{INSTALL}") from None
-    scheme = preset_name_to_scheme(preset, ["Linear"])
-    scheme.format = format
-    quant = QuantizationConfig(config_groups={preset: scheme}, format=format,
+        raise _missing(scheme) from None
+    group = preset_name_to_scheme(name, ["Linear"])
+    group.format = format
+    quant = QuantizationConfig(config_groups={name: group}, format=format,
                                quantization_status=QuantizationStatus.COMPRESSED, ignore=ignore)
     return {
         COMPRESSION_VERSION_NAME: compressed_tensors.__version__,
@@ -77,12 +82,3 @@ def preset_config(preset: str, format: str, ignore: list[str]) -> dict[str, Any]
         TRANSFORM_CONFIG_NAME: {},
         **quant.model_dump(),
     }
-
-
-def require(scheme: str = "fp8-channel") -> None:
-    """Fails early (at planning, on every rank) when the library is missing, before anything is written."""
-    import importlib.util
-
-    if importlib.util.find_spec("compressed_tensors") is None:
-        raise DistmergeError(f"--quantize {scheme} writes compressed-tensors' layout and needs the library: "
-                             f"{INSTALL}")
