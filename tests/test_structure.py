@@ -18,8 +18,8 @@ LAYERS = {
     1: ("formats", "distributed.comm", "distributed.requests", "families.transforms", "quantize"),
     # output_options: its --quantize choices are the scheme registry's (quantize/schemes.py)
     2: ("families", "quantize.table", "quantize.fused", "average", "output_options"),
-    3: ("engine.plan", "engine.coverage", "engine.spread", "engine.inventory", "output",  # coverage: the plan's
-        "catalog"),  # every family, transform and rewrite, above them all (catalog.py)
+    3: ("engine.plan", "engine.placement", "engine.coverage", "engine.spread", "engine.inventory",  # the plan's
+        "output", "catalog"),  # every family, transform and rewrite, above them all (catalog.py)
     4: ("engine", "report"),
     5: ("engine.run", "front.inspect", "verifier", "watcher", "options", "api"),
     6: ("front", "__main__", "hooks"),

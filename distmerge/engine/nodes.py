@@ -7,7 +7,7 @@ found, every node's listing of each input joined into one, rank 0's reads of oth
     rank 0                    one NodesSource per local input over the joined walks
     rank 0, others serving    discovery and finalize (`Spread.root_only`): a file     send/recv per read, then
                               another node holds is read by asking that node          broadcast (requests.py)
-    every rank                the plan reads each file on a node that holds it        (plan.Placement)
+    every rank                the plan reads each file on a node that holds it        (placement.Placement)
                               (`placement`) and owns each output file near its reads
 
 With one node none of this runs: the merge is the one-node merge, byte for byte and call for call.
@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 from distmerge.distributed import requests
 from distmerge.distributed.comm import Comm
 from distmerge.engine.inputs import InputSpec
-from distmerge.engine.plan import Placement
+from distmerge.engine.placement import Placement
 from distmerge.errors import OutputError
 from distmerge.formats.base import Scan
 from distmerge.input import source

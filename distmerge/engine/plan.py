@@ -23,6 +23,7 @@ from operator import attrgetter
 from distmerge import dtypes
 from distmerge.engine import spread
 from distmerge.engine.coverage import check_coverage, tiled_in_order
+from distmerge.engine.placement import Placement, owners_near_reads, readers_on_holders
 from distmerge.errors import LayoutError
 from distmerge.families import transforms
 from distmerge.families.base import SourceMeta, Target, Unit
@@ -109,35 +110,24 @@ class Plan:
         """Bytes of target this rank writes (its units, in whole or shared files)."""
         return sum(t.nbytes for i, u in enumerate(self.units) if self.owner_of_unit[i] == rank for t in u.targets)
 
+    def crossing(self, placement: Placement, rank: int) -> int:
+        """Bytes of source that reach `rank`'s units from readers on other nodes (what crosses the network)."""
+        node = placement.node_of_rank[rank]
+        return sum(frag.nbytes for i, unit in enumerate(self.units) if self.owner_of_unit[i] == rank
+                   for name in unit.sources for frag in self.sources[name].fragments
+                   if placement.node_of_rank[self.readers[frag.file_index]] != node)
+
     @property
     def model_files(self) -> tuple[OutputFile, ...]:
         """The files model.safetensors.index.json covers (not the LoRA adapter)."""
         return tuple(f for f in self.files if f.group == "model")
 
 
-@dataclass(frozen=True, kw_only=True)
-class Placement:
-    """Where the ranks are, for a checkpoint on the nodes' own disks (input/nodes.py): each rank's node, and per
-    input file the ranks of the nodes that hold it (() where any rank may read it)."""
-
-    node_of_rank: tuple[int, ...]
-    may_read: tuple[tuple[int, ...], ...]
-    # the nodes whose ranks may own the output files (() any): verify compares each target where its reference lies
-    may_own: tuple[int, ...] = ()
-
-    def crossing(self, plan: Plan, rank: int) -> int:
-        """Bytes of source that reach `rank`'s units from readers on other nodes (what crosses the network)."""
-        node = self.node_of_rank[rank]
-        return sum(frag.nbytes for i, unit in enumerate(plan.units) if plan.owner_of_unit[i] == rank
-                   for name in unit.sources for frag in plan.sources[name].fragments
-                   if self.node_of_rank[plan.readers[frag.file_index]] != node)
-
-
 def assign_readers(files: tuple[InputFile, ...], world: int, placement: Placement | None = None) -> tuple[int, ...]:
     """Each input file is read by exactly one rank; the costliest to read first, onto the least-loaded rank that
     opens fewer than ceil(files / world) + 1 files. With a `placement`, only a rank of a node that holds it."""
     if placement is not None:
-        return _readers_on_holders(files, world, placement)
+        return readers_on_holders(files, world, placement)
     readers = [0] * len(files)
     loads = [(0, r) for r in range(world)]  # a heap of (load, rank): the least-loaded, then lowest, rank first
     most = -(-len(files) // world) + 1  # files one rank may open: uneven weights must not pile small files on one
@@ -148,21 +138,6 @@ def assign_readers(files: tuple[InputFile, ...], world: int, placement: Placemen
         count[rank] += 1
         if count[rank] < most:  # a full rank leaves the heap
             heapq.heappush(loads, (load + f.read_weight, rank))
-    return tuple(readers)
-
-
-def _readers_on_holders(files: tuple[InputFile, ...], world: int, placement: Placement) -> tuple[int, ...]:
-    """assign_readers among the ranks that may read each file: the least-loaded of them under the count, else the
-    least-loaded of them (a node holding more files than its share reads them all)."""
-    readers, loads, count = [0] * len(files), [0] * world, [0] * world
-    most = -(-len(files) // world) + 1
-    for f in sorted(files, key=lambda f: (-f.read_weight, f.index)):
-        allowed = placement.may_read[f.index] or range(world)
-        under = [r for r in allowed if count[r] < most]
-        rank = min(under or allowed, key=lambda r: (loads[r], r))
-        readers[f.index] = rank
-        loads[rank] += f.read_weight
-        count[rank] += 1
     return tuple(readers)
 
 
@@ -286,27 +261,6 @@ def make_plan(
         notes=notes,
         carried=carried,
     )
-
-
-NEAR = 0.9  # a node reading this share of what the node reading most of a file reads is as near (ties: balance)
-
-
-def owners_near_reads(sizes: list[int], node_bytes: list[dict[int, int]], node_of_rank: tuple[int, ...],
-                      may_own: tuple[int, ...] = ()) -> list[int]:
-    """Largest file first onto the least-loaded rank of the nodes that read (about) most of its sources, so that as
-    few bytes cross nodes as the layout allows: a file whose sources lie on one node is written there, one whose
-    sources every node holds alike (FSDP's Shard(0): each tensor's rows over all ranks) goes where the load is least.
-    `may_own`: only those nodes' ranks own files (of them, the nodes that read most of the file's sources)."""
-    owners, loads = [0] * len(sizes), [0] * len(node_of_rank)
-    allowed = set(may_own) or set(node_of_rank)
-    for f in sorted(range(len(sizes)), key=lambda f: (-sizes[f], f)):
-        reads = {n: b for n, b in node_bytes[f].items() if n in allowed}
-        most = max(reads.values(), default=0)
-        near = {n for n, b in reads.items() if b >= NEAR * most} if most else allowed
-        ranks = [r for r, n in enumerate(node_of_rank) if n in near]
-        owners[f] = min(ranks, key=lambda r: (loads[r], r))
-        loads[owners[f]] += sizes[f]
-    return owners
 
 
 def _node_bytes(group: list[int], units: list[Unit], sources: dict[str, SourceTensor], readers: tuple[int, ...],

@@ -20,6 +20,7 @@ from distmerge.dtypes import CAST_CHOICES
 from distmerge.engine import inputs, unwritten
 from distmerge.engine import plan as planning
 from distmerge.engine.discover import Discovery
+from distmerge.engine.placement import Placement
 from distmerge.engine.plan import Plan
 from distmerge.errors import InputError
 from distmerge.families.base import FamilyContext, LoraOptions, SourceMeta, claim, rewrite
@@ -61,10 +62,10 @@ def plan_merge(found: Discovery, fragments: list[Fragment], world: int, settings
 
 def prepare_merge(found: Discovery, fragments: list[Fragment], world: int, settings: OutputSettings,
                   hosts: tuple[int, ...] | None = None, sharing: Sharing | None = None,
-                  placement: planning.Placement | None = None) -> Prepared:
+                  placement: Placement | None = None) -> Prepared:
     """`hosts[r]`: the host of rank r, for plan.make_plan (None: every rank on one host); `sharing`: what the
     output store lets several ranks do with one file (None: a local folder's rule); `placement`: the input on the
-    nodes' own disks (plan.Placement)."""
+    nodes' own disks (placement.Placement)."""
     catalog.install()  # the families, transforms and rewrites the claim and the plan look up by name
     scan = found.scan
     sources = planning.merge_inventories(fragments, scan.files)

@@ -48,6 +48,7 @@ from distmerge.engine.expect import Claim
 from distmerge.engine.finalize import finalize
 from distmerge.engine.fold import FoldBuild, unit_build
 from distmerge.engine.inputs import InputSpec, check_inputs, discover_inputs
+from distmerge.engine.placement import Placement
 from distmerge.engine.plan import Plan
 from distmerge.engine.prepare import OutputSettings, prepare_merge
 from distmerge.engine.reader import Reader
@@ -142,7 +143,7 @@ def _merge_on(spread: nodes.Spread | None, opts: MergeOptions, comm: Comm, progr
         laps.lap("rounds")
         comm.phase("the commit of the output files")
         receipts = comm.gather(sink.receipts) if sink.needs_receipts else None
-        crossed = placement.crossing(todo, comm.rank) if placement is not None else 0
+        crossed = todo.crossing(placement, comm.rank) if placement is not None else 0
         node = placement.node_of_rank[comm.rank] if placement is not None else 0
         ranks = comm.gather(lambda: sink.commit_shared(receipts) or replace(
             _stats(comm.rank, reader, sink.writers, laps), node=node, bytes_from_other_nodes=crossed))
@@ -184,7 +185,7 @@ def _merge_on(spread: nodes.Spread | None, opts: MergeOptions, comm: Comm, progr
 
 def plan_checkpoint(found: disc.Discovery, reader: Reader, comm: Comm, settings: OutputSettings,
                     host: Callable[[], str], claims: tuple[Claim, ...] = (), sharing: Sharing | None = None,
-                    laps: Laps | None = None, placement: planning.Placement | None = None) -> Plan:
+                    laps: Laps | None = None, placement: Placement | None = None) -> Plan:
     """Collective, after discovery, before any round (merge, and verify of a checkpoint): each rank opens the input
     files it reads and the inventories are gathered; every rank plans the same; the checks of small replicas and
     of the sources the family wrote into no unit run. Returns the plan with their notes, the same on every rank.
@@ -210,7 +211,7 @@ def plan_checkpoint(found: disc.Discovery, reader: Reader, comm: Comm, settings:
 
 
 def _prepare(found: disc.Discovery, fragments, world: int, settings: OutputSettings, hosts: tuple[int, ...],
-             claims: tuple[Claim, ...], sharing: Sharing | None, placement: planning.Placement | None = None):
+             claims: tuple[Claim, ...], sharing: Sharing | None, placement: Placement | None = None):
     prepared = prepare_merge(found, fragments, world, settings, hosts=hosts, sharing=sharing, placement=placement)
     expect.check(claims, found.config, prepared.plan)
     return prepared

@@ -173,7 +173,7 @@ MULTINODE = "tests/test_multinode.py"
 NODES = (
     Mutation(name="nodes-read-off-node", guarantee="files where the nodes left them",
              why="a file is given to any rank, not to one of a node that holds it",
-             file="distmerge/engine/plan.py", old="allowed = placement.may_read[f.index] or range(world)",
+             file="distmerge/engine/placement.py", old="allowed = placement.may_read[f.index] or range(world)",
              new="allowed = range(world)",
              tests=(f"{MULTINODE}::test_fsdp2_rank_files_on_two_nodes_markers_on_the_other",)),
     Mutation(name="nodes-remote-read-offset", guarantee="files where the nodes left them",
@@ -187,7 +187,7 @@ NODES = (
              tests=(f"{MULTINODE}::test_an_output_some_nodes_cannot_see_is_refused",)),
     Mutation(name="nodes-owner-far-from-reads", guarantee="files where the nodes left them",
              why="each output file's owner is chosen by load alone: bytes cross nodes that need not",
-             file="distmerge/engine/plan.py",
+             file="distmerge/engine/placement.py",
              old="near = {n for n, b in reads.items() if b >= NEAR * most} if most else allowed",
              new="near = allowed",
              tests=(f"{MULTINODE}::test_megatron_torch_dist_on_two_nodes_config_on_the_other",)),
