@@ -512,8 +512,9 @@ ELSEWHERE: dict[tuple[str, str], str] = {
 }
 
 NOT_RUN: dict[tuple[str, str], str] = {
-    ("import.md", "pretrain_gpt.py --load megatron_ckpt --finetune"): "Megatron-LM's training script (GPUs, a data "
-        "set); tests/test_import_megatron.py loads the folder into megatron-core's GPTModel as its load_checkpoint does",
+    ("import.md", "pretrain_gpt.py --load megatron_ckpt --finetune"): (
+        "Megatron-LM's training script (GPUs, a data set); tests/test_import_megatron.py loads the folder into "
+        "megatron-core's GPTModel as its load_checkpoint does"),
     ("dev/mutations.md", "python tests/mutations/run.py --list"):
         "the mutation check runs the suite's own tests once per planted bug (minutes); run by hand before resolving",
     ("dev/benchmarks-history.md", "python tests/bench/bench_fsdp.py"): BENCHMARK,
