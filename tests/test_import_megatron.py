@@ -24,6 +24,15 @@ from tests.fixtures import megatron_models as mm
 # family -> (TP, PP) it is imported at: GQA (4 heads, 2 groups) split over TP; tied embeddings and q/k/v biases
 # over two pipeline stages; q/k layernorm with a head_dim that is not hidden/heads
 WRITTEN = {"llama": (2, 1), "qwen2": (1, 2), "qwen3": (2, 1)}
+# --make-vocab-size-divisible-by, where not Megatron-LM's default 128: 96 x TP=2 pads 1001 rows to 1152 (96 alone,
+# forgetting TP, would give 1056)
+DIVISIBLE_BY = {"qwen3": 96}
+
+
+def padded_vocab(vocab: int, tp: int, divisible_by: int) -> int:
+    """Megatron-LM's _vocab_size_with_padding: up to a multiple of divisible_by x TP."""
+    multiple = divisible_by * tp
+    return -(-vocab // multiple) * multiple
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +58,8 @@ def imported(hf_models, tmp_path_factory) -> dict[str, Path]:
     for family, (tp, pp) in WRITTEN.items():
         out[family] = root / family
         with input_untouched(hf_models[family]):
-            assert import_inproc("--input", hf_models[family], "--output", out[family], "--tp", tp, "--pp", pp) == 0
+            assert import_inproc("--input", hf_models[family], "--output", out[family], "--tp", tp, "--pp", pp,
+                                 "--make-vocab-size-divisible-by", DIVISIBLE_BY.get(family, 128)) == 0
     return out
 
 
@@ -72,7 +82,7 @@ def test_megatron_core_loads_it_at_the_written_layout(imported, hf_models, tmp_p
         got = results[case]
         assert got["mismatched"] == [], family
         assert got["checked"] > 0
-        padded = mm.padded_vocab_size(mm.FAMILIES[family].hf["vocab_size"], tp)
+        padded = padded_vocab(mm.FAMILIES[family].hf["vocab_size"], tp, DIVISIBLE_BY.get(family, 128))
         assert got["args"] == {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
                                "padded_vocab_size": padded, "num_layers": 2}
 
