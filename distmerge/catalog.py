@@ -35,6 +35,13 @@ TRANSFORMS = (
     value_head.with_zero_bias,
     quantize_table.quantized, fused.joined,
 )
+# Each transform the import walks backwards, and its inverse (families/transforms.Segment: the target's rows as
+# rows of the Hugging Face tensors), declared beside it.
+INVERSES = (
+    (transforms.identity, transforms.identity_rows), (transforms.trim_rows, transforms.pad_rows),
+    (megatron_transforms.split_qkv, megatron_transforms.fuse_qkv_rows),
+    (megatron_transforms.split_gate_up, megatron_transforms.fuse_gate_up_rows),
+)
 # Transforms made in steps (engine/fold.py assembles a unit naming one a group at a time).
 FOLDS = {"average": average_fold.AVERAGE}
 # What a wrapping transform does to its inner transform's targets, so that a fold it wraps is still a fold:
@@ -54,6 +61,8 @@ def install() -> None:
     for family in FAMILIES:
         base.register(family)
     transforms.add(*TRANSFORMS)
+    for forward, rows in INVERSES:
+        transforms.add_inverse(forward, rows)
     for name, made in FOLDS.items():
         transforms.add_fold(name, made)
     for name, change in AFTER.items():

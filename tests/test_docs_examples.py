@@ -330,7 +330,16 @@ SLURM = ("needs a SLURM cluster, which slurm/ci/setup.sh installs and starts as 
 
 AVERAGED = ("fsdp:fsdp2_llama_w1", "fsdp:fsdp2_llama_w4", "dcp:dcp_llama_w2")  # docs/average.md's three saves
 
+def tiny_llama_hf(dst: Path, request) -> None:
+    """docs/import.md's hf_model: the Megatron fixtures' seeded tiny Llama, as save_pretrained writes it."""
+    from tests.fixtures import megatron_models as mm
+
+    mm.build_hf_model(mm.FAMILIES["llama"]).save_pretrained(dst, safe_serialization=True)
+
+
 RUN: dict[tuple[str, str], Run] = {
+    ("import.md", "$ python -m distmerge import --input hf_model --output megatron_ckpt --tp 2 --pp 2"): Run(
+        layout={"hf_model": tiny_llama_hf}),
     ("average.md", "--input ckpts/global_step_800/actor --input ckpts/global_step_900/actor"): Run(
         layout={"ckpts/global_step_800/actor": "fsdp:fsdp2_llama_w1",
                 "ckpts/global_step_900/actor": "fsdp:fsdp2_llama_w2", "ckpts/global_step_1000/actor": LLAMA,
@@ -507,6 +516,9 @@ ELSEWHERE: dict[tuple[str, str], str] = {
 }
 
 NOT_RUN: dict[tuple[str, str], str] = {
+    ("import.md", "pretrain_gpt.py --load megatron_ckpt --finetune"): (
+        "Megatron-LM's training script (GPUs, a data set); tests/test_import_megatron.py loads the folder into "
+        "megatron-core's GPTModel as its load_checkpoint does"),
     ("dev/mutations.md", "python tests/mutations/run.py --list"):
         "the mutation check runs the suite's own tests once per planted bug (minutes); run by hand before resolving",
     ("dev/benchmarks-history.md", "python tests/bench/bench_fsdp.py"): BENCHMARK,

@@ -21,7 +21,7 @@ LAYERS = {
     3: ("engine.plan", "engine.placement", "engine.coverage", "engine.spread", "engine.inventory",  # the plan's
         "output", "catalog"),  # every family, transform and rewrite, above them all (catalog.py)
     4: ("engine", "report"),
-    5: ("engine.run", "front.inspect", "verifier", "watcher", "options", "api"),
+    5: ("engine.run", "front.inspect", "verifier", "watcher", "importer", "options", "api"),
     6: ("front", "__main__", "hooks"),
 }
 # The modules at the top of distmerge/: what every part uses, and the API. A new module belongs to a part.
@@ -162,7 +162,7 @@ def test_a_package_attribute_is_the_package():
 # the engine; the verifier and the watcher use the engine; options/ (the table of options) knows them all, and
 # front/ and hooks/ are the doors. The modules at the top of distmerge/ have their own layers (LAYERS).
 FOLDERS = {"input": 0, "distributed": 1, "formats": 1, "families": 2, "quantize": 3, "average": 3, "output": 3,
-           "engine": 4, "verifier": 5, "watcher": 5, "options": 6, "front": 7, "hooks": 7}
+           "engine": 4, "verifier": 5, "watcher": 5, "importer": 5, "options": 6, "front": 7, "hooks": 7}
 
 
 def folder(path: Path) -> str | None:

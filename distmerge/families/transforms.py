@@ -62,6 +62,71 @@ class Copies(Params):
 TRANSFORMS: dict[str, Transform] = {}
 
 
+@dataclass(frozen=True)
+class Segment:
+    """Rows [start, start + count) of source number `source`, given `repeat` times one after another: a piece of
+    an inverse transform's target (the inverses below are row copies, so a block of their target rows is read as
+    row ranges of the sources, never the whole sources)."""
+
+    source: int
+    start: int
+    count: int
+    repeat: int = 1
+
+    @property
+    def rows(self) -> int:
+        return self.count * self.repeat
+
+
+# A transform's inverse, by the transform's name: (the sources' row counts, **the forward transform's params, and
+# the inverse's own keywords) -> the target's rows as segments of the Hugging Face tensors, in order. catalog.py
+# pairs each transform with its inverse (add_inverse); the import walks the same table rows backwards.
+RowsOf = Callable[..., tuple["Segment", ...]]
+INVERSES: dict[str, RowsOf] = {}
+
+
+def add_inverse(forward: Transform, rows: RowsOf) -> None:
+    """Make `rows` the inverse of the transform `forward` (its segments: see Segment); catalog.install calls it."""
+    assert forward.__name__ not in INVERSES, f"two inverses of {forward.__name__}"
+    INVERSES[forward.__name__] = rows
+
+
+def inverse_segments(name: str, sizes: tuple[int, ...], params: Params = NO_PARAMS, **extra: Any
+                     ) -> tuple[Segment, ...]:
+    """The segments of the tensor that the transform `name` (with `params`) would split into tensors of `sizes`
+    rows: its inverse. `extra`: the inverse's own keywords (pad_rows' `padded`)."""
+    if name not in INVERSES:
+        raise KeyError(f"the transform {name} has no inverse")
+    return INVERSES[name](sizes, **dict(params), **extra)
+
+
+def narrow(segments: tuple[Segment, ...], start: int, stop: int) -> tuple[Segment, ...]:
+    """The segments of target rows [start, stop): a TP shard of a fused tensor, read without the rest."""
+    out, at = [], 0
+    for seg in segments:
+        lo, hi = max(start, at), min(stop, at + seg.rows)
+        if lo < hi:
+            out.extend(_cut(seg, lo - at, hi - at))
+        at += seg.rows
+    return tuple(out)
+
+
+def _cut(seg: Segment, lo: int, hi: int) -> list[Segment]:
+    """Rows [lo, hi) of one segment (relative to its start)."""
+    if seg.repeat == 1:
+        return [Segment(source=seg.source, start=seg.start + lo, count=hi - lo)]
+    if seg.count != 1:  # a repeated block longer than a row: cut row by row (never made by the inverses here)
+        return [Segment(source=seg.source, start=seg.start + r % seg.count, count=1) for r in range(lo, hi)]
+    return [Segment(source=seg.source, start=seg.start, count=1, repeat=hi - lo)]
+
+
+def gather_rows(sources: list[torch.Tensor], segments: tuple[Segment, ...]) -> torch.Tensor:
+    """The target of `segments` made from whole `sources` (the import reads only the rows instead: same result)."""
+    parts = [sources[s.source][s.start : s.start + s.count].repeat(s.repeat, *([1] * (sources[s.source].dim() - 1)))
+             for s in segments]
+    return torch.cat(parts).contiguous()
+
+
 def add(*fns: Transform) -> None:
     """Make each of `fns` known under its own name (a unit's `transform`); catalog.install calls it."""
     for fn in fns:
@@ -74,10 +139,28 @@ def identity(sources: list[torch.Tensor]) -> list[torch.Tensor]:
     return list(sources)
 
 
+def identity_rows(sizes: tuple[int, ...]) -> tuple[Segment, ...]:
+    """identity's inverse: the one source's rows as they are."""
+    return (Segment(source=0, start=0, count=sizes[0]),)
+
+
 def trim_rows(sources: list[torch.Tensor], rows: int) -> list[torch.Tensor]:
     """Padded vocabulary (Megatron rounds it up to a multiple of 128 x TP) -> the config's vocab_size rows."""
     (padded,) = sources
     return [padded[:rows].contiguous()]
+
+
+def pad_rows(sizes: tuple[int, ...], rows: int, *, padded: int) -> tuple[Segment, ...]:
+    """trim_rows' inverse: the vocab_size rows, then the last row again up to `padded` rows, as Megatron-LM's own
+    converter pads a vocabulary (tools/checkpoint/saver_mcore.py: "Expanding embedding to larger size by replicating
+    final entry").
+
+        [ row 0 | ... | row V-1 | row V-1 | ... | row V-1 ]      padded rows in all
+    """
+    if padded < rows:
+        raise ValueError(f"padded {padded} < vocab {rows}")
+    pad = (Segment(source=0, start=rows - 1, count=1, repeat=padded - rows),) if padded > rows else ()
+    return (Segment(source=0, start=0, count=rows), *pad)
 
 
 def copies(sources: list[torch.Tensor], of: str, count: int, **params: object) -> list[torch.Tensor]:

@@ -16,7 +16,7 @@ from pathlib import Path
 from distmerge import __version__, options
 from distmerge import testing_seams as seams
 from distmerge.errors import DistmergeError, InputError
-from distmerge.front import verl_cli
+from distmerge.front import import_cli, verl_cli
 from distmerge.options.cli_options import add_options
 
 EPILOG = """examples:
@@ -112,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "saving it", description=WATCH_DESCRIPTION, epilog=WATCH_EPILOG,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     add_options(watch, "watch")
+    import_cli.add_import_parser(sub)
     # verl's spelling, listed here only: verl_cli.translate turns `test ...` into `verify ...` before parsing
     sub.add_parser("test", add_help=False, help="verify in verl's spelling: the flags of `python -m "
                    "verl.model_merger test` (docs/verl.md)")
@@ -188,6 +189,7 @@ INTERRUPTED = {
     "verify": "distmerge: interrupted: nothing was changed; run verify again",
     "watch": "distmerge watch: interrupted; run it again to finish",
     "inspect": "distmerge: interrupted",
+    "import": "distmerge import: interrupted: no tracker was written; run it again with --overwrite",
 }
 
 
@@ -236,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
             return _run_verify(args)
         if args.command == "watch":
             return _run_watch(args)
+        if args.command == "import":
+            return import_cli.run_import_command(args, report_silence)
         return _run_merge(args)
     except DistmergeError as err:
         _report_error(err, args.debug)

@@ -16,6 +16,10 @@ class Row:
     source: str
     targets: tuple[str, ...]
     transform: str = "identity"
+    # The local spec's own name, which a torch_dist save never holds: megatron-core saves and loads it under the
+    # Transformer Engine name of the row beside it (the local layer spec's sharded_state_dict_keys_map). Read by
+    # the export, skipped by the import (families/megatron/inverse.py), which writes the name torch_dist holds.
+    local: bool = False
 
 
 L, M = "decoder.layers.{}.", "model.layers.{}."
@@ -28,7 +32,7 @@ EMBEDDINGS = (
 )
 
 ATTENTION = (
-    Row(L + "input_layernorm.weight", (M + "input_layernorm.weight",)),
+    Row(L + "input_layernorm.weight", (M + "input_layernorm.weight",), local=True),
     Row(L + "self_attention.linear_qkv.layer_norm_weight", (M + "input_layernorm.weight",)),
     Row(L + "self_attention.linear_qkv.weight",
         (M + "self_attn.q_proj.weight", M + "self_attn.k_proj.weight", M + "self_attn.v_proj.weight"), "split_qkv"),
@@ -40,7 +44,7 @@ ATTENTION = (
 )
 
 PRE_MLP_NORM = (
-    Row(L + "pre_mlp_layernorm.weight", (M + "post_attention_layernorm.weight",)),
+    Row(L + "pre_mlp_layernorm.weight", (M + "post_attention_layernorm.weight",), local=True),
     Row(L + "mlp.linear_fc1.layer_norm_weight", (M + "post_attention_layernorm.weight",)),
 )
 

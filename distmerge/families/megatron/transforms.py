@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from distmerge.families.transforms import Params
+from distmerge.families.transforms import Params, Segment
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,18 @@ def split_qkv(sources: list[torch.Tensor], heads: int, groups: int, head_dim: in
     return [q.contiguous(), k.contiguous(), v.contiguous()]
 
 
+def fuse_qkv_rows(sizes: tuple[int, ...], heads: int, groups: int, head_dim: int) -> tuple[Segment, ...]:
+    """split_qkv's inverse: q, k, v (sources 0, 1, 2) -> the fused rows, group by group (split_qkv's drawing):
+    group g is q rows [g*per*head_dim, (g+1)*per*head_dim), then k's and v's rows [g*head_dim, (g+1)*head_dim)."""
+    per = heads // groups
+    out: list[Segment] = []
+    for g in range(groups):
+        out += [Segment(source=0, start=g * per * head_dim, count=per * head_dim),
+                Segment(source=1, start=g * head_dim, count=head_dim),
+                Segment(source=2, start=g * head_dim, count=head_dim)]
+    return tuple(out)
+
+
 def split_gate_up(sources: list[torch.Tensor], shards: int) -> list[torch.Tensor]:
     """SwiGLU linear_fc1 -> gate, up.
 
@@ -59,6 +71,16 @@ def split_gate_up(sources: list[torch.Tensor], shards: int) -> list[torch.Tensor
     gate = halves[:, 0].reshape(-1, *rest)
     up = halves[:, 1].reshape(-1, *rest)
     return [gate.contiguous(), up.contiguous()]
+
+
+def fuse_gate_up_rows(sizes: tuple[int, ...], shards: int) -> tuple[Segment, ...]:
+    """split_gate_up's inverse: gate, up (sources 0, 1) -> [gate_0; up_0 | gate_1; up_1 | ...] for `shards` TP
+    shards (a torch_dist save: shards = 1, [gate; up])."""
+    part = sizes[0] // shards
+    out: list[Segment] = []
+    for s in range(shards):
+        out += [Segment(source=0, start=s * part, count=part), Segment(source=1, start=s * part, count=part)]
+    return tuple(out)
 
 
 def mla_rope_halves(sources: list[torch.Tensor], heads: int, keep: int, rope: int) -> list[torch.Tensor]:

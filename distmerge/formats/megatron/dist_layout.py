@@ -1,0 +1,133 @@
+"""How megatron-core's torch_dist save cuts a GPT's global tensors into chunks, and which training rank saves each:
+what `distmerge import --to megatron` writes (the reading side is dist.py).
+
+Facts from megatron-core 0.16.1's own saves of GPTModel (tests/fixtures/make_megatron.py; its `.metadata` read):
+
+    decoder.layers.{i}.X            stacked: key decoder.layers.X, global shape (num_layers, *shape), layer i
+                                    at offset i on the first axis (TransformerBlock.sharded_state_dict)
+    TP-split tensors                layout.TP_SPLIT_DIMS: dim 0 (column-parallel, the vocabulary) or 1 (row-
+                                    parallel); TP rank r holds the r-th of TP equal runs; a tensor of `parts`
+                                    runs (linear_fc1's [gate; up]) splits each run so: r's chunks are gate_r and
+                                    up_r (apply_swiglu_sharded_factory)
+    replicated tensors (norms)      one chunk, saved by TP rank 0 (replica_id 0)
+    pipeline stages                 layer i on stage i // (num_layers / PP); the embedding on the first stage,
+                                    the output layer and final norm on the last
+    {module}._extra_state           a ShardedObject per layer of each linear module (the TP-split ones), key
+                                    `decoder.layers.{module}._extra_state/shard_{i}_{num_layers}`, saved by TP
+                                    rank 0 as torch.save of [None] (what the local spec's save writes)
+    files                           `__{rank}_{k}.distcp`, rank = tp + TP x pp (megatron-core's default order
+                                    tp-cp-ep-dp-pp, data parallel size 1): what a rank saved, in its files
+
+The file names and their contents depend only on the layout (TP, PP), never on how many processes write them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from distmerge.errors import ConfigError
+from distmerge.formats.megatron.layout import LAYER, tp_split_dim
+
+EXTRA_STATE_OBJECT = [None]  # the data of a linear module's _extra_state object as megatron-core saves it (local spec)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Grid:
+    tp: int
+    pp: int
+    layers: int
+
+    def stage(self, name: str) -> int:
+        """The pipeline stage that holds the tensor `name` (global layer numbers)."""
+        if (m := LAYER.match(name)) is not None:
+            return int(m[2]) // (self.layers // self.pp)
+        return 0 if name.startswith("embedding.") else self.pp - 1
+
+    def rank(self, tp: int, stage: int) -> int:
+        return tp + self.tp * stage
+
+
+@dataclass(frozen=True, kw_only=True)
+class Chunk:
+    """One saved chunk: a block of a global tensor (key, offsets, lengths in the stacked tensor), made of rows
+    `rows` (and columns `cols`, or all) of the tensor `tensor` (unstacked); saved by training rank `rank`."""
+
+    key: str
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    tensor: str
+    rows: tuple[int, int]
+    cols: tuple[int, int] | None
+    rank: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ObjectChunk:
+    key: str  # the unique key (shard suffix included)
+    rank: int
+
+
+def check_grid(grid: Grid) -> None:
+    if grid.tp < 1 or grid.pp < 1:
+        raise ConfigError(f"--tp {grid.tp} --pp {grid.pp}: both must be at least 1")
+    if grid.layers % grid.pp:
+        raise ConfigError(f"--pp {grid.pp} does not divide the model's {grid.layers} layers: megatron-core gives "
+                          "each pipeline stage as many layers (uneven stages are not written yet)")
+
+
+def stacked(name: str, shape: tuple[int, ...], layers: int) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+    """(key, global shape, offset prefix) of a tensor in the save: a layer's tensors stacked over the layers."""
+    m = LAYER.match(name)
+    if m is None:
+        return name, shape, ()
+    return f"{m[1]}{m[3][1:]}", (layers, *shape), (int(m[2]),)
+
+
+def chunks(name: str, shape: tuple[int, ...], parts: int, grid: Grid) -> list[Chunk]:
+    """The chunks of the global tensor `name`, each with the training rank that saves it."""
+    key, global_shape, prefix = stacked(name, shape, grid.layers)
+    dim = tp_split_dim(name, shape)
+    stage = grid.stage(name)
+    if dim is None:
+        return [Chunk(key=key, global_shape=global_shape, offsets=(*prefix, *[0] * len(shape)),
+                      lengths=(*[1] * len(prefix), *shape), tensor=name, rows=(0, shape[0]), cols=None,
+                      rank=grid.rank(0, stage))]
+    runs = parts * grid.tp
+    if shape[dim] % runs:
+        raise ConfigError(f"--tp {grid.tp} does not divide {name}'s {shape[dim]} "
+                          f"{'rows' if dim == 0 else 'columns'}{' in each half' if parts > 1 else ''}: "
+                          "pick a TP that divides it")
+    step = shape[dim] // runs
+    out = []
+    for tp in range(grid.tp):
+        for part in range(parts):
+            start = part * grid.tp * step + tp * step
+            offsets, lengths = [0] * len(shape), list(shape)
+            offsets[dim], lengths[dim] = start, step
+            rows, cols = ((start, start + step), None) if dim == 0 else ((0, shape[0]), (start, start + step))
+            out.append(Chunk(key=key, global_shape=global_shape, offsets=(*prefix, *offsets),
+                             lengths=(*[1] * len(prefix), *lengths), tensor=name, rows=rows, cols=cols,
+                             rank=grid.rank(tp, stage)))
+    return out
+
+
+def extra_state_objects(names: list[str], grid: Grid) -> list[ObjectChunk]:
+    """The _extra_state objects of the layers' linear modules (those whose weight TP splits), one per layer."""
+    out = []
+    for name in names:
+        m = LAYER.match(name)
+        if m is None or not name.endswith(".weight") or tp_split_dim(name) is None:
+            continue
+        module = m[3][1:].removesuffix(".weight")
+        key = f"{m[1]}{module}._extra_state/shard_{int(m[2])}_{grid.layers}"
+        out.append(ObjectChunk(key=key, rank=grid.rank(0, grid.stage(name))))
+    return out
+
+
+def file_name(rank: int) -> str:
+    return f"__{rank}_0.distcp"
+
+
+FILE = re.compile(r"^__(\d+)_0\.distcp$")

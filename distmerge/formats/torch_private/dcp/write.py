@@ -1,0 +1,84 @@
+"""The bytes of a DCP save made without torch.distributed.checkpoint.save: its chunk blobs and its `.metadata`.
+
+What torch's FileSystemWriter (torch/distributed/checkpoint/filesystem.py, default TORCH_SAVE format) writes:
+
+    __R_K.distcp   blobs one after another: a tensor chunk is torch.save of the chunk tensor (its own storage, no
+                   more), a bytes entry the object's torch.save bytes as they are
+    .metadata      pickle of Metadata(state_dict_metadata = {key: TensorStorageMetadata(properties, size, chunks)
+                   | BytesStorageMetadata()}, storage_data = {MetadataIndex(key, offsets): _StorageInfo(file,
+                   offset, length)}, version)
+
+torch.save's bytes depend only on the tensor (its zip records carry no time; the serialization id is a hash of
+the records), so a chunk's blob is the same whichever process makes it. The classes are torch's own, so the torch
+that loads the save reads them as its own save's.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+DCP_VERSION = "1.0.0"  # Metadata.version as torch 2.13's FileSystemWriter writes it (CURRENT_DCP_VERSION)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Entry:
+    """One blob written: a chunk of the tensor `key` (`offsets`, `lengths` in its `global_shape`), or, with
+    `dtype` None, a bytes entry; where it lies (`file`, `offset`, `length`)."""
+
+    key: str
+    file: str
+    offset: int
+    length: int
+    dtype: torch.dtype | None = None
+    global_shape: tuple[int, ...] = ()
+    offsets: tuple[int, ...] = ()
+    lengths: tuple[int, ...] = ()
+
+
+def tensor_blob(chunk: torch.Tensor) -> bytes:
+    """torch.save of the chunk as it would save a tensor of its own (a view would carry its whole storage)."""
+    own = chunk.detach().to("cpu").clone(memory_format=torch.contiguous_format)
+    buf = io.BytesIO()
+    torch.save(own, buf)
+    return buf.getvalue()
+
+
+def object_blob(value: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
+
+
+def metadata_bytes(entries: list[Entry]) -> bytes:
+    """The `.metadata` of a save holding `entries`, keys and chunks in sorted order (the same bytes for the same
+    entries, whatever order they were written in)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    ordered = sorted(entries, key=lambda e: (e.key, e.offsets))
+    state: dict[str, Any] = {}
+    storage = {}
+    for e in ordered:
+        if e.dtype is None:
+            state[e.key] = BytesStorageMetadata()
+            storage[MetadataIndex(fqn=e.key)] = _StorageInfo(relative_path=e.file, offset=e.offset, length=e.length)
+            continue
+        meta = state.setdefault(e.key, TensorStorageMetadata(properties=TensorProperties(dtype=e.dtype),
+                                                             size=torch.Size(e.global_shape), chunks=[]))
+        meta.chunks.append(ChunkStorageMetadata(offsets=torch.Size(e.offsets), sizes=torch.Size(e.lengths)))
+        storage[MetadataIndex(fqn=e.key, offset=torch.Size(e.offsets))] = _StorageInfo(
+            relative_path=e.file, offset=e.offset, length=e.length)
+    made = Metadata(state_dict_metadata=state, planner_data=None, storage_data=storage, version=DCP_VERSION)
+    return pickle.dumps(made, protocol=pickle.HIGHEST_PROTOCOL)

@@ -1,0 +1,15 @@
+"""`distmerge import`: a Hugging Face model written in a training layout (Megatron-LM torch_dist), the way back
+from a merge. The same pipeline, sources and targets swapped:
+
+    discover (rank 0)   the Hugging Face folder: config.json and the safetensors headers (discover.py); every
+                        refusal made here, before the output is touched
+    plan (every rank)   the family's table walked backwards (families/megatron/inverse.py), each Megatron tensor
+                        cut into the chunks megatron-core saves (formats/megatron/dist_layout.py), the files given
+                        owners by bytes (plan.py): the same plan on every rank, whatever their number
+    write (owners)      each chunk read as row ranges of the Hugging Face tensors and written as a DCP blob
+                        (read.py, write.py), each file by its owner only
+    finalize (rank 0)   `.metadata`, metadata.json, common.pt (Megatron-LM's args), and last the iteration
+                        tracker (finalize.py): no tracker, no finished import
+
+run.py wires them under the output's lock (output/lock.py), as a merge does.
+"""

@@ -1,0 +1,52 @@
+"""The `args` a Megatron-LM checkpoint carries (common.pt), for the model an import writes.
+
+Megatron-LM's load_checkpoint (training/checkpointing.py) reads from them: the TP and PP sizes the save was made
+with, `no_save_optim` / `no_save_rng` (getattr: set here, there is neither), and, unless --finetune,
+check_checkpoint_args compares num_layers, hidden_size, num_attention_heads, max_position_embeddings,
+make_vocab_size_divisible_by, padded_vocab_size and tokenizer_type with the run's. `--use-checkpoint-args` takes the
+model's shape from them (load_args_from_checkpoint). Names as Megatron-LM's arguments.py spells them; only plain
+values (megatron-core's safe globals list argparse.Namespace, so torch.load with weights_only reads it).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from distmerge.families import base
+from distmerge.importer.plan import ImportPlan, Layout
+
+CHECKPOINT_VERSION = 3.0  # Megatron-LM's current checkpoint_version
+# The content metadata megatron-core 0.16.1's save records (dist_checkpointing.save(content_metadata=...)), as
+# Megatron-LM passes it for a model without a distributed optimizer.
+CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+
+
+def megatron_args(config: dict[str, Any], plan: ImportPlan, layout: Layout, dtype: str) -> argparse.Namespace:
+    c = base.CAUSAL_LM.sizes(config)
+    sizes = plan.sizes
+    heads, hidden = sizes.heads, c["hidden_size"]
+    return argparse.Namespace(
+        num_layers=sizes.layers, hidden_size=hidden, ffn_hidden_size=c.get("intermediate_size"),
+        num_attention_heads=heads, group_query_attention=sizes.groups != heads, num_query_groups=sizes.groups,
+        kv_channels=c.get("head_dim") or hidden // heads,
+        max_position_embeddings=c.get("max_position_embeddings"), seq_length=c.get("max_position_embeddings"),
+        position_embedding_type="rope", rotary_base=int(c.get("rope_theta", 10000)), rotary_percent=1.0,
+        normalization="RMSNorm", norm_epsilon=c.get("rms_norm_eps"), swiglu=True, add_bias_linear=False,
+        add_qkv_bias=any(n.endswith("linear_qkv.bias") for n in plan.tensors),
+        qk_layernorm=any(n.endswith("q_layernorm.weight") for n in plan.tensors),
+        untie_embeddings_and_output_weights=not sizes.tied, vocab_size=sizes.vocab,
+        padded_vocab_size=sizes.padded_vocab, make_vocab_size_divisible_by=layout.divisible_by,
+        tokenizer_type="HuggingFaceTokenizer",
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=1, context_parallel_size=1,
+        data_parallel_size=1, world_size=layout.tp * layout.pp, bf16=dtype == "BF16", fp16=dtype == "F16",
+        ckpt_format="torch_dist", use_dist_ckpt=True, no_save_optim=True, no_save_rng=True, iteration=0,
+        consumed_train_samples=0, consumed_valid_samples=0,
+    )
+
+
+def common_state(args: argparse.Namespace) -> dict[str, Any]:
+    """What megatron-core 0.16.1's dist_checkpointing.save writes as common.pt for Megatron-LM's save_checkpoint."""
+    return {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0,
+            "num_floating_point_operations_so_far": 0, "content_metadata": dict(CONTENT_METADATA)}

@@ -1,0 +1,94 @@
+"""The import's phases in order (the package docstring), on every rank of a Comm, under the output's lock.
+
+    rank 0       discover, plan (every refusal: nothing written yet), lock, check and prepare the output
+                 broadcast of the model found
+    every rank   the plan (the same everywhere), the files it owns written
+                 all_gather of the entries
+    rank 0       finalize: .metadata, metadata.json, common.pt, the tracker last
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from distmerge.distributed.comm import Comm
+from distmerge.importer import finalize as fin
+from distmerge.importer.discover import Model, discover
+from distmerge.importer.megatron_args import common_state, megatron_args
+from distmerge.importer.plan import ImportPlan, Layout, make_plan
+from distmerge.importer.write import write_owned
+from distmerge.output import lock, open_store
+from distmerge.output.lock import Lease
+from distmerge.output.store import Store
+
+
+@dataclass(frozen=True, kw_only=True)
+class ImportOptions:
+    input: Path
+    output: Path
+    layout: Layout
+    overwrite: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class ImportResult:
+    files: int  # .distcp files written
+    tensors: int  # Megatron tensors
+    chunks: int
+    nbytes: int  # tensor bytes written
+    padded_vocab: int
+    seconds: float
+    processes: int
+
+
+def run_import(opts: ImportOptions, comm: Comm) -> ImportResult:
+    start = time.perf_counter()
+    store = open_store(opts.output)
+    held: list[Lease] = []
+    unregister = comm.on_abort(lambda: _release(held))
+    try:
+        comm.phase("discovery")
+        model = comm.root_only(lambda: _discover(opts, store, held))
+        plan = make_plan(model, opts.layout, comm.world)  # rank 0 made it already: it cannot fail here
+        comm.phase("writing")
+        entries = comm.gather(lambda: write_owned(plan, model, store, fin.RELEASE, comm.rank))
+        comm.phase("finalize")
+        comm.agree(lambda: _finalize(opts, store, model, plan, [e for mine in entries for e in mine], held)
+                   if comm.rank == 0 else None)
+    finally:
+        unregister()
+        _release(held)
+    return ImportResult(files=len(plan.files), tensors=len(plan.tensors), chunks=sum(len(f.chunks) for f in plan.files),
+                        nbytes=sum(f.nbytes for f in plan.files), padded_vocab=plan.sizes.padded_vocab,
+                        seconds=time.perf_counter() - start, processes=comm.world)
+
+
+def _discover(opts: ImportOptions, store: Store, held: list[Lease]) -> Model:
+    """Rank 0: the model read and the plan made (each refusal here, before the output is touched), then the
+    output's lock, the output checked under it and made ready (a stale tracker removed first)."""
+    model = discover(opts.input)
+    make_plan(model, opts.layout, 1)
+    store.check_place(model.root)
+    held.append(lock.take(store.lock(), lock.this_process(model.root), store.url, take_over=opts.overwrite,
+                          say=lambda line: None))
+    store.check(model.root, opts.overwrite)
+    store.prepare(keep_finished=False)
+    store.remove(fin.TRACKER)
+    for name in store.list(f"{fin.RELEASE}/*"):
+        store.remove(name)
+    return model
+
+
+def _finalize(opts: ImportOptions, store: Store, model: Model, plan: ImportPlan, entries: list, held: list[Lease]
+              ) -> None:
+    for lease in held:
+        lease.check(store.url)  # the output is still this import's
+    dtype = next(iter(plan.tensors.values())).dtype
+    fin.finalize(store, entries, common_state(megatron_args(model.config, plan, opts.layout, dtype)))
+
+
+def _release(held: list[Lease]) -> None:
+    while held:
+        held.pop().release()

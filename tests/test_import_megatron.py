@@ -1,0 +1,164 @@
+"""`distmerge import --to megatron`, judged by megatron-core itself: the folder loads strictly into its GPTModel at
+TP=1 and at the written TP x PP (tests/fixtures/load_megatron_import.py: dist_checkpointing.load, every parameter
+equal to Megatron's documented layout of the source tensors), merges back to the source byte for byte, is the
+same folder for N=1 and N=2, and a model or a TP it cannot be is refused in one line with nothing written."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from distmerge import catalog
+from distmerge.families import transforms as tf
+from distmerge.front.cli import main as distmerge_main
+from tests.conftest import REPO, free_port, input_untouched, load_merged, merge_inproc, torchrun
+from tests.fixtures import megatron_models as mm
+
+# family -> (TP, PP) it is imported at: GQA (4 heads, 2 groups) split over TP; tied embeddings and q/k/v biases
+# over two pipeline stages; q/k layernorm with a head_dim that is not hidden/heads
+WRITTEN = {"llama": (2, 1), "qwen2": (1, 2), "qwen3": (2, 1)}
+# --make-vocab-size-divisible-by, where not Megatron-LM's default 128: 96 x TP=2 pads 1001 rows to 1152 (96 alone,
+# forgetting TP, would give 1056)
+DIVISIBLE_BY = {"qwen3": 96}
+
+
+def padded_vocab(vocab: int, tp: int, divisible_by: int) -> int:
+    """Megatron-LM's _vocab_size_with_padding: up to a multiple of divisible_by x TP."""
+    multiple = divisible_by * tp
+    return -(-vocab // multiple) * multiple
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory) -> dict[str, Path]:
+    """The fixtures' seeded tiny transformers models, as save_pretrained writes them."""
+    root = tmp_path_factory.mktemp("hf")
+    out = {}
+    for family in WRITTEN:
+        out[family] = root / family
+        mm.build_hf_model(mm.FAMILIES[family]).save_pretrained(out[family], safe_serialization=True)
+    return out
+
+
+def import_inproc(*args: object) -> int:
+    return distmerge_main(["import", "--quiet", *map(str, args)])
+
+
+@pytest.fixture(scope="module")
+def imported(hf_models, tmp_path_factory) -> dict[str, Path]:
+    """Each model imported by one process at its WRITTEN layout; the input left as it was."""
+    root = tmp_path_factory.mktemp("imported")
+    out = {}
+    for family, (tp, pp) in WRITTEN.items():
+        out[family] = root / family
+        with input_untouched(hf_models[family]):
+            assert import_inproc("--input", hf_models[family], "--output", out[family], "--tp", tp, "--pp", pp,
+                                 "--make-vocab-size-divisible-by", DIVISIBLE_BY.get(family, 128)) == 0
+    return out
+
+
+def load_in_megatron(nproc: int, cases: list[str], result: Path) -> dict:
+    """tests/fixtures/load_megatron_import.py under torchrun: megatron-core's own load of each case."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--nnodes", "1",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           str(REPO / "tests" / "fixtures" / "load_megatron_import.py"), "--result", str(result),
+           *[a for c in cases for a in ("--case", c)]]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(result.read_text())
+
+
+def test_megatron_core_loads_it_at_the_written_layout(imported, hf_models, tmp_path):
+    cases = [f"{f}:{tp}:{pp}:{imported[f]}:{hf_models[f]}" for f, (tp, pp) in WRITTEN.items()]
+    results = load_in_megatron(2, cases, tmp_path / "result.json")
+    for case, (family, (tp, pp)) in zip(cases, WRITTEN.items(), strict=True):
+        got = results[case]
+        assert got["mismatched"] == [], family
+        assert got["checked"] > 0
+        padded = padded_vocab(mm.FAMILIES[family].hf["vocab_size"], tp, DIVISIBLE_BY.get(family, 128))
+        assert got["args"] == {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                               "padded_vocab_size": padded, "num_layers": 2}
+
+
+def test_megatron_core_loads_it_at_tp1(imported, hf_models, tmp_path):
+    """A torch_dist save reshards on load: the TP=2 and PP=2 folders load into one TP=1 x PP=1 model."""
+    cases = [f"{f}:1:1:{imported[f]}:{hf_models[f]}" for f in WRITTEN]
+    results = load_in_megatron(1, cases, tmp_path / "result.json")
+    assert {c: r["mismatched"] for c, r in results.items()} == {c: [] for c in cases}
+
+
+@pytest.mark.parametrize("family", sorted(WRITTEN))
+def test_merged_back_it_is_the_source(imported, hf_models, tmp_path, family):
+    out = tmp_path / "merged"
+    assert merge_inproc("--input", imported[family], "--output", out, "--hf-config", hf_models[family]) == 0
+    merged, source = load_merged(out), load_file(str(hf_models[family] / "model.safetensors"))
+    assert sorted(merged) == sorted(source)
+    for name, tensor in source.items():
+        assert merged[name].dtype == tensor.dtype and torch.equal(merged[name], tensor), name
+
+
+def folder_bytes(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_two_processes_write_what_one_writes(hf_models, tmp_path):
+    one, two = tmp_path / "n1", tmp_path / "n2"
+    args = ("--input", hf_models["llama"], "--tp", "2", "--pp", "2")
+    assert import_inproc(*args, "--output", one) == 0
+    done = torchrun(2, "import", "--quiet", *map(str, args), "--output", str(two))
+    assert done.returncode == 0, done.stderr[-3000:]
+    written = folder_bytes(one)
+    assert sorted(written) == ["latest_checkpointed_iteration.txt", "release/.metadata", "release/__0_0.distcp",
+                               "release/__1_0.distcp", "release/__2_0.distcp", "release/__3_0.distcp",
+                               "release/common.pt", "release/metadata.json"]
+    assert folder_bytes(two) == written
+
+
+@pytest.mark.parametrize(("tp", "pp", "words"), [
+    (3, 1, "--tp 3 does not divide the model's 4 attention heads"),
+    (4, 1, "--tp 4 does not divide the model's 2 query groups"),
+    (1, 3, "--pp 3 does not divide the model's 2 layers"),
+])
+def test_a_layout_the_model_cannot_have_is_refused(hf_models, tmp_path, capsys, tp, pp, words):
+    out = tmp_path / "out"
+    assert import_inproc("--input", hf_models["llama"], "--output", out, "--tp", tp, "--pp", pp) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0], err
+    assert not out.exists()
+
+
+def test_a_folder_that_is_not_a_model_is_refused(tmp_path, capsys):
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "README.md").write_text("not a model")
+    assert import_inproc("--input", tmp_path / "notes", "--output", tmp_path / "out") == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"distmerge: error: {tmp_path / 'notes'} is not a Hugging Face model folder: it has no config.json"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_each_inverse_undoes_its_transform():
+    """The import's inverses (catalog.INVERSES) against the export's transforms: forward(inverse(x)) == x, and a
+    block of target rows read through `narrow` equals the same rows of the whole target."""
+    from distmerge.families.megatron.transforms import SplitGateUp, SplitQkv
+
+    catalog.install()
+    gen = torch.Generator().manual_seed(0)
+    cases = [("split_qkv", [(16, 3), (4, 3), (4, 3)], SplitQkv(heads=8, groups=2, head_dim=2), {}),
+             ("split_gate_up", [(6, 3), (6, 3)], SplitGateUp(shards=1), {}),
+             ("split_gate_up", [(6, 3), (6, 3)], SplitGateUp(shards=3), {}),
+             ("trim_rows", [(5, 3)], tf.TrimRows(rows=5), {"padded": 8}),
+             ("identity", [(5, 3)], tf.NO_PARAMS, {})]
+    for name, shapes, params, extra in cases:
+        sources = [torch.randn(s, generator=gen) for s in shapes]
+        segments = tf.inverse_segments(name, tuple(s[0] for s in shapes), params, **extra)
+        fused = tf.gather_rows(sources, segments)
+        assert all(torch.equal(a, b) for a, b in zip(tf.apply(name, [fused], params), sources, strict=True)), name
+        for lo, hi in ((0, 1), (1, fused.shape[0] - 1), (2, fused.shape[0])):
+            assert torch.equal(tf.gather_rows(sources, tf.narrow(segments, lo, hi)), fused[lo:hi]), (name, lo, hi)
