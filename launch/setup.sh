@@ -20,8 +20,8 @@ quiet .venv/bin/python -m pip install -e '.[test,plot,quantize,s3]'
 # The Megatron test fixtures save real checkpoints with megatron-core; --no-deps keeps the pinned torch
 # (its import needs only numpy and packaging, which the line above brought).
 quiet .venv/bin/python -m pip install --no-deps "${MEGATRON_SPEC:-megatron-core==0.16.1}"
-# The DeepSpeed fixtures save real ZeRO checkpoints with DeepSpeed's engine and the HF Trainer. Its first
-# deepspeed.initialize on CPU compiles a small op with the system g++ (cached in ~/.cache/torch_extensions).
+# The DeepSpeed fixtures save real ZeRO checkpoints with DeepSpeed's engine and the HF Trainer (without its
+# shared-memory comm kernel: nothing is compiled, tests/fixtures/deepspeed_cases.py).
 quiet .venv/bin/python -m pip install "${DEEPSPEED_SPEC:-deepspeed==0.19.8}"
 # The torchtitan fixtures save with torchtitan's own CheckpointManager; --no-deps keeps the pinned torch
 # (triton and datasets, imported by modules the fixtures never run, are stubbed in tests/fixtures/torchtitan_cases.py).

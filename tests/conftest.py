@@ -20,6 +20,7 @@ from safetensors import safe_open
 
 from distmerge import catalog
 from distmerge.front.cli import main as distmerge_main
+from tests.helpers import gloo_pool
 
 # Tests call families.base.claim and families.transforms.apply directly, below the places that install the catalog.
 catalog.install()
@@ -179,17 +180,22 @@ def free_port() -> int:
 
 
 def torchrun(nproc: int, *args: str, timeout: float = 240, launcher: tuple[str, ...] = (),
-             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """A real `torchrun --nproc-per-node N -m distmerge ...` job on loopback; `launcher`: more torchrun options
-    (e.g. --log-dir), `env`: more environment variables."""
+             env: dict[str, str] | None = None, real: bool = False) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node N -m distmerge ...` on loopback; `launcher`: more torchrun options (e.g.
+    --log-dir), `env`: more environment variables. Run by the session's N processes (tests/helpers/gloo_pool.py:
+    the same ranks and gloo group, without starting torch N + 1 times) unless `real`, a launcher option or an
+    environment is given, or the command fails (then real torchrun runs it again: its output is torchrun's).
+    DISTMERGE_REAL_TORCHRUN=1 runs every job under real torchrun."""
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--nnodes", "1",
         "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *launcher, "-m", "distmerge",
         *map(str, args),
     ]
+    pooled = not (real or launcher or env or os.environ.get("DISTMERGE_REAL_TORCHRUN") == "1")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
     with input_untouched(*(merge_inputs(args) if args and args[0] == "merge" else [])):
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+        done = gloo_pool.pool(nproc, REPO).run(list(map(str, args)), {}, free_port()) if pooled else None
+        return done or subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
 
 
 def load_merged(out: Path) -> dict[str, torch.Tensor]:

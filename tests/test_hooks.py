@@ -51,9 +51,6 @@ def assert_as_the_cli(case_dir: Path, tmp_path: Path, *extra: str, input_sub: st
 def test_trainer_deepspeed_zero3_and_zero2_merge_in_the_job_as_the_cli(tmp_path):
     """The issue's end state: a real HF Trainer + DeepSpeed ZeRO-3 run (2 processes, CPU) with the callback ends
     with a merged folder equal to `distmerge merge` of the same save, and a further training step still runs."""
-    from tests.fixtures.deepspeed_cases import prebuild_comm_op
-
-    prebuild_comm_op()
     trainer_job(tmp_path / "job", "z3", "z2")
     for case in ("z3", "z2"):
         assert_as_the_cli(tmp_path / "job" / case, tmp_path)

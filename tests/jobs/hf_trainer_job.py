@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from distmerge.hooks.hf_trainer import DistmergeCallback
-from tests.fixtures.deepspeed_cases import LR, DSCase, trainer_ds_config
+from tests.fixtures.deepspeed_cases import LR, DSCase, trainer_ds_config, without_shm_comm_op
 from tests.fixtures.make_deepspeed import BATCH, build_model, token_batch
 from tests.fixtures.make_fsdp import make_tokenizer
 
@@ -145,6 +145,7 @@ def main(out: str, *names: str) -> None:
         from deepspeed.utils import logger as ds_logger
 
         ds_logger.setLevel(logging.WARNING)
+        without_shm_comm_op()
         deepspeed.init_distributed(dist_backend="gloo")  # as tests/fixtures/make_deepspeed.py: gloo on the CPU
     if "fsdp2" in names:
         accelerate_fsdp_on_cpu()
