@@ -110,7 +110,8 @@ def test_megatron_core_loads_it_at_the_written_layout(loads, imported, hf_models
     assert got["checked"] > 0
     padded = padded_vocab(mm.FAMILIES[family].hf["vocab_size"], tp, DIVISIBLE_BY.get(family, 128))
     assert got["args"] == {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-                           "expert_model_parallel_size": 1, "padded_vocab_size": padded, "num_layers": 2}
+                           "expert_model_parallel_size": 1, "padded_vocab_size": padded, "num_layers": 2,
+                           "num_experts": None}
     assert got["layout_differs"] == []
 
 
@@ -190,3 +191,19 @@ def test_each_inverse_undoes_its_transform():
         assert all(torch.equal(a, b) for a, b in zip(tf.apply(name, [fused], params), sources, strict=True)), name
         for lo, hi in ((0, 1), (1, fused.shape[0] - 1), (2, fused.shape[0])):
             assert torch.equal(tf.gather_rows(sources, tf.narrow(segments, lo, hi)), fused[lo:hi]), (name, lo, hi)
+
+
+def test_metadata_bytes_depend_only_on_the_entries():
+    """pickle writes a string once and refers back to it where the same object comes again: entries that share
+    their key strings (made by one process) and entries with equal copies (gathered from several) must still
+    give the same `.metadata` bytes (N=2 writes what N=1 writes)."""
+    from distmerge.formats.torch_private.dcp import write as dcp
+
+    def entries(key_of) -> list:
+        return [dcp.Entry(key=key_of(), file=f"__{i}_0.distcp", offset=0, length=8, dtype=torch.float32,
+                          global_shape=(2, 4), offsets=(i, 0), lengths=(1, 4)) for i in range(2)]
+
+    shared = "decoder.layers.mlp.linear_fc2.weight"
+    copies = [entries(lambda: shared), entries(lambda: "".join(["decoder.layers.", "mlp.linear_fc2.weight"]))]
+    assert copies[0][0].key is copies[0][1].key and copies[1][0].key is not copies[1][1].key
+    assert dcp.metadata_bytes(copies[0]) == dcp.metadata_bytes(copies[1])

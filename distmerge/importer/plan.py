@@ -1,7 +1,7 @@
 """The import's plan, made alike on every rank from what rank 0 discovered: the Megatron tensors (the family's
 table walked backwards), their chunks in the files megatron-core's ranks would have saved, and which process
-writes each file. What is written depends only on the model and the layout (TP, PP); which process writes a file,
-only on N.
+writes each file. What is written depends only on the model and the layout (TP, PP, EP); which process writes a
+file, only on N.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ class Layout:
     tp: int
     pp: int
     divisible_by: int = 128  # Megatron-LM's --make-vocab-size-divisible-by
+    ep: int = 1  # expert parallel size: an MoE model's experts split over EP ranks
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,11 +45,11 @@ class ImportPlan:
 
 
 def make_plan(model: Model, layout: Layout, world: int) -> ImportPlan:
-    """The plan, or ConfigError / InputError / LayoutError in one line (a TP or PP the model does not allow, a
+    """The plan, or ConfigError / InputError / LayoutError in one line (a TP, PP or EP the model does not allow, a
     tensor no row maps, a config.json that does not fit the tensors)."""
     catalog.install()  # the transforms' inverses, by name
     sizes = inverse.sizes(model.config, layout.tp, layout.divisible_by)
-    grid = dl.Grid(tp=layout.tp, pp=layout.pp, layers=sizes.layers)
+    grid = dl.Grid(tp=layout.tp, pp=layout.pp, layers=sizes.layers, ep=layout.ep, experts=sizes.experts)
     dl.check_grid(grid)
     metas = {n: SourceMeta(name=n, dtype=t.dtype, shape=t.shape) for n, t in model.tensors.items()}
     tensors = {t.name: t for t in inverse.megatron_tensors(metas, model.config, sizes)}

@@ -37,6 +37,8 @@ ROWS: tuple[tuple[str | None, Opt], ...] = (
                                      "heads and query groups (default 1)")),
     ("output", Opt(name="pp", flags=("--pp",), commands=IMPORT, kind=Kind.VALUE, parse=positive, default="1",
                    metavar="P", help="pipeline-parallel size; must divide the layers (default 1)")),
+    ("output", Opt(name="ep", flags=("--ep",), commands=IMPORT, kind=Kind.VALUE, parse=positive, default="1",
+                   metavar="E", help="expert-parallel size of an MoE model; must divide the experts (default 1)")),
     ("output", Opt(name="make_vocab_size_divisible_by", flags=("--make-vocab-size-divisible-by",), commands=IMPORT,
                    kind=Kind.VALUE, parse=positive, default="128", metavar="K",
                    help="as Megatron-LM's flag: the vocabulary is padded to a multiple of K x TP (default 128)")),
