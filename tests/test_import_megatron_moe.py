@@ -18,9 +18,9 @@ from tests.conftest import input_untouched, load_merged, merge_inproc, torchrun
 from tests.fixtures import megatron_models as mm
 from tests.test_import_megatron import folder_bytes, import_inproc, load_in_megatron, padded_vocab
 
-# (family, TP, PP, EP) each model is imported at: experts over EP alone; over EP with the expert TP = TP = 2 and a
+# (family, TP, PP, EP) each model is imported at: one expert per EP rank; over EP with the expert TP = TP = 2 and a
 # shared expert split by TP; over EP with two pipeline stages (Mixtral's block_sparse_moe.experts.{e}.w1/w3/w2)
-WRITTEN = (("qwen3_moe", 1, 1, 2), ("qwen2_moe", 2, 1, 2), ("mixtral", 1, 2, 2))
+WRITTEN = (("qwen3_moe", 1, 1, 4), ("qwen2_moe", 2, 1, 2), ("mixtral", 1, 2, 2))
 LOAD_WORLD = 4  # one megatron-core job: TP x PP x EP of each case divides it
 
 
