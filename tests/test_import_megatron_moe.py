@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import input_untouched, load_merged, merge_inproc, torchrun
+from tests.conftest import input_untouched, load_merged, merge_inproc, reference_dir, torchrun
 from tests.fixtures import megatron_models as mm
 from tests.test_import_megatron import folder_bytes, import_inproc, load_in_megatron, padded_vocab
 
@@ -22,6 +22,10 @@ from tests.test_import_megatron import folder_bytes, import_inproc, load_in_mega
 # shared expert split by TP; over EP with two pipeline stages (Mixtral's block_sparse_moe.experts.{e}.w1/w3/w2)
 WRITTEN = (("qwen3_moe", 1, 1, 4), ("qwen2_moe", 2, 1, 2), ("mixtral", 1, 2, 2))
 LOAD_WORLD = 4  # one megatron-core job: TP x PP x EP of each case divides it
+# Any input (#45 item 3): megatron-core's legacy save (mp_rank_*) of Qwen3-MoE at TP=2 x EP=2, written as torch_dist
+# at TP=1 x EP=4 by one command; its source is the fixture's reference (the model.safetensors it was made from)
+LEGACY = "megatron_moe_tp2ep2"
+LEGACY_LAYOUT = ("qwen3_moe", 1, 1, 4)
 
 
 def written_name(family: str, tp: int, pp: int, ep: int) -> str:
@@ -62,9 +66,28 @@ def at_one(family: str, tp: int, pp: int, ep: int, imported: dict, hf_models: di
 
 
 @pytest.fixture(scope="module")
-def loads(imported, hf_models, tmp_path_factory) -> dict:
+def from_legacy(megatron_ckpts, tmp_path_factory) -> Path:
+    """The legacy save imported at LEGACY_LAYOUT by one process, config.json from the fixture's reference."""
+    out = tmp_path_factory.mktemp("from_legacy") / "imported"
+    _, tp, pp, ep = LEGACY_LAYOUT
+    with input_untouched(megatron_ckpts[LEGACY], reference_dir(megatron_ckpts[LEGACY])):
+        assert import_inproc("--input", megatron_ckpts[LEGACY], "--output", out, "--tp", tp, "--pp", pp, "--ep", ep,
+                             "--hf-config", reference_dir(megatron_ckpts[LEGACY]) / "huggingface") == 0
+    return out
+
+
+def legacy_cases(from_legacy: Path, megatron_ckpts: dict) -> tuple[str, str]:
+    """The legacy import's cases: at its written layout (with megatron-core's own save), and at 1 x 1 x 1."""
+    family, tp, pp, ep = LEGACY_LAYOUT
+    source = reference_dir(megatron_ckpts[LEGACY])
+    return f"{family}:{tp}:{pp}:{ep}:{from_legacy}:{source}:save", f"{family}:1:1:1:{from_legacy}:{source}"
+
+
+@pytest.fixture(scope="module")
+def loads(imported, hf_models, from_legacy, megatron_ckpts, tmp_path_factory) -> dict:
     """Every folder loaded by megatron-core at its written layout and at TP = PP = EP = 1: one torchrun job."""
     cases = [make(*w, imported, hf_models) for w in WRITTEN for make in (at_written, at_one)]
+    cases += legacy_cases(from_legacy, megatron_ckpts)
     return load_in_megatron(LOAD_WORLD, cases, tmp_path_factory.mktemp("loads") / "result.json")
 
 
@@ -142,3 +165,22 @@ def test_a_model_mixing_dense_and_moe_layers_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "mixing dense and MoE layers cannot be imported yet" in err[0], err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_legacy_save_is_written_at_another_layout(loads, from_legacy, megatron_ckpts):
+    """A Megatron legacy TP=2 x EP=2 save in, torch_dist at TP=1 x EP=4 out: megatron-core loads it strictly at
+    that layout and at 1 x 1 x 1, every parameter the source's, laid out as its own save lays it out."""
+    written, single = (loads[c] for c in legacy_cases(from_legacy, megatron_ckpts))
+    assert written["mismatched"] == [] and written["checked"] > 0 and written["layout_differs"] == []
+    assert written["args"]["expert_model_parallel_size"] == 4 and written["args"]["tensor_model_parallel_size"] == 1
+    assert single["mismatched"] == [] and single["checked"] > 0
+
+
+def test_a_legacy_save_imported_merges_back_to_its_source(from_legacy, megatron_ckpts, tmp_path):
+    """Merged back, the import of the legacy save is the model the save was made from, byte for byte; the folder
+    the checkpoint was merged into on the way is gone."""
+    source = reference_dir(megatron_ckpts[LEGACY])
+    out = tmp_path / "merged"
+    assert merge_inproc("--input", from_legacy, "--output", out, "--hf-config", source / "huggingface") == 0
+    assert (out / "model.safetensors").read_bytes() == (source / "model.safetensors").read_bytes()
+    assert sorted(p.name for p in from_legacy.parent.iterdir()) == ["imported"]

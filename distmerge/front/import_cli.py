@@ -41,7 +41,8 @@ def run_import_command(args: argparse.Namespace, on_silence) -> int:
     from distmerge.importer.run import ImportOptions, run_import
 
     layout = Layout(tp=args.tp, pp=args.pp, ep=args.ep, divisible_by=args.make_vocab_size_divisible_by)
-    opts = ImportOptions(input=Path(args.input), output=Path(args.output), layout=layout, overwrite=args.overwrite)
+    opts = ImportOptions(input=Path(args.input), output=Path(args.output), layout=layout, overwrite=args.overwrite,
+                         hf_config=Path(args.hf_config) if args.hf_config else None)
     with process_group(device="cpu", timeout_s=args.timeout, on_silence=on_silence) as comm:
         result = run_import(opts, comm)
         if comm.rank == 0 and not args.quiet:

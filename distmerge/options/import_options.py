@@ -27,7 +27,11 @@ def positive(text: str) -> int:
 
 ROWS: tuple[tuple[str | None, Opt], ...] = (
     ("input", Opt(name="input", flags=("--input", "-i"), commands=IMPORT, kind=Kind.PATH, required=True,
-                  metavar="HF_DIR", help="Hugging Face model folder: config.json and safetensors weights")),
+                  metavar="HF_DIR", help="Hugging Face model folder (config.json and safetensors weights), or any "
+                                            "checkpoint distmerge merges")),
+    ("input", Opt(name="hf_config", flags=("--hf-config",), commands=IMPORT, kind=Kind.PATH, metavar="DIR",
+                  help="config.json's folder, when --input is a training checkpoint (merged first, as "
+                       "`distmerge merge` merges it) and does not carry one")),
     ("output", Opt(name="output", flags=("--output", "-o"), commands=IMPORT, kind=Kind.PATH, required=True,
                    metavar="OUT", help="folder for the training checkpoint (Megatron-LM: pass it as --load)")),
     ("output", Opt(name="to", flags=("--to",), commands=IMPORT, default="megatron", choices=TARGETS,
