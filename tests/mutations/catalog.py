@@ -275,5 +275,15 @@ IMPORT_LAYOUTS = (
              old="        e = replace(e, key=sys.intern(e.key), file=sys.intern(e.file))\n", new="",
              tests=(f"{IMPORT_FILE}::test_metadata_bytes_depend_only_on_the_entries",
                     f"{IMPORT_MOE_FILE}::test_two_processes_write_what_one_writes")),
+    Mutation(name="45-6-staged-source-left-behind", guarantee="nothing left behind",
+             why="the folder a checkpoint input is merged into stays beside the output, a second copy of the model",
+             file="distmerge/importer/source.py", old="            shutil.rmtree(stage, ignore_errors=True)",
+             new="            pass",
+             tests=(f"{IMPORT_MOE_FILE}::test_a_legacy_save_imported_merges_back_to_its_source",)),
+    Mutation(name="45-7-checkpoint-input-not-detected", guarantee="Megatron import layout",
+             why="a checkpoint input is taken for a Hugging Face folder and refused for having no config.json",
+             file="distmerge/importer/source.py", old="    return registry.detect(location) is not None",
+             new="    return False",
+             tests=(f"{IMPORT_MOE_FILE}::test_a_legacy_save_imported_merges_back_to_its_source",)),
 )
 MUTATIONS = MUTATIONS + IMPORT_LAYOUTS
