@@ -184,3 +184,55 @@ def test_a_legacy_save_imported_merges_back_to_its_source(from_legacy, megatron_
     assert merge_inproc("--input", from_legacy, "--output", out, "--hf-config", source / "huggingface") == 0
     assert (out / "model.safetensors").read_bytes() == (source / "model.safetensors").read_bytes()
     assert sorted(p.name for p in from_legacy.parent.iterdir()) == ["imported"]
+
+
+def test_a_legacy_save_two_processes_write_what_one_writes(from_legacy, megatron_ckpts, tmp_path):
+    """Under torchrun the checkpoint is merged by both processes, then imported by both: the bytes of one."""
+    _, tp, pp, ep = LEGACY_LAYOUT
+    two = tmp_path / "n2"
+    done = torchrun(2, "import", "--quiet", "--input", str(megatron_ckpts[LEGACY]), "--output", str(two),
+                    "--hf-config", str(reference_dir(megatron_ckpts[LEGACY]) / "huggingface"), "--tp", str(tp),
+                    "--pp", str(pp), "--ep", str(ep))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert folder_bytes(two) == folder_bytes(from_legacy)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["n2"]
+
+
+def no_merge(monkeypatch) -> None:
+    """The merge engine refuses to run in this process: a refusal must come before it."""
+    from distmerge.errors import InputError
+
+    def refused(*args, **kwargs):
+        raise InputError("the checkpoint was merged before the refusal")
+
+    monkeypatch.setattr("distmerge.engine.run.merge", refused)
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (("--ep", "3"), "--ep 3 does not divide the model's 4 experts"),
+    (("--tp", "3"), "--tp 3 does not divide the model's 4 attention heads"),
+])
+def test_a_legacy_save_at_a_layout_it_cannot_have_is_refused_before_its_merge(megatron_ckpts, tmp_path, capsys,
+                                                                              monkeypatch, args, words):
+    """config.json (--hf-config) decides these before the checkpoint is merged (a merge here would fail the test
+    in other words): no output, no staged folder."""
+    no_merge(monkeypatch)
+    out = tmp_path / "out"
+    config = reference_dir(megatron_ckpts[LEGACY]) / "huggingface"
+    assert import_inproc("--input", megatron_ckpts[LEGACY], "--output", out, "--hf-config", config, *args) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0], err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_legacy_save_into_a_folder_in_use_is_refused_before_its_merge(megatron_ckpts, tmp_path, capsys,
+                                                                        monkeypatch):
+    no_merge(monkeypatch)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("someone's work")
+    assert import_inproc("--input", megatron_ckpts[LEGACY], "--output", out, "--hf-config",
+                         reference_dir(megatron_ckpts[LEGACY]) / "huggingface") == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not empty: pass --overwrite" in err[0], err
+    assert list(tmp_path.iterdir()) == [out] and [p.name for p in out.iterdir()] == ["notes.txt"]

@@ -48,9 +48,7 @@ def make_plan(model: Model, layout: Layout, world: int) -> ImportPlan:
     """The plan, or ConfigError / InputError / LayoutError in one line (a TP, PP or EP the model does not allow, a
     tensor no row maps, a config.json that does not fit the tensors)."""
     catalog.install()  # the transforms' inverses, by name
-    sizes = inverse.sizes(model.config, layout.tp, layout.divisible_by)
-    grid = dl.Grid(tp=layout.tp, pp=layout.pp, layers=sizes.layers, ep=layout.ep, experts=sizes.experts)
-    dl.check_grid(grid)
+    sizes, grid = check_layout(model.config, layout)
     metas = {n: SourceMeta(name=n, dtype=t.dtype, shape=t.shape) for n, t in model.tensors.items()}
     tensors = {t.name: t for t in inverse.megatron_tensors(metas, model.config, sizes)}
     by_rank: dict[int, list[dl.Chunk]] = {}
@@ -63,6 +61,15 @@ def make_plan(model: Model, layout: Layout, world: int) -> ImportPlan:
     files = tuple(_file(rank, by_rank.get(rank, []), objects.get(rank, []), tensors)
                   for rank in sorted(set(by_rank) | set(objects)))
     return ImportPlan(sizes=sizes, grid=grid, tensors=tensors, files=files, owners=owners(files, world))
+
+
+def check_layout(config: dict, layout: Layout) -> tuple[inverse.Sizes, dl.Grid]:
+    """The model's sizes and the layout's grid, after the refusals config.json alone decides (an architecture not
+    written, a TP, PP or EP that does not divide the heads, layers or experts)."""
+    sizes = inverse.sizes(config, layout.tp, layout.divisible_by)
+    grid = dl.Grid(tp=layout.tp, pp=layout.pp, layers=sizes.layers, ep=layout.ep, experts=sizes.experts)
+    dl.check_grid(grid)
+    return sizes, grid
 
 
 def _file(rank: int, chunks: list[dl.Chunk], objects: list[dl.ObjectChunk],

@@ -10,13 +10,14 @@ finished or not.
 A staged version: it reads the input once and the staged folder once, and holds a copy of the model on disk
 meanwhile. Reading the checkpoint's fragments straight into the import's chunks (one pass, no copy) is not written
 yet. A Hugging Face folder is read as it is; an input no format detects is left to the import's own discovery,
-whose refusal says what a model folder holds.
+whose refusal says what a model folder holds. Before the merge, what the import would refuse after it is refused
+(refuse_early): an output it may not write, and, with --hf-config, a layout config.json does not allow.
 """
 
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -40,10 +41,18 @@ def is_checkpoint(location: Path) -> bool:
 
 
 @contextmanager
-def as_hf_model(location: Path, output: Path, hf_config: Path | None, comm: Comm) -> Iterator[Path]:
+def as_hf_model(location: Path, output: Path, hf_config: Path | None, comm: Comm,
+                refuse_early: Callable[[], None]) -> Iterator[Path]:
     """Collective: the Hugging Face folder the import reads: `location` itself, or a checkpoint merged into
-    staged_folder(output) by every rank (removed on the way out)."""
-    if not comm.root_only(lambda: is_checkpoint(location)):
+    staged_folder(output) by every rank (removed on the way out), once rank 0's `refuse_early` has passed."""
+
+    def staged() -> bool:
+        if not is_checkpoint(location):
+            return False
+        refuse_early()
+        return True
+
+    if not comm.root_only(staged):
         yield location
         return
     from distmerge.engine.inputs import InputSpec
