@@ -285,5 +285,11 @@ IMPORT_LAYOUTS = (
              file="distmerge/importer/source.py", old="    return registry.detect(location) is not None",
              new="    return False",
              tests=(f"{IMPORT_MOE_FILE}::test_a_legacy_save_imported_merges_back_to_its_source",)),
+    Mutation(name="45-8-checkpoint-refused-after-its-merge", guarantee="one-line errors / exit status",
+             why="an output in use or an EP config.json forbids is refused only after the whole checkpoint is merged",
+             file="distmerge/importer/source.py", old="        refuse_early()\n        return True",
+             new="        return True",
+             tests=(f"{IMPORT_MOE_FILE}::test_a_legacy_save_at_a_layout_it_cannot_have_is_refused_before_its_merge",
+                    f"{IMPORT_MOE_FILE}::test_a_legacy_save_into_a_folder_in_use_is_refused_before_its_merge")),
 )
 MUTATIONS = MUTATIONS + IMPORT_LAYOUTS
