@@ -337,9 +337,18 @@ def tiny_llama_hf(dst: Path, request) -> None:
     mm.build_hf_model(mm.FAMILIES["llama"]).save_pretrained(dst, safe_serialization=True)
 
 
+def tiny_qwen3_moe_hf(dst: Path, request) -> None:
+    """docs/import.md's qwen3_moe: the Megatron fixtures' seeded tiny Qwen3-MoE, as save_pretrained writes it."""
+    from tests.fixtures import megatron_models as mm
+
+    mm.build_hf_model(mm.FAMILIES["qwen3_moe"]).save_pretrained(dst, safe_serialization=True)
+
+
 RUN: dict[tuple[str, str], Run] = {
     ("import.md", "$ python -m distmerge import --input hf_model --output megatron_ckpt --tp 2 --pp 2"): Run(
         layout={"hf_model": tiny_llama_hf}),
+    ("import.md", "$ python -m distmerge import --input qwen3_moe --output moe_ckpt --tp 2 --ep 2"): Run(
+        layout={"qwen3_moe": tiny_qwen3_moe_hf}),
     ("average.md", "--input ckpts/global_step_800/actor --input ckpts/global_step_900/actor"): Run(
         layout={"ckpts/global_step_800/actor": "fsdp:fsdp2_llama_w1",
                 "ckpts/global_step_900/actor": "fsdp:fsdp2_llama_w2", "ckpts/global_step_1000/actor": LLAMA,
@@ -449,6 +458,9 @@ RUN: dict[tuple[str, str], Run] = {
 }
 
 ELSEWHERE: dict[tuple[str, str], str] = {
+    ("import.md", "--input megatron_legacy_ckpt --hf-config hf_config_dir"):
+        "tests/test_import_megatron_moe.py::test_a_legacy_save_is_written_at_another_layout, "
+        "tests/test_import_megatron_moe.py::test_a_legacy_save_imported_merges_back_to_its_source",
     ("extending.md", "class Int8Row(Scheme):"):
         "tests/test_quantize_schemes.py::test_a_registered_scheme_gets_its_own_config",
     ("extending.md", "int8_row.INT8_ROW,"):

@@ -1,7 +1,8 @@
 """`distmerge import --to megatron`, judged by megatron-core itself: the folder loads strictly into its GPTModel at
 TP=1 and at the written TP x PP (tests/fixtures/load_megatron_import.py: dist_checkpointing.load, every parameter
 equal to Megatron's documented layout of the source tensors), merges back to the source byte for byte, is the
-same folder for N=1 and N=2, and a model or a TP it cannot be is refused in one line with nothing written."""
+same folder for N=1 and N=2, and a model or a TP it cannot be is refused in one line with nothing written.
+Every dense family is also written at TP=2 x PP=2; megatron-core loads all the folders in one job of 4 processes."""
 
 from __future__ import annotations
 
@@ -21,12 +22,15 @@ from distmerge.front.cli import main as distmerge_main
 from tests.conftest import REPO, free_port, input_untouched, load_merged, merge_inproc, torchrun
 from tests.fixtures import megatron_models as mm
 
-# family -> (TP, PP) it is imported at: GQA (4 heads, 2 groups) split over TP; tied embeddings and q/k/v biases
-# over two pipeline stages; q/k layernorm with a head_dim that is not hidden/heads
-WRITTEN = {"llama": (2, 1), "qwen2": (1, 2), "qwen3": (2, 1)}
+# (family, TP, PP) each model is imported at: GQA (4 heads, 2 groups) split over TP; tied embeddings and q/k/v
+# biases over two pipeline stages; q/k layernorm with a head_dim that is not hidden/heads; and every family at
+# TP=2 x PP=2 together (a stage's layers each split over TP, the tied embedding's copy on the last stage)
+WRITTEN = (("llama", 2, 1), ("qwen2", 1, 2), ("qwen3", 2, 1), ("llama", 2, 2), ("qwen2", 2, 2), ("qwen3", 2, 2))
+FAMILIES = sorted({f for f, _, _ in WRITTEN})
 # --make-vocab-size-divisible-by, where not Megatron-LM's default 128: 96 x TP=2 pads 1001 rows to 1152 (96 alone,
 # forgetting TP, would give 1056)
 DIVISIBLE_BY = {"qwen3": 96}
+LOAD_WORLD = 4  # one megatron-core job loads every case: TP x PP of each divides it, the rest is data parallel
 
 
 def padded_vocab(vocab: int, tp: int, divisible_by: int) -> int:
@@ -35,12 +39,16 @@ def padded_vocab(vocab: int, tp: int, divisible_by: int) -> int:
     return -(-vocab // multiple) * multiple
 
 
+def written_name(family: str, tp: int, pp: int) -> str:
+    return f"{family}_tp{tp}pp{pp}"
+
+
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory) -> dict[str, Path]:
     """The fixtures' seeded tiny transformers models, as save_pretrained writes them."""
     root = tmp_path_factory.mktemp("hf")
     out = {}
-    for family in WRITTEN:
+    for family in FAMILIES:
         out[family] = root / family
         mm.build_hf_model(mm.FAMILIES[family]).save_pretrained(out[family], safe_serialization=True)
     return out
@@ -52,13 +60,14 @@ def import_inproc(*args: object) -> int:
 
 @pytest.fixture(scope="module")
 def imported(hf_models, tmp_path_factory) -> dict[str, Path]:
-    """Each model imported by one process at its WRITTEN layout; the input left as it was."""
+    """Each model imported by one process at each of its WRITTEN layouts; the input left as it was."""
     root = tmp_path_factory.mktemp("imported")
     out = {}
-    for family, (tp, pp) in WRITTEN.items():
-        out[family] = root / family
+    for family, tp, pp in WRITTEN:
+        name = written_name(family, tp, pp)
+        out[name] = root / name
         with input_untouched(hf_models[family]):
-            assert import_inproc("--input", hf_models[family], "--output", out[family], "--tp", tp, "--pp", pp,
+            assert import_inproc("--input", hf_models[family], "--output", out[name], "--tp", tp, "--pp", pp,
                                  "--make-vocab-size-divisible-by", DIVISIBLE_BY.get(family, 128)) == 0
     return out
 
@@ -70,34 +79,54 @@ def load_in_megatron(nproc: int, cases: list[str], result: Path) -> dict:
            str(REPO / "tests" / "fixtures" / "load_megatron_import.py"), "--result", str(result),
            *[a for c in cases for a in ("--case", c)]]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(result.read_text())
 
 
-def test_megatron_core_loads_it_at_the_written_layout(imported, hf_models, tmp_path):
-    cases = [f"{f}:{tp}:{pp}:{imported[f]}:{hf_models[f]}" for f, (tp, pp) in WRITTEN.items()]
-    results = load_in_megatron(2, cases, tmp_path / "result.json")
-    for case, (family, (tp, pp)) in zip(cases, WRITTEN.items(), strict=True):
-        got = results[case]
-        assert got["mismatched"] == [], family
-        assert got["checked"] > 0
-        padded = padded_vocab(mm.FAMILIES[family].hf["vocab_size"], tp, DIVISIBLE_BY.get(family, 128))
-        assert got["args"] == {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-                               "padded_vocab_size": padded, "num_layers": 2}
+def at_written(family: str, tp: int, pp: int, imported: dict[str, Path], hf_models: dict[str, Path]) -> str:
+    """The case that loads the folder at the layout it was written for, and compares it with megatron-core's own
+    save of the loaded model."""
+    return f"{family}:{tp}:{pp}:1:{imported[written_name(family, tp, pp)]}:{hf_models[family]}:save"
 
 
-def test_megatron_core_loads_it_at_tp1(imported, hf_models, tmp_path):
-    """A torch_dist save reshards on load: the TP=2 and PP=2 folders load into one TP=1 x PP=1 model."""
-    cases = [f"{f}:1:1:{imported[f]}:{hf_models[f]}" for f in WRITTEN]
-    results = load_in_megatron(1, cases, tmp_path / "result.json")
-    assert {c: r["mismatched"] for c, r in results.items()} == {c: [] for c in cases}
+def at_tp1(family: str, tp: int, pp: int, imported: dict[str, Path], hf_models: dict[str, Path]) -> str:
+    return f"{family}:1:1:1:{imported[written_name(family, tp, pp)]}:{hf_models[family]}"
 
 
-@pytest.mark.parametrize("family", sorted(WRITTEN))
-def test_merged_back_it_is_the_source(imported, hf_models, tmp_path, family):
+@pytest.fixture(scope="module")
+def loads(imported, hf_models, tmp_path_factory) -> dict:
+    """Every folder loaded by megatron-core at its written layout and at TP=1 x PP=1: one torchrun job."""
+    cases = [make(*w, imported, hf_models) for w in WRITTEN for make in (at_written, at_tp1)]
+    return load_in_megatron(LOAD_WORLD, cases, tmp_path_factory.mktemp("loads") / "result.json")
+
+
+@pytest.mark.parametrize(("family", "tp", "pp"), WRITTEN)
+def test_megatron_core_loads_it_at_the_written_layout(loads, imported, hf_models, family, tp, pp):
+    """Strict load, every parameter as the recipe lays out the source, the args Megatron-LM reads, and the same
+    keys, shapes and chunks as megatron-core's own save of the model."""
+    got = loads[at_written(family, tp, pp, imported, hf_models)]
+    assert got["mismatched"] == []
+    assert got["checked"] > 0
+    padded = padded_vocab(mm.FAMILIES[family].hf["vocab_size"], tp, DIVISIBLE_BY.get(family, 128))
+    assert got["args"] == {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                           "expert_model_parallel_size": 1, "padded_vocab_size": padded, "num_layers": 2,
+                           "num_experts": None}
+    assert got["layout_differs"] == []
+
+
+@pytest.mark.parametrize(("family", "tp", "pp"), WRITTEN)
+def test_megatron_core_loads_it_at_tp1(loads, imported, hf_models, family, tp, pp):
+    """A torch_dist save reshards on load: each folder loads into one TP=1 x PP=1 model."""
+    got = loads[at_tp1(family, tp, pp, imported, hf_models)]
+    assert got["mismatched"] == [] and got["checked"] > 0
+
+
+@pytest.mark.parametrize(("family", "tp", "pp"), WRITTEN)
+def test_merged_back_it_is_the_source(imported, hf_models, tmp_path, family, tp, pp):
     out = tmp_path / "merged"
-    assert merge_inproc("--input", imported[family], "--output", out, "--hf-config", hf_models[family]) == 0
+    folder = imported[written_name(family, tp, pp)]
+    assert merge_inproc("--input", folder, "--output", out, "--hf-config", hf_models[family]) == 0
     merged, source = load_merged(out), load_file(str(hf_models[family] / "model.safetensors"))
     assert sorted(merged) == sorted(source)
     for name, tensor in source.items():
@@ -162,3 +191,19 @@ def test_each_inverse_undoes_its_transform():
         assert all(torch.equal(a, b) for a, b in zip(tf.apply(name, [fused], params), sources, strict=True)), name
         for lo, hi in ((0, 1), (1, fused.shape[0] - 1), (2, fused.shape[0])):
             assert torch.equal(tf.gather_rows(sources, tf.narrow(segments, lo, hi)), fused[lo:hi]), (name, lo, hi)
+
+
+def test_metadata_bytes_depend_only_on_the_entries():
+    """pickle writes a string once and refers back to it where the same object comes again: entries that share
+    their key strings (made by one process) and entries with equal copies (gathered from several) must still
+    give the same `.metadata` bytes (N=2 writes what N=1 writes)."""
+    from distmerge.formats.torch_private.dcp import write as dcp
+
+    def entries(key_of) -> list:
+        return [dcp.Entry(key=key_of(), file=f"__{i}_0.distcp", offset=0, length=8, dtype=torch.float32,
+                          global_shape=(2, 4), offsets=(i, 0), lengths=(1, 4)) for i in range(2)]
+
+    shared = "decoder.layers.mlp.linear_fc2.weight"
+    copies = [entries(lambda: shared), entries(lambda: "".join(["decoder.layers.", "mlp.linear_fc2.weight"]))]
+    assert copies[0][0].key is copies[0][1].key and copies[1][0].key is not copies[1][1].key
+    assert dcp.metadata_bytes(copies[0]) == dcp.metadata_bytes(copies[1])

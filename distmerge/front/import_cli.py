@@ -8,17 +8,20 @@ from pathlib import Path
 
 IMPORT_DESCRIPTION = """\
 Write a Hugging Face model as a training checkpoint that a job starts from: a Megatron-LM torch_dist save at the
-TP and PP the job runs with (fused QKV per query group, [gate; up], the vocabulary padded for TP, tied embeddings),
-made with the same tables merge reads Megatron saves with, walked backwards. Run it alone or under torchrun: each
-process writes the files it owns, reading only the rows they need; the files are the same for any number."""
+TP, PP and EP the job runs with (fused QKV per query group, [gate; up], the vocabulary padded for TP, tied
+embeddings, MoE experts split over EP), made with the same tables merge reads Megatron saves with, walked
+backwards. Run it alone or under torchrun: each process writes the files it owns, reading only the rows they
+need; the files are the same for any number."""
 
 IMPORT_EPILOG = """examples:
   python -m distmerge import --input hf_model/ --output megatron_ckpt/ --tp 2 --pp 2
   torchrun --nproc-per-node 8 -m distmerge import --input hf_model/ --output megatron_ckpt/ --tp 8
+  python -m distmerge import --input qwen3_moe/ --output megatron_moe/ --tp 2 --ep 4
 
 Then start Megatron-LM with --load megatron_ckpt/ --finetune (the save is a release: iteration 0, no optimizer
-or RNG state) and the same --tensor-model-parallel-size, --pipeline-model-parallel-size and
---make-vocab-size-divisible-by. docs/import.md: the layout, what is checked, what is not written yet.
+or RNG state) and the same --tensor-model-parallel-size, --pipeline-model-parallel-size,
+--expert-model-parallel-size and --make-vocab-size-divisible-by. docs/import.md: the layout, what is checked,
+what is not written yet.
 """
 
 
@@ -37,12 +40,14 @@ def run_import_command(args: argparse.Namespace, on_silence) -> int:
     from distmerge.importer.plan import Layout
     from distmerge.importer.run import ImportOptions, run_import
 
-    layout = Layout(tp=args.tp, pp=args.pp, divisible_by=args.make_vocab_size_divisible_by)
-    opts = ImportOptions(input=Path(args.input), output=Path(args.output), layout=layout, overwrite=args.overwrite)
+    layout = Layout(tp=args.tp, pp=args.pp, ep=args.ep, divisible_by=args.make_vocab_size_divisible_by)
+    opts = ImportOptions(input=Path(args.input), output=Path(args.output), layout=layout, overwrite=args.overwrite,
+                         hf_config=Path(args.hf_config) if args.hf_config else None)
     with process_group(device="cpu", timeout_s=args.timeout, on_silence=on_silence) as comm:
         result = run_import(opts, comm)
         if comm.rank == 0 and not args.quiet:
-            print(f"distmerge import: wrote {args.output} (Megatron-LM torch_dist, TP={args.tp} x PP={args.pp}): "
+            ep = f" x EP={args.ep}" if args.ep > 1 else ""
+            print(f"distmerge import: wrote {args.output} (Megatron-LM torch_dist, TP={args.tp} x PP={args.pp}{ep}): "
                   f"{result.tensors} tensors in {result.chunks} chunks, {result.files} files, "
                   f"{result.nbytes / 1e6:.1f} MB, vocabulary padded to {result.padded_vocab} rows; "
                   f"{result.seconds:.1f} s with {result.processes} process(es)", flush=True)

@@ -11,5 +11,6 @@ from a merge. The same pipeline, sources and targets swapped:
     finalize (rank 0)   `.metadata`, metadata.json, common.pt (Megatron-LM's args), and last the iteration
                         tracker (finalize.py): no tracker, no finished import
 
-run.py wires them under the output's lock (output/lock.py), as a merge does.
+run.py wires them under the output's lock (output/lock.py), as a merge does. An input that is a training checkpoint
+is merged first, by the merge engine, into a folder beside the output that the phases above then read (source.py).
 """

@@ -41,11 +41,7 @@ def discover(location: Path) -> Model:
     src = LocalSource(location)
     src.walk()
     root = Path(src.root)
-    if not src.is_file(root / "config.json"):
-        raise InputError(f"{location} is not a Hugging Face model folder: it has no config.json")
-    config = src.read_json(root / "config.json", CONFIG_CAP, "config.json")
-    if not isinstance(config, dict):
-        raise InputError(f"{location}/config.json is not a JSON object")
+    config = _config(src, root, location, "is not a Hugging Face model folder")
     tensors: dict[str, Tensor] = {}
     for file in _weight_files(src, root, location):
         for name, e in read_header(src, root / file).entries.items():
@@ -53,6 +49,22 @@ def discover(location: Path) -> Model:
                 raise InputError(f"{location}: {name} is in both {tensors[name].file} and {file}")
             tensors[name] = Tensor(name=name, file=file, start=e.start, dtype=e.dtype, shape=e.shape)
     return Model(root=str(root), config=config, tensors=tensors)
+
+
+def discover_config(location: Path) -> dict[str, Any]:
+    """config.json of the folder `location` (--hf-config), or InputError in one line."""
+    src = LocalSource(location)
+    src.walk()
+    return _config(src, Path(src.root), location, "holds no model config")
+
+
+def _config(src: LocalSource, root: Path, location: Path, what: str) -> dict[str, Any]:
+    if not src.is_file(root / "config.json"):
+        raise InputError(f"{location} {what}: it has no config.json")
+    config = src.read_json(root / "config.json", CONFIG_CAP, "config.json")
+    if not isinstance(config, dict):
+        raise InputError(f"{location}/config.json is not a JSON object")
+    return config
 
 
 def _weight_files(src: LocalSource, root: Path, location: Path) -> list[str]:

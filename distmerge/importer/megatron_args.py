@@ -3,9 +3,10 @@
 Megatron-LM's load_checkpoint (training/checkpointing.py) reads from them: the TP and PP sizes the save was made
 with, `no_save_optim` / `no_save_rng` (getattr: set here, there is neither), and, unless --finetune,
 check_checkpoint_args compares num_layers, hidden_size, num_attention_heads, max_position_embeddings,
-make_vocab_size_divisible_by, padded_vocab_size and tokenizer_type with the run's. `--use-checkpoint-args` takes the
-model's shape from them (load_args_from_checkpoint). Names as Megatron-LM's arguments.py spells them; only plain
-values (megatron-core's safe globals list argparse.Namespace, so torch.load with weights_only reads it).
+make_vocab_size_divisible_by, padded_vocab_size and tokenizer_type with the run's. The parallel sizes are those of
+the smallest job that trains the layout: TP x PP x EP processes, data parallel over EP. `--use-checkpoint-args`
+takes the model's shape from them (load_args_from_checkpoint). Names as Megatron-LM's arguments.py spells them;
+only plain values (megatron-core's safe globals list argparse.Namespace, so torch.load with weights_only reads it).
 """
 
 from __future__ import annotations
@@ -39,11 +40,28 @@ def megatron_args(config: dict[str, Any], plan: ImportPlan, layout: Layout, dtyp
         padded_vocab_size=sizes.padded_vocab, make_vocab_size_divisible_by=layout.divisible_by,
         tokenizer_type="HuggingFaceTokenizer",
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=1, context_parallel_size=1,
-        data_parallel_size=1, world_size=layout.tp * layout.pp, bf16=dtype == "BF16", fp16=dtype == "F16",
+        virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.tp, context_parallel_size=1, data_parallel_size=layout.ep,
+        world_size=layout.tp * layout.pp * layout.ep, bf16=dtype == "BF16", fp16=dtype == "F16",
         ckpt_format="torch_dist", use_dist_ckpt=True, no_save_optim=True, no_save_rng=True, iteration=0,
-        consumed_train_samples=0, consumed_valid_samples=0,
+        consumed_train_samples=0, consumed_valid_samples=0, **moe_args(c, plan),
     )
+
+
+def moe_args(block: dict[str, Any], plan: ImportPlan) -> dict[str, Any]:
+    """The MoE fields of the args (Megatron-LM's --num-experts, --moe-ffn-hidden-size, ...), from config.json;
+    none for a dense model. Every layer routes (moe_layer_freq 1); the shared expert of Qwen2-MoE is gated.
+    moe_router_pre_softmax as Hugging Face's routing: the top-k of a softmax renormalised (Qwen's
+    norm_topk_prob, Mixtral always) is the softmax of the top-k logits (pre_softmax False); not renormalised
+    (Qwen2-MoE as released), the softmax over all experts first (True)."""
+    if not plan.sizes.experts:
+        return {}
+    shared = block.get("shared_expert_intermediate_size")
+    return dict(num_experts=plan.sizes.experts, moe_router_topk=block.get("num_experts_per_tok"),
+                moe_ffn_hidden_size=block.get("moe_intermediate_size") or block.get("intermediate_size"),
+                moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=bool(shared),
+                moe_layer_freq=1, moe_router_score_function="softmax",
+                moe_router_pre_softmax=not block.get("norm_topk_prob", True), moe_grouped_gemm=False)
 
 
 def common_state(args: argparse.Namespace) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """The import's plan, made alike on every rank from what rank 0 discovered: the Megatron tensors (the family's
 table walked backwards), their chunks in the files megatron-core's ranks would have saved, and which process
-writes each file. What is written depends only on the model and the layout (TP, PP); which process writes a file,
-only on N.
+writes each file. What is written depends only on the model and the layout (TP, PP, EP); which process writes a
+file, only on N.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ class Layout:
     tp: int
     pp: int
     divisible_by: int = 128  # Megatron-LM's --make-vocab-size-divisible-by
+    ep: int = 1  # expert parallel size: an MoE model's experts split over EP ranks
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,12 +45,10 @@ class ImportPlan:
 
 
 def make_plan(model: Model, layout: Layout, world: int) -> ImportPlan:
-    """The plan, or ConfigError / InputError / LayoutError in one line (a TP or PP the model does not allow, a
+    """The plan, or ConfigError / InputError / LayoutError in one line (a TP, PP or EP the model does not allow, a
     tensor no row maps, a config.json that does not fit the tensors)."""
     catalog.install()  # the transforms' inverses, by name
-    sizes = inverse.sizes(model.config, layout.tp, layout.divisible_by)
-    grid = dl.Grid(tp=layout.tp, pp=layout.pp, layers=sizes.layers)
-    dl.check_grid(grid)
+    sizes, grid = check_layout(model.config, layout)
     metas = {n: SourceMeta(name=n, dtype=t.dtype, shape=t.shape) for n, t in model.tensors.items()}
     tensors = {t.name: t for t in inverse.megatron_tensors(metas, model.config, sizes)}
     by_rank: dict[int, list[dl.Chunk]] = {}
@@ -62,6 +61,15 @@ def make_plan(model: Model, layout: Layout, world: int) -> ImportPlan:
     files = tuple(_file(rank, by_rank.get(rank, []), objects.get(rank, []), tensors)
                   for rank in sorted(set(by_rank) | set(objects)))
     return ImportPlan(sizes=sizes, grid=grid, tensors=tensors, files=files, owners=owners(files, world))
+
+
+def check_layout(config: dict, layout: Layout) -> tuple[inverse.Sizes, dl.Grid]:
+    """The model's sizes and the layout's grid, after the refusals config.json alone decides (an architecture not
+    written, a TP, PP or EP that does not divide the heads, layers or experts)."""
+    sizes = inverse.sizes(config, layout.tp, layout.divisible_by)
+    grid = dl.Grid(tp=layout.tp, pp=layout.pp, layers=sizes.layers, ep=layout.ep, experts=sizes.experts)
+    dl.check_grid(grid)
+    return sizes, grid
 
 
 def _file(rank: int, chunks: list[dl.Chunk], objects: list[dl.ObjectChunk],

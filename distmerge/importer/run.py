@@ -10,14 +10,15 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from distmerge.distributed.comm import Comm
 from distmerge.importer import finalize as fin
-from distmerge.importer.discover import Model, discover
+from distmerge.importer.discover import Model, discover, discover_config
 from distmerge.importer.megatron_args import common_state, megatron_args
-from distmerge.importer.plan import ImportPlan, Layout, make_plan
+from distmerge.importer.plan import ImportPlan, Layout, check_layout, make_plan
+from distmerge.importer.source import as_hf_model
 from distmerge.importer.write import write_owned
 from distmerge.output import lock, open_store
 from distmerge.output.lock import Lease
@@ -30,6 +31,7 @@ class ImportOptions:
     output: Path
     layout: Layout
     overwrite: bool = False
+    hf_config: Path | None = None  # config.json's folder, for an input that is a training checkpoint (source.py)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,7 +46,22 @@ class ImportResult:
 
 
 def run_import(opts: ImportOptions, comm: Comm) -> ImportResult:
+    """Collective: the import of a Hugging Face folder, or of a training checkpoint merged first (source.py)."""
     start = time.perf_counter()
+    with as_hf_model(opts.input, opts.output, opts.hf_config, comm, lambda: _refuse_early(opts)) as hf_dir:
+        return _import_model(replace(opts, input=hf_dir), comm, start)
+
+
+def _refuse_early(opts: ImportOptions) -> None:
+    """Rank 0, before a checkpoint input is merged (source.py): an output the import may not write, and with
+    --hf-config, a TP, PP or EP its config.json does not allow; the rest is judged on the merged tensors."""
+    store = open_store(opts.output)
+    store.check(str(opts.input), opts.overwrite)
+    if opts.hf_config is not None:
+        check_layout(discover_config(opts.hf_config), opts.layout)
+
+
+def _import_model(opts: ImportOptions, comm: Comm, start: float) -> ImportResult:
     store = open_store(opts.output)
     held: list[Lease] = []
     unregister = comm.on_abort(lambda: _release(held))

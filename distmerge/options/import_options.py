@@ -27,7 +27,11 @@ def positive(text: str) -> int:
 
 ROWS: tuple[tuple[str | None, Opt], ...] = (
     ("input", Opt(name="input", flags=("--input", "-i"), commands=IMPORT, kind=Kind.PATH, required=True,
-                  metavar="HF_DIR", help="Hugging Face model folder: config.json and safetensors weights")),
+                  metavar="HF_DIR", help="Hugging Face model folder (config.json and safetensors weights), or any "
+                                            "checkpoint distmerge merges")),
+    ("input", Opt(name="hf_config", flags=("--hf-config",), commands=IMPORT, kind=Kind.PATH, metavar="DIR",
+                  help="config.json's folder, when --input is a training checkpoint (merged first, as "
+                       "`distmerge merge` merges it) and does not carry one")),
     ("output", Opt(name="output", flags=("--output", "-o"), commands=IMPORT, kind=Kind.PATH, required=True,
                    metavar="OUT", help="folder for the training checkpoint (Megatron-LM: pass it as --load)")),
     ("output", Opt(name="to", flags=("--to",), commands=IMPORT, default="megatron", choices=TARGETS,
@@ -37,6 +41,8 @@ ROWS: tuple[tuple[str | None, Opt], ...] = (
                                      "heads and query groups (default 1)")),
     ("output", Opt(name="pp", flags=("--pp",), commands=IMPORT, kind=Kind.VALUE, parse=positive, default="1",
                    metavar="P", help="pipeline-parallel size; must divide the layers (default 1)")),
+    ("output", Opt(name="ep", flags=("--ep",), commands=IMPORT, kind=Kind.VALUE, parse=positive, default="1",
+                   metavar="E", help="expert-parallel size of an MoE model; must divide the experts (default 1)")),
     ("output", Opt(name="make_vocab_size_divisible_by", flags=("--make-vocab-size-divisible-by",), commands=IMPORT,
                    kind=Kind.VALUE, parse=positive, default="128", metavar="K",
                    help="as Megatron-LM's flag: the vocabulary is padded to a multiple of K x TP (default 128)")),

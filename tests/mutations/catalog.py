@@ -244,3 +244,52 @@ SCHEMES = (
                     "test_in_memory_and_against_the_checkpoint_give_the_folder_records",)),
 )
 MUTATIONS = MUTATIONS + SCHEMES
+
+# issue #45, `distmerge import --to megatron`: TP x PP together, MoE experts over EP (tests/test_import_megatron*.py)
+IMPORT_FILE, IMPORT_MOE_FILE = "tests/test_import_megatron.py", "tests/test_import_megatron_moe.py"
+DIST_LAYOUT = "distmerge/formats/megatron/dist_layout.py"
+IMPORT_LAYOUTS = (
+    Mutation(name="45-1-experts-round-robin-over-ep", guarantee="Megatron import layout",
+             why="expert e written in the files of EP rank e % EP, not megatron-core's contiguous block of E/EP",
+             file=DIST_LAYOUT, old="return 0 if expert is None else expert[1] // (self.experts // self.ep)",
+             new="return 0 if expert is None else expert[1] % self.ep",
+             tests=(f"{IMPORT_MOE_FILE}::test_megatron_core_loads_it_at_the_written_layout",)),
+    Mutation(name="45-2-expert-offset-local", guarantee="Megatron import layout",
+             why="an expert's chunk placed at its local number on the expert axis: EP ranks overwrite each other",
+             file=DIST_LAYOUT, old="(grid.layers, grid.experts, *shape), (int(m[2]), expert[1])",
+             new="(grid.layers, grid.experts, *shape), (int(m[2]), expert[1] % (grid.experts // grid.ep))",
+             tests=(f"{IMPORT_MOE_FILE}::test_megatron_core_loads_it_at_the_written_layout",
+                    f"{IMPORT_MOE_FILE}::test_merged_back_it_is_the_source")),
+    Mutation(name="45-3-ep-not-checked", guarantee="one-line errors / exit status",
+             why="an --ep that does not divide the experts is not refused: a folder no job can load, or a traceback",
+             file=DIST_LAYOUT, old="    if grid.experts % grid.ep:", new="    if False:",
+             tests=(f"{IMPORT_MOE_FILE}::test_an_ep_the_model_cannot_have_is_refused",)),
+    Mutation(name="45-4-pp-major-rank-order", guarantee="Megatron import layout",
+             why="a chunk's training rank counted pipeline-major: at TP=2 x PP=2 the files hold other ranks' chunks",
+             file=DIST_LAYOUT, old="        return tp + self.tp * ep + self.tp * self.ep * stage",
+             new="        return stage + self.pp * (tp + self.tp * ep)",
+             tests=(f"{IMPORT_FILE}::test_megatron_core_loads_it_at_the_written_layout",)),
+    Mutation(name="45-5-metadata-strings-not-interned", guarantee="N processes write the same bytes",
+             why="`.metadata` pickled with strings as each process made them: N=2 refers back where N=1 repeats",
+             file="distmerge/formats/torch_private/dcp/write.py",
+             old="        e = replace(e, key=sys.intern(e.key), file=sys.intern(e.file))\n", new="",
+             tests=(f"{IMPORT_FILE}::test_metadata_bytes_depend_only_on_the_entries",
+                    f"{IMPORT_MOE_FILE}::test_two_processes_write_what_one_writes")),
+    Mutation(name="45-6-staged-source-left-behind", guarantee="nothing left behind",
+             why="the folder a checkpoint input is merged into stays beside the output, a second copy of the model",
+             file="distmerge/importer/source.py", old="            shutil.rmtree(stage, ignore_errors=True)",
+             new="            pass",
+             tests=(f"{IMPORT_MOE_FILE}::test_a_legacy_save_imported_merges_back_to_its_source",)),
+    Mutation(name="45-7-checkpoint-input-not-detected", guarantee="Megatron import layout",
+             why="a checkpoint input is taken for a Hugging Face folder and refused for having no config.json",
+             file="distmerge/importer/source.py", old="    return registry.detect(location) is not None",
+             new="    return False",
+             tests=(f"{IMPORT_MOE_FILE}::test_a_legacy_save_imported_merges_back_to_its_source",)),
+    Mutation(name="45-8-checkpoint-refused-after-its-merge", guarantee="one-line errors / exit status",
+             why="an output in use or an EP config.json forbids is refused only after the whole checkpoint is merged",
+             file="distmerge/importer/source.py", old="        refuse_early()\n        return True",
+             new="        return True",
+             tests=(f"{IMPORT_MOE_FILE}::test_a_legacy_save_at_a_layout_it_cannot_have_is_refused_before_its_merge",
+                    f"{IMPORT_MOE_FILE}::test_a_legacy_save_into_a_folder_in_use_is_refused_before_its_merge")),
+)
+MUTATIONS = MUTATIONS + IMPORT_LAYOUTS

@@ -8,8 +8,10 @@ The forward direction's own checks judge the result: the forward transform's tar
 computed from the Megatron tensor made here must be the Hugging Face tensors' shapes.
 
 Global means as megatron-core's torch_dist save holds it, TP shards put together: linear_qkv per query group
-[q heads; k; v], linear_fc1 [gate; up], the vocabulary padded for TP (Megatron-LM's _vocab_size_with_padding).
-How a global tensor is cut into TP x PP chunks is the format's (formats/megatron/dist_layout.py).
+[q heads; k; v], linear_fc1 [gate; up], the vocabulary padded for TP (Megatron-LM's _vocab_size_with_padding), an
+expert under its global number (local_experts.{e}, SequentialMLP's spelling: the table's grouped GEMM rows are
+another spelling of the same tensors, which torch_dist saves under the same keys). How a global tensor is cut
+into TP x PP x EP chunks is the format's (formats/megatron/dist_layout.py).
 """
 
 from __future__ import annotations
@@ -26,8 +28,12 @@ from distmerge.families.megatron import family
 from distmerge.families.megatron.tables import FAMILIES, Row
 from distmerge.formats.base import Hints
 
-# The architectures whose import is written and tested (dense GPTs). MoE, MLA and MTP tables are not walked back yet.
-IMPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# The architectures whose import is written and tested: dense GPTs, and MoE ones whose every layer routes over
+# experts (a shared expert beside them for Qwen2-MoE). MLA and MTP tables are not walked back yet.
+IMPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+            "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
+# config.json's count of routed experts per MoE layer: Qwen2/3-MoE's num_experts, Mixtral's num_local_experts
+EXPERT_COUNTS = ("num_experts", "num_local_experts")
 # Transforms whose target is made of parts that megatron-core's torch_dist save splits over TP each on its own:
 # apply_swiglu_sharded_factory (mlp.py) saves a TP rank's [gate_r; up_r] as two chunks of the global [gate; up].
 TP_PARTS = {"split_gate_up": 2}
@@ -56,6 +62,7 @@ class Sizes:
     vocab: int
     padded_vocab: int
     tied: bool
+    experts: int = 0  # routed experts per layer; 0 for a dense model
 
 
 def padded_vocab(vocab: int, tp: int, divisible_by: int) -> int:
@@ -69,7 +76,7 @@ def sizes(config: dict[str, Any], tp: int, divisible_by: int) -> Sizes:
     arch = family.architecture(config)
     if arch not in IMPORTED:
         raise ConfigError(f"config.json's architecture {arch} cannot be imported yet: distmerge import writes "
-                          f"{', '.join(IMPORTED)} (MoE, MLA and MTP come later)")
+                          f"{', '.join(IMPORTED)} (MLA and MTP come later)")
     block = base.CAUSAL_LM.sizes(config)
     heads = base.config_int(block, "num_attention_heads", "Megatron import")
     groups = block.get("num_key_value_heads") or heads
@@ -78,14 +85,16 @@ def sizes(config: dict[str, Any], tp: int, divisible_by: int) -> Sizes:
             raise ConfigError(f"--tp {tp} does not divide the model's {count} {what}: megatron-core gives each "
                               f"TP rank whole ones; pick a TP that divides {count}")
     vocab = base.config_int(block, "vocab_size", "Megatron import")
+    experts = next((base.config_int(block, k, "Megatron import") for k in EXPERT_COUNTS if block.get(k)), 0)
     return Sizes(layers=base.config_int(block, "num_hidden_layers", "Megatron import"), heads=heads, groups=groups,
-                 vocab=vocab, padded_vocab=padded_vocab(vocab, tp, divisible_by), tied=base.CAUSAL_LM.ties(config))
+                 vocab=vocab, padded_vocab=padded_vocab(vocab, tp, divisible_by), tied=base.CAUSAL_LM.ties(config),
+                 experts=experts)
 
 
 def megatron_tensors(hf: dict[str, SourceMeta], config: dict[str, Any], size: Sizes) -> list[Imported]:
     """Every megatron-core tensor the Hugging Face tensors `hf` make, in the table's order, layer by layer.
     A Hugging Face tensor no row takes is refused: nothing is dropped silently (a tied lm_head aside)."""
-    rows = [r for r in FAMILIES[family.architecture(config)] if not r.local]
+    rows = [r for r in FAMILIES[family.architecture(config)] if not (r.local or r.grouped)]
     out: list[Imported] = []
     taken: set[str] = set()
     for row in rows:
@@ -99,6 +108,7 @@ def megatron_tensors(hf: dict[str, SourceMeta], config: dict[str, Any], size: Si
                 continue  # the embedding is the head (megatron-core ties it: no output_layer is saved)
             out.append(_imported(row, numbers, [hf[n] for n in names], config, size))
     _refuse_untaken(hf, taken, size)
+    _refuse_mixed_layers(out, size)
     return out
 
 
@@ -141,3 +151,22 @@ def _refuse_untaken(hf: dict[str, SourceMeta], taken: set[str], size: Sizes) -> 
     if layers != set(range(size.layers)):
         raise LayoutError(f"config.json has {size.layers} layers but the model's tensors have "
                           f"{len(layers)}: config.json is another model's, or files are missing")
+
+
+def _refuse_mixed_layers(made: list[Imported], size: Sizes) -> None:
+    """A model whose layers are not all alike (some dense, some MoE: Qwen's mlp_only_layers or
+    decoder_sparse_step) is saved by megatron-core layer by layer, not stacked: not written yet. And every MoE
+    layer must hold config.json's number of experts."""
+    if not size.experts:
+        return
+    experts: dict[int, set[int]] = {layer: set() for layer in range(size.layers)}
+    for t in made:
+        if (m := re.match(r"decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.", t.name)):
+            experts[int(m[1])].add(int(m[2]))
+    for layer, found in experts.items():
+        if not found:
+            raise ConfigError(f"layer {layer} of the model has no experts while config.json has "
+                              f"{size.experts}: models mixing dense and MoE layers cannot be imported yet")
+        if found != set(range(size.experts)):
+            raise LayoutError(f"layer {layer} has experts {sorted(found)[:8]}, but config.json has "
+                              f"{size.experts}: config.json is another model's, or files are missing")

@@ -20,6 +20,10 @@ class Row:
     # Transformer Engine name of the row beside it (the local layer spec's sharded_state_dict_keys_map). Read by
     # the export, skipped by the import (families/megatron/inverse.py), which writes the name torch_dist holds.
     local: bool = False
+    # Grouped GEMM's spelling of the expert rows (linear_fc1.weight{e}), which legacy saves hold: torch_dist saves
+    # it under SequentialMLP's keys (TEGroupedMLP.sharded_state_dict, "interchangeable with SequentialMLP's").
+    # Read by the export, skipped by the import like a local row: the import writes the sequential spelling.
+    grouped: bool = False
 
 
 L, M = "decoder.layers.{}.", "model.layers.{}."
@@ -59,9 +63,10 @@ def _experts(router: str, gate: str, up: str, down: str) -> tuple[Row, ...]:
     GEMM (linear_fc1.weight{e})."""
     rows = [Row(L + "mlp.router.weight", (router,))]
     sequential, grouped = L + "mlp.experts.local_experts.{}.linear_fc", L + "mlp.experts.linear_fc"
-    spellings = ((sequential + "1.weight", sequential + "2.weight"), (grouped + "1.weight{}", grouped + "2.weight{}"))
-    for fc1, fc2 in spellings:
-        rows += [Row(fc1, (gate, up), "split_gate_up"), Row(fc2, (down,))]
+    spellings = ((sequential + "1.weight", sequential + "2.weight", False),
+                 (grouped + "1.weight{}", grouped + "2.weight{}", True))
+    for fc1, fc2, is_grouped in spellings:
+        rows += [Row(fc1, (gate, up), "split_gate_up", grouped=is_grouped), Row(fc2, (down,), grouped=is_grouped)]
     return tuple(rows)
 
 

@@ -5,20 +5,29 @@ Facts from megatron-core 0.16.1's own saves of GPTModel (tests/fixtures/make_meg
 
     decoder.layers.{i}.X            stacked: key decoder.layers.X, global shape (num_layers, *shape), layer i
                                     at offset i on the first axis (TransformerBlock.sharded_state_dict)
+    decoder.layers.{i}.mlp.experts.local_experts.{e}.X
+                                    (global expert e) stacked again: key decoder.layers.mlp.experts.experts.X,
+                                    global shape (num_layers, num_experts, *shape), at offsets (i, e)
+                                    (SequentialMLP.sharded_state_dict; TEGroupedMLP saves the same keys)
     TP-split tensors                layout.TP_SPLIT_DIMS: dim 0 (column-parallel, the vocabulary) or 1 (row-
                                     parallel); TP rank r holds the r-th of TP equal runs; a tensor of `parts`
                                     runs (linear_fc1's [gate; up]) splits each run so: r's chunks are gate_r and
                                     up_r (apply_swiglu_sharded_factory)
     replicated tensors (norms)      one chunk, saved by TP rank 0 (replica_id 0)
+    expert parallelism              EP rank r holds experts [r E/EP, (r+1) E/EP) and saves their chunks, split
+                                    over the expert TP (= TP, megatron-core's default) as the dense layers are;
+                                    what is not an expert is saved by EP (= data-parallel) rank 0
     pipeline stages                 layer i on stage i // (num_layers / PP); the embedding on the first stage,
                                     the output layer and final norm on the last
     {module}._extra_state           a ShardedObject per layer of each linear module (the TP-split ones), key
                                     `decoder.layers.{module}._extra_state/shard_{i}_{num_layers}`, saved by TP
-                                    rank 0 as torch.save of [None] (what the local spec's save writes)
-    files                           `__{rank}_{k}.distcp`, rank = tp + TP x pp (megatron-core's default order
-                                    tp-cp-ep-dp-pp, data parallel size 1): what a rank saved, in its files
+                                    rank 0 as torch.save of [None] (what the local spec's save writes); an
+                                    expert's `decoder.layers.mlp.experts.experts.{fc}._extra_state/shard_{i}.{e}_
+                                    {num_layers}.{num_experts}`, saved by its EP rank
+    files                           `__{rank}_{k}.distcp`, rank = tp + TP x ep + TP x EP x pp (megatron-core's
+                                    default order tp-cp-ep-dp-pp, data parallel size EP): what a rank saved
 
-The file names and their contents depend only on the layout (TP, PP), never on how many processes write them.
+The file names and their contents depend only on the layout (TP, PP, EP), never on how many processes write them.
 """
 
 from __future__ import annotations
@@ -27,9 +36,10 @@ import re
 from dataclasses import dataclass
 
 from distmerge.errors import ConfigError
-from distmerge.formats.megatron.layout import LAYER, tp_split_dim
+from distmerge.formats.megatron.layout import LAYER, SEQUENTIAL_EXPERT, tp_split_dim
 
 EXTRA_STATE_OBJECT = [None]  # the data of a linear module's _extra_state object as megatron-core saves it (local spec)
+EXPERTS_KEY = "mlp.experts.experts."  # where megatron-core 0.16's save puts the stacked experts, after decoder.layers.
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,6 +47,8 @@ class Grid:
     tp: int
     pp: int
     layers: int
+    ep: int = 1
+    experts: int = 0  # routed experts per MoE layer (0: a dense model)
 
     def stage(self, name: str) -> int:
         """The pipeline stage that holds the tensor `name` (global layer numbers)."""
@@ -44,8 +56,21 @@ class Grid:
             return int(m[2]) // (self.layers // self.pp)
         return 0 if name.startswith("embedding.") else self.pp - 1
 
-    def rank(self, tp: int, stage: int) -> int:
-        return tp + self.tp * stage
+    def ep_rank(self, name: str) -> int:
+        """The EP rank that holds the tensor `name`: its expert's (global number), else 0 (the data-parallel
+        rank 0 saves what is replicated over EP)."""
+        expert = expert_of(name)
+        return 0 if expert is None else expert[1] // (self.experts // self.ep)
+
+    def rank(self, tp: int, stage: int, ep: int = 0) -> int:
+        return tp + self.tp * ep + self.tp * self.ep * stage
+
+
+def expert_of(name: str) -> tuple[str, int, str] | None:
+    """(the name up to the expert number, the global expert number, the rest) of a SequentialMLP expert's
+    tensor, else None."""
+    m = SEQUENTIAL_EXPERT.match(name)
+    return None if m is None else (m[1], int(m[2]), m[3])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,25 +100,34 @@ def check_grid(grid: Grid) -> None:
     if grid.layers % grid.pp:
         raise ConfigError(f"--pp {grid.pp} does not divide the model's {grid.layers} layers: megatron-core gives "
                           "each pipeline stage as many layers (uneven stages are not written yet)")
+    if grid.ep > 1 and not grid.experts:
+        raise ConfigError(f"--ep {grid.ep}: the model has no experts to split (expert parallelism is for MoE "
+                          "models); leave --ep out")
+    if grid.experts % grid.ep:
+        raise ConfigError(f"--ep {grid.ep} does not divide the model's {grid.experts} experts: megatron-core gives "
+                          f"each EP rank as many; pick an EP that divides {grid.experts}")
 
 
-def stacked(name: str, shape: tuple[int, ...], layers: int) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
-    """(key, global shape, offset prefix) of a tensor in the save: a layer's tensors stacked over the layers."""
+def stacked(name: str, shape: tuple[int, ...], grid: Grid) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+    """(key, global shape, offset prefix) of a tensor in the save: a layer's tensors stacked over the layers, an
+    expert's over the layers and the experts."""
     m = LAYER.match(name)
     if m is None:
         return name, shape, ()
-    return f"{m[1]}{m[3][1:]}", (layers, *shape), (int(m[2]),)
+    if (expert := expert_of(m[3])) is not None:
+        return f"{m[1]}{EXPERTS_KEY}{expert[2][1:]}", (grid.layers, grid.experts, *shape), (int(m[2]), expert[1])
+    return f"{m[1]}{m[3][1:]}", (grid.layers, *shape), (int(m[2]),)
 
 
 def chunks(name: str, shape: tuple[int, ...], parts: int, grid: Grid) -> list[Chunk]:
     """The chunks of the global tensor `name`, each with the training rank that saves it."""
-    key, global_shape, prefix = stacked(name, shape, grid.layers)
+    key, global_shape, prefix = stacked(name, shape, grid)
     dim = tp_split_dim(name, shape)
-    stage = grid.stage(name)
+    stage, ep = grid.stage(name), grid.ep_rank(name)
     if dim is None:
         return [Chunk(key=key, global_shape=global_shape, offsets=(*prefix, *[0] * len(shape)),
                       lengths=(*[1] * len(prefix), *shape), tensor=name, rows=(0, shape[0]), cols=None,
-                      rank=grid.rank(0, stage))]
+                      rank=grid.rank(0, stage, ep))]
     runs = parts * grid.tp
     if shape[dim] % runs:
         raise ConfigError(f"--tp {grid.tp} does not divide {name}'s {shape[dim]} "
@@ -109,20 +143,25 @@ def chunks(name: str, shape: tuple[int, ...], parts: int, grid: Grid) -> list[Ch
             rows, cols = ((start, start + step), None) if dim == 0 else ((0, shape[0]), (start, start + step))
             out.append(Chunk(key=key, global_shape=global_shape, offsets=(*prefix, *offsets),
                              lengths=(*[1] * len(prefix), *lengths), tensor=name, rows=rows, cols=cols,
-                             rank=grid.rank(tp, stage)))
+                             rank=grid.rank(tp, stage, ep)))
     return out
 
 
 def extra_state_objects(names: list[str], grid: Grid) -> list[ObjectChunk]:
-    """The _extra_state objects of the layers' linear modules (those whose weight TP splits), one per layer."""
+    """The _extra_state objects of the layers' linear modules (those whose weight TP splits), one per layer, and
+    per layer and expert for the experts' (stacked as their weights are)."""
     out = []
     for name in names:
         m = LAYER.match(name)
         if m is None or not name.endswith(".weight") or tp_split_dim(name) is None:
             continue
-        module = m[3][1:].removesuffix(".weight")
-        key = f"{m[1]}{module}._extra_state/shard_{int(m[2])}_{grid.layers}"
-        out.append(ObjectChunk(key=key, rank=grid.rank(0, grid.stage(name))))
+        layer, module = int(m[2]), m[3][1:].removesuffix(".weight")
+        if (expert := expert_of(m[3])) is None:
+            key = f"{m[1]}{module}._extra_state/shard_{layer}_{grid.layers}"
+        else:
+            fc = expert[2][1:].removesuffix(".weight")
+            key = f"{m[1]}{EXPERTS_KEY}{fc}._extra_state/shard_{layer}.{expert[1]}_{grid.layers}.{grid.experts}"
+        out.append(ObjectChunk(key=key, rank=grid.rank(0, grid.stage(name), grid.ep_rank(name))))
     return out
 
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import io
 import pickle
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -56,7 +57,8 @@ def object_blob(value: Any) -> bytes:
 
 def metadata_bytes(entries: list[Entry]) -> bytes:
     """The `.metadata` of a save holding `entries`, keys and chunks in sorted order (the same bytes for the same
-    entries, whatever order they were written in)."""
+    entries, whatever order they were written in, and whichever processes made them: pickle writes a string once
+    per object and refers back to it after, so equal strings are made one object first, sys.intern)."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
@@ -71,6 +73,7 @@ def metadata_bytes(entries: list[Entry]) -> bytes:
     state: dict[str, Any] = {}
     storage = {}
     for e in ordered:
+        e = replace(e, key=sys.intern(e.key), file=sys.intern(e.file))
         if e.dtype is None:
             state[e.key] = BytesStorageMetadata()
             storage[MetadataIndex(fqn=e.key)] = _StorageInfo(relative_path=e.file, offset=e.offset, length=e.length)
