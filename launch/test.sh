@@ -5,4 +5,8 @@ cd "$(dirname "$0")/.."
 bash launch/setup.sh
 bash launch/setup_peer.sh  # .venv-peer: llm-compressor, the peer of the 4-bit tests (tests/test_quantize_fp4.py)
 .venv/bin/ruff check distmerge tests  # lint first: a finding fails the run like a failed test
-exec .venv/bin/python -m pytest -q "$@"
+# Two test processes (pytest-xdist), a test file's tests in one of them (--dist loadfile: its module fixtures made
+# once). The fixture families are built once for both, into .fixtures/ (keyed by the code that makes them, so a
+# change rebuilds its family; DISTMERGE_FIXTURE_CACHE names another folder).
+export DISTMERGE_FIXTURE_CACHE=${DISTMERGE_FIXTURE_CACHE:-$PWD/.fixtures}
+exec .venv/bin/python -m pytest -q -n 2 --dist loadfile "$@"

@@ -123,9 +123,10 @@ FIXTURE_SOURCES = {
 
 
 def built_once(name: str, build, tmp_path_factory) -> dict[str, Path]:
-    """Build a fixture family in a fresh temp folder, or, when DISTMERGE_FIXTURE_CACHE names a folder (a
-    developer's shortcut; CI never sets it), once per version of tests/fixtures/ and then reuse it across
-    pytest runs. Tests copy a fixture before damaging it, so the cached saves stay as the jobs wrote them."""
+    """Build a fixture family in a fresh temp folder, or, when DISTMERGE_FIXTURE_CACHE names a folder, once per
+    version of the scripts that make it and then reuse it: across the suite's two test processes (launch/test.sh
+    sets it: one builds, the other waits on the lock), and across runs. Tests copy a fixture before damaging it, so
+    the cached saves stay as the jobs wrote them."""
     cache = os.environ.get("DISTMERGE_FIXTURE_CACHE")
     if not cache:
         return build(tmp_path_factory.mktemp(name))
