@@ -11,5 +11,7 @@ from a merge. The same pipeline, sources and targets swapped:
     finalize (rank 0)   `.metadata`, metadata.json, common.pt (Megatron-LM's args), and last the iteration
                         tracker (finalize.py): no tracker, no finished import
 
-run.py wires them under the output's lock (output/lock.py), as a merge does.
+run.py wires them under the output's lock (output/lock.py), as a merge does. `--to torchtitan` runs the same phases
+with its own plan and finalize (torchtitan_plan.py, torchtitan_run.py): the torchtitan table walked backwards
+(families/torchtitan/inverse.py), each tensor one whole chunk, `step-0/.metadata` last.
 """
