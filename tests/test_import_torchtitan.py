@@ -123,6 +123,17 @@ def test_a_family_torchtitan_lacks_is_refused(tmp_path, capsys):
     assert not out.exists()
 
 
+def test_a_llama_with_its_own_head_dim_is_refused(tmp_path, capsys):
+    """torchtitan's llama3 has heads dim / n_heads wide: a Llama with head_dim 32 (not 64 / 4) has no place there."""
+    wide = tmp_path / "wide"
+    fam = mm.Family("llama", "LlamaConfig", dict(mm.FAMILIES["llama"].hf, head_dim=32), perturb_1d=False)
+    mm.build_hf_model(fam).save_pretrained(wide, safe_serialization=True)
+    assert import_inproc("--input", wide, "--output", tmp_path / "out") == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "head_dim 32 is not hidden_size / num_attention_heads = 16" in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_tp_is_refused(hf_models, tmp_path, capsys):
     """torchtitan reshards on load: a --tp would say the folder is cut for a TP, and it is not."""
     out = tmp_path / "out"

@@ -68,5 +68,5 @@ def _run_torchtitan(args: argparse.Namespace, opts, on_silence) -> int:
     with process_group(device="cpu", timeout_s=args.timeout, on_silence=on_silence) as comm:
         result = run_torchtitan_import(opts, comm)
         if comm.rank == 0 and not args.quiet:
-            print(describe(result.files, result, Path(args.output)), flush=True)
+            print(describe(result, Path(args.output)), flush=True)
     return 0

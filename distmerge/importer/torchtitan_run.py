@@ -19,7 +19,7 @@ from distmerge.distributed.comm import Comm
 from distmerge.formats.torch_private.dcp import write as dcp
 from distmerge.importer.discover import Model, discover
 from distmerge.importer.run import ImportOptions, ImportResult, _release
-from distmerge.importer.torchtitan_plan import STEP, TitanPlan, make_titan_plan
+from distmerge.importer.torchtitan_plan import STEP, make_titan_plan
 from distmerge.importer.write import write_owned
 from distmerge.output import lock, open_store
 from distmerge.output.lock import Lease
@@ -69,11 +69,9 @@ def _finalize(store: Store, entries: list[dcp.Entry], held: list[Lease]) -> None
     store.write_small(f"{STEP}/.metadata", dcp.metadata_bytes(entries))
 
 
-def describe(plan_files: int, result: ImportResult, output: Path) -> str:
+def describe(result: ImportResult, output: Path) -> str:
     """The summary line rank 0 prints."""
     return (f"distmerge import: wrote {output}/{STEP} (torchtitan DCP, loads at any world size): {result.tensors} "
-            f"tensors in {plan_files} files, {result.nbytes / 1e6:.1f} MB; {result.seconds:.1f} s with "
+            f"tensors in {result.files} files, {result.nbytes / 1e6:.1f} MB; {result.seconds:.1f} s with "
             f"{result.processes} process(es)")
 
-
-__all__ = ["TitanPlan", "describe", "run_torchtitan_import"]

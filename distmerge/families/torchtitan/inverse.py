@@ -49,6 +49,7 @@ def torchtitan_tensors(hf: dict[str, SourceMeta], config: dict[str, Any]) -> lis
     Face tensor no row takes is refused: nothing is dropped silently."""
     arch = architecture(config)
     size = family.sizes(config, arch)
+    _refuse_head_dim(arch, size)
     tied = base.CAUSAL_LM.ties(config)
     out: list[Imported] = []
     taken: set[str] = set()
@@ -63,6 +64,14 @@ def torchtitan_tensors(hf: dict[str, SourceMeta], config: dict[str, Any]) -> lis
             out.append(_imported(row, (), hf[EMBEDDING], size))  # torchtitan's tied head: the embedding again
     _refuse_untaken(hf, taken, size)
     return out
+
+
+def _refuse_head_dim(arch: str, size: dict[str, int | None]) -> None:
+    """torchtitan's llama3 has no head_dim of its own: its attention heads are dim / n_heads wide."""
+    hidden, heads, hd = size["hidden"], size["heads"], size["head_dim"]
+    if arch == "LlamaForCausalLM" and hidden and heads and hd != hidden // heads:
+        raise ConfigError(f"config.json's head_dim {hd} is not hidden_size / num_attention_heads = {hidden // heads}: "
+                          "torchtitan's llama3 makes each head dim / n_heads wide, so it cannot hold this model")
 
 
 def _numbers(target: str, hf: dict[str, SourceMeta]) -> list[tuple[int, ...]]:
