@@ -44,7 +44,14 @@ def run_import_command(args: argparse.Namespace, on_silence) -> int:
     layout = Layout(tp=args.tp, pp=args.pp, divisible_by=args.make_vocab_size_divisible_by)
     opts = ImportOptions(input=Path(args.input), output=Path(args.output), layout=layout, overwrite=args.overwrite)
     if args.to == "torchtitan":
-        return _run_torchtitan(args, opts, on_silence)
+        from distmerge.importer.torchtitan_run import describe, run_torchtitan_import
+
+        _refuse_a_parallel_layout(args)
+        with process_group(device="cpu", timeout_s=args.timeout, on_silence=on_silence) as comm:
+            result = run_torchtitan_import(opts, comm)
+            if comm.rank == 0 and not args.quiet:
+                print(describe(result, Path(args.output)), flush=True)
+        return 0
     with process_group(device="cpu", timeout_s=args.timeout, on_silence=on_silence) as comm:
         result = run_import(opts, comm)
         if comm.rank == 0 and not args.quiet:
@@ -55,18 +62,11 @@ def run_import_command(args: argparse.Namespace, on_silence) -> int:
     return 0
 
 
-def _run_torchtitan(args: argparse.Namespace, opts, on_silence) -> int:
+def _refuse_a_parallel_layout(args: argparse.Namespace) -> None:
     """--to torchtitan: one layout for every world size, so no --tp or --pp (torchtitan's run options, not the
     checkpoint's: its loader reshards)."""
-    from distmerge.distributed.comm import process_group
     from distmerge.errors import ConfigError
-    from distmerge.importer.torchtitan_run import describe, run_torchtitan_import
 
     if args.tp != 1 or args.pp != 1:
         raise ConfigError("--to torchtitan writes one folder that torchtitan loads at any parallelism: drop --tp and "
                           "--pp (set them in torchtitan's own config)")
-    with process_group(device="cpu", timeout_s=args.timeout, on_silence=on_silence) as comm:
-        result = run_torchtitan_import(opts, comm)
-        if comm.rank == 0 and not args.quiet:
-            print(describe(result, Path(args.output)), flush=True)
-    return 0
