@@ -86,6 +86,14 @@ def test_torchtitan_starts_from_it(imported, hf_models, tmp_path, world):
         assert got["fsdp_sharded"] or world == 1, case  # at 2, torchtitan shards over both ranks with FSDP2
 
 
+def test_torchtitan_resumes_from_it_as_its_checkpoint_folder(imported, hf_models, tmp_path):
+    """The other start docs/import.md gives: the folder as the job's checkpoint folder, its step-0 found by
+    torchtitan's own scan and loaded as model weights only."""
+    spec = f"llama:{imported['llama']}:{hf_models['llama']}:folder"
+    got = load_in_torchtitan(1, [spec], tmp_path / "result.json")[spec]
+    assert got["loaded"] and got["keys_equal"] and got["mismatched"] == [] and got["checked"] == ENTRIES["llama"]
+
+
 @pytest.mark.parametrize("case", sorted(MODELS))
 def test_merged_back_it_is_the_source(imported, hf_models, tmp_path, case):
     out = tmp_path / "merged"
