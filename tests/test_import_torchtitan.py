@@ -142,12 +142,17 @@ def test_a_llama_with_its_own_head_dim_is_refused(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def test_a_tp_is_refused(hf_models, tmp_path, capsys):
-    """torchtitan reshards on load: a --tp would say the folder is cut for a TP, and it is not."""
+@pytest.mark.parametrize(("option", "words"), [
+    (("--tp", "2"), "drop --tp and --pp"), (("--pp", "2"), "drop --tp and --pp"),
+    (("--make-vocab-size-divisible-by", "64"), "torchtitan does not pad the vocabulary"),
+])
+def test_a_megatron_option_is_refused(hf_models, tmp_path, capsys, option, words):
+    """torchtitan reshards on load and pads no vocabulary: a Megatron layout option would say what the folder is
+    not."""
     out = tmp_path / "out"
-    assert import_inproc("--input", hf_models["llama"], "--output", out, "--tp", "2") == 1
+    assert import_inproc("--input", hf_models["llama"], "--output", out, *option) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "drop --tp and --pp" in err[0], err
+    assert len(err) == 1 and words in err[0], err
     assert not out.exists()
 
 

@@ -46,7 +46,7 @@ def run_import_command(args: argparse.Namespace, on_silence) -> int:
     if args.to == "torchtitan":
         from distmerge.importer.torchtitan_run import describe, run_torchtitan_import
 
-        _refuse_a_parallel_layout(args)
+        _refuse_megatron_options(args)
         with process_group(device="cpu", timeout_s=args.timeout, on_silence=on_silence) as comm:
             result = run_torchtitan_import(opts, comm)
             if comm.rank == 0 and not args.quiet:
@@ -62,11 +62,14 @@ def run_import_command(args: argparse.Namespace, on_silence) -> int:
     return 0
 
 
-def _refuse_a_parallel_layout(args: argparse.Namespace) -> None:
+def _refuse_megatron_options(args: argparse.Namespace) -> None:
     """--to torchtitan: one layout for every world size, so no --tp or --pp (torchtitan's run options, not the
-    checkpoint's: its loader reshards)."""
+    checkpoint's: its loader reshards), and no vocabulary padding (torchtitan's embedding is vocab_size rows)."""
     from distmerge.errors import ConfigError
 
     if args.tp != 1 or args.pp != 1:
         raise ConfigError("--to torchtitan writes one folder that torchtitan loads at any parallelism: drop --tp and "
                           "--pp (set them in torchtitan's own config)")
+    if args.make_vocab_size_divisible_by != 128:
+        raise ConfigError("--make-vocab-size-divisible-by is Megatron-LM's: torchtitan does not pad the vocabulary, "
+                          "so --to torchtitan takes no such option")
