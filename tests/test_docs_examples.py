@@ -344,7 +344,16 @@ def tiny_qwen3_moe_hf(dst: Path, request) -> None:
     mm.build_hf_model(mm.FAMILIES["qwen3_moe"]).save_pretrained(dst, safe_serialization=True)
 
 
+def tiny_qwen2_hf(dst: Path, request) -> None:
+    """docs/import.md's qwen2_model: the Megatron fixtures' seeded tiny Qwen2 (a family torchtitan lacks)."""
+    from tests.fixtures import megatron_models as mm
+
+    mm.build_hf_model(mm.FAMILIES["qwen2"]).save_pretrained(dst, safe_serialization=True)
+
+
 RUN: dict[tuple[str, str], Run] = {
+    ("import.md", "$ python -m distmerge import --input hf_model --output titan_ckpt --to torchtitan"): Run(
+        layout={"hf_model": tiny_llama_hf, "qwen2_model": tiny_qwen2_hf}),
     ("import.md", "$ python -m distmerge import --input hf_model --output megatron_ckpt --tp 2 --pp 2"): Run(
         layout={"hf_model": tiny_llama_hf}),
     ("import.md", "$ python -m distmerge import --input qwen3_moe --output moe_ckpt --tp 2 --ep 2"): Run(
@@ -528,6 +537,9 @@ ELSEWHERE: dict[tuple[str, str], str] = {
 }
 
 NOT_RUN: dict[tuple[str, str], str] = {
+    ("import.md", "-m torchtitan.train --module llama3 --config llama3_8b"): (
+        "torchtitan's training script (GPUs, a data set); tests/test_import_torchtitan.py starts a job from the "
+        "folder with torchtitan's own CheckpointManager and its --checkpoint.initial_load_path"),
     ("import.md", "pretrain_gpt.py --load megatron_ckpt --finetune"): (
         "Megatron-LM's training script (GPUs, a data set); tests/test_import_megatron.py loads the folder into "
         "megatron-core's GPTModel as its load_checkpoint does"),

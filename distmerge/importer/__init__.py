@@ -13,4 +13,7 @@ from a merge. The same pipeline, sources and targets swapped:
 
 run.py wires them under the output's lock (output/lock.py), as a merge does. An input that is a training checkpoint
 is merged first, by the merge engine, into a folder beside the output that the phases above then read (source.py).
+`--to torchtitan` runs the same phases with its own plan and finalize (torchtitan_plan.py, torchtitan_run.py): the
+torchtitan table walked backwards (families/torchtitan/inverse.py), each tensor one whole chunk, `step-0/.metadata`
+last.
 """

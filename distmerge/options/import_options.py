@@ -12,7 +12,7 @@ from distmerge.options import Opt
 from distmerge.options.cli_options import _argparse_keywords
 
 IMPORT = ("import",)
-TARGETS = ("megatron",)  # --to: the training layouts import writes
+TARGETS = ("megatron", "torchtitan")  # --to: the training layouts import writes
 
 
 def positive(text: str) -> int:
@@ -35,7 +35,8 @@ ROWS: tuple[tuple[str | None, Opt], ...] = (
     ("output", Opt(name="output", flags=("--output", "-o"), commands=IMPORT, kind=Kind.PATH, required=True,
                    metavar="OUT", help="folder for the training checkpoint (Megatron-LM: pass it as --load)")),
     ("output", Opt(name="to", flags=("--to",), commands=IMPORT, default="megatron", choices=TARGETS,
-                   help="the training layout: megatron (Megatron-LM torch_dist, the default)")),
+                   help="the training layout: megatron (Megatron-LM torch_dist, the default) or torchtitan (a DCP "
+                        "step-0 folder in torchtitan's names, loaded at any world size)")),
     ("output", Opt(name="tp", flags=("--tp",), commands=IMPORT, kind=Kind.VALUE, parse=positive, default="1",
                    metavar="T", help="tensor-parallel size the training job runs with; must divide the attention "
                                      "heads and query groups (default 1)")),

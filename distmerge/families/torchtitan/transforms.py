@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from distmerge.families.transforms import Params
+from distmerge.families.transforms import Params, Segment
 
 
 @dataclass(frozen=True)
@@ -31,3 +31,19 @@ def rope_permute(sources: list[torch.Tensor], heads: int) -> list[torch.Tensor]:
     rows, rest = weight.shape[0], tuple(weight.shape[1:])
     pairs = weight.reshape(heads, rows // heads // 2, 2, *rest)
     return [pairs.transpose(1, 2).reshape(rows, *rest).contiguous()]
+
+
+def rope_interleave_rows(sizes: tuple[int, ...], heads: int) -> tuple[Segment, ...]:
+    """rope_permute's inverse: Hugging Face's rotary halves -> torchtitan's interleaved pairs, as rows of the Hugging
+    Face tensor. Per head of hd rows, torchtitan's row 2i + c is Hugging Face's row c * hd/2 + i (rope_permute's
+    table read the other way):
+
+        [ x0 x1 ... | y0 y1 ... ]   ->   [ x0 y0 | x1 y1 | ... ]
+
+    One segment per row: the pairs are not contiguous in either layout, so a row is the largest run there is.
+    """
+    (rows,) = sizes
+    hd = rows // heads
+    half = hd // 2
+    return tuple(Segment(source=0, start=h * hd + c * half + i, count=1)
+                 for h in range(heads) for i in range(half) for c in (0, 1))

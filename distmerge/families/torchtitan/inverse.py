@@ -1,0 +1,101 @@
+"""Hugging Face tensors -> torchtitan's tensors: the family's table (tables.py) read backwards.
+
+A row says which Hugging Face tensor a torchtitan tensor becomes, and through which transform (family.py walks it
+that way, for a merge). Read from its target to its source, with the transform's inverse (catalog.INVERSES:
+rope_interleave_rows beside rope_permute), the same row says which torchtitan tensor the Hugging Face tensor makes,
+as rows of it (transforms.Segment). Only the names torchtitan 0.3.0 saves are written (the rows of generation
+"0.3" or of both); the forward direction's shape check (family._check_shape) judges each Hugging Face tensor.
+
+torchtitan saves `lm_head.weight` beside `tok_embeddings.weight` when the model ties them (its state dict holds
+both names), so a tied model's head is written as a copy of the embedding: the inverse of family._tie, which
+drops that copy on export.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from distmerge.errors import ConfigError, InputError, LayoutError
+from distmerge.families import base
+from distmerge.families import transforms as tf
+from distmerge.families.base import SourceMeta
+from distmerge.families.megatron.inverse import Imported
+from distmerge.families.torchtitan import family
+from distmerge.families.torchtitan.tables import FAMILIES, Row
+from distmerge.families.torchtitan.transforms import RopePermute
+
+# The architectures whose import is written and tested: torchtitan 0.3.0's dense llama3 and qwen3.
+IMPORTED = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+HEAD, EMBEDDING = family.HEAD, family.EMBEDDING
+
+
+def architecture(config: dict[str, Any]) -> str:
+    """The table's architecture, or ConfigError in one line for a model torchtitan (or this import) lacks."""
+    archs = config.get("architectures") or [config.get("model_type")]
+    try:
+        arch = family.architecture(config)
+    except ConfigError:
+        raise ConfigError(f"config.json's architecture {archs[0]} has no torchtitan model: --to torchtitan writes "
+                          f"{', '.join(IMPORTED)}") from None
+    if arch not in IMPORTED:
+        raise ConfigError(f"config.json's architecture {arch} cannot be imported to torchtitan yet: --to torchtitan "
+                          f"writes {', '.join(IMPORTED)} (MoE and MLA come later)")
+    return arch
+
+
+def torchtitan_tensors(hf: dict[str, SourceMeta], config: dict[str, Any]) -> list[Imported]:
+    """Every torchtitan tensor the Hugging Face tensors `hf` make, in the table's order, layer by layer. A Hugging
+    Face tensor no row takes is refused: nothing is dropped silently."""
+    arch = architecture(config)
+    size = family.sizes(config, arch)
+    _refuse_head_dim(arch, size)
+    tied = base.CAUSAL_LM.ties(config)
+    out: list[Imported] = []
+    taken: set[str] = set()
+    for row in FAMILIES[arch]:
+        if row.gen == "0.2" or row.target is None:
+            continue  # torchtitan 0.3.0 saves the 0.3 names; a row with no target has no Hugging Face tensor
+        for numbers in _numbers(row.target, hf):
+            target = row.target.format(*numbers)
+            taken.add(target)
+            out.append(_imported(row, numbers, hf[target], size))
+        if row.target == HEAD and HEAD not in hf and tied and EMBEDDING in hf:
+            out.append(_imported(row, (), hf[EMBEDDING], size))  # torchtitan's tied head: the embedding again
+    _refuse_untaken(hf, taken, size)
+    return out
+
+
+def _refuse_head_dim(arch: str, size: dict[str, int | None]) -> None:
+    """torchtitan's llama3 has no head_dim of its own: its attention heads are dim / n_heads wide."""
+    hidden, heads, hd = size["hidden"], size["heads"], size["head_dim"]
+    if arch == "LlamaForCausalLM" and hidden and heads and hd != hidden // heads:
+        raise ConfigError(f"config.json's head_dim {hd} is not hidden_size / num_attention_heads = {hidden // heads}: "
+                          "torchtitan's llama3 makes each head dim / n_heads wide, so it cannot hold this model")
+
+
+def _numbers(target: str, hf: dict[str, SourceMeta]) -> list[tuple[int, ...]]:
+    """The layer numbers for which the row's Hugging Face name is among `hf`, in numeric order."""
+    pattern = base.row_pattern(target)
+    return sorted(tuple(int(g) for g in m.groups()) for n in hf if (m := pattern.fullmatch(n)))
+
+
+def _imported(row: Row, numbers: tuple[int, ...], meta: SourceMeta, size: dict[str, int | None]) -> Imported:
+    """One row backwards: the torchtitan tensor made of the rows of one Hugging Face tensor."""
+    name = row.source.format(*numbers)
+    family._check_shape(meta, row.target.format(*numbers) if row.target else name, row, size)
+    params = RopePermute(heads=base.config_int(size, row.heads, "torchtitan")) if row.heads else tf.NO_PARAMS
+    segments = tf.inverse_segments(row.transform, (meta.shape[0],), params)
+    return Imported(name=name, sources=(meta.name,), shape=tuple(meta.shape), dtype=meta.dtype, segments=segments)
+
+
+def _refuse_untaken(hf: dict[str, SourceMeta], taken: set[str], size: dict[str, int | None]) -> None:
+    left = sorted(set(hf) - taken)
+    if left:
+        raise InputError(f"{len(left)} tensor(s) of the model have no torchtitan name ({left[0]}, ...): not a "
+                         "model of this architecture, or one distmerge import does not write yet")
+    layers = {int(m[1]) for n in hf if (m := re.match(r"model\.layers\.(\d+)\.", n))}
+    want = base.config_int(size, "layers", "torchtitan")
+    if layers != set(range(want)):
+        raise LayoutError(f"config.json has {want} layers but the model's tensors have {len(layers)}: "
+                          "config.json is another model's, or files are missing")
