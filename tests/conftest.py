@@ -7,7 +7,6 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 import stat
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from safetensors import safe_open
 from distmerge import catalog
 from distmerge.front.cli import main as distmerge_main
 from tests.helpers import gloo_pool
+from tests.helpers.ports import free_port  # noqa: F401 - the tests' ports (helpers/ports.py)
 
 # Tests call families.base.claim and families.transforms.apply directly, below the places that install the catalog.
 catalog.install()
@@ -174,10 +174,6 @@ def merge_inproc(*args: str) -> int:
         return distmerge_main(["merge", "--quiet", *map(str, args)])
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(nproc: int, *args: str, timeout: float = 240, launcher: tuple[str, ...] = (),

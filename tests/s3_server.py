@@ -13,21 +13,19 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from tests.helpers.ports import free_port
+
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "distmerge-test", "AWS_SECRET_ACCESS_KEY": "distmerge-test",
                "AWS_REGION": "us-east-1"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager
 def s3_server(min_part: int | None = None, log: Path | None = None) -> Iterator[dict[str, str]]:
     """Run the server; yields the environment a client needs (endpoint and credentials). `min_part`: the
     server's smallest multipart part (S3's is 5 MiB), for tests that cut tiny models into several parts."""
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, **CREDENTIALS}
     if min_part is not None:
         env["S3_UPLOAD_PART_MIN_SIZE"] = str(min_part)

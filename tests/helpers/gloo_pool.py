@@ -51,7 +51,9 @@ class Pool:
                 self._start()
             with tempfile.TemporaryDirectory(prefix="gloo-pool-") as tmp:
                 outs = [(Path(tmp) / f"{r}.out", Path(tmp) / f"{r}.err") for r in range(self.world)]
-                request = {"argv": argv, "env": {**env, "MASTER_PORT": str(port)}}
+                # the caller's environment as it is now, as a subprocess would inherit it (a test's monkeypatched
+                # endpoint or token included)
+                request = {"argv": argv, "env": {**os.environ, **env, "MASTER_PORT": str(port)}}
                 try:
                     for proc, (out, err) in zip(self.procs, outs, strict=True):
                         proc.stdin.write(json.dumps({**request, "out": str(out), "err": str(err)}) + "\n")
@@ -121,15 +123,16 @@ def _readline(proc: subprocess.Popen, timeout: float) -> str:
 def serve(rank: int, world: int) -> None:
     """Answer each request line on stdin with {"code": exit status} on the stdout it was started with; the command's
     own output goes to the request's files (fd 1 and 2 redirected, as a torchrun worker's go to its log)."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(world))
+    own = {**LAUNCH_ENV, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+           "LOCAL_WORLD_SIZE": str(world), "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world)}
+    os.environ.update(own)
     from distmerge.front.cli import main  # imported once: torch, the formats, the families
 
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # between commands, a stray print must not read as an answer
     for line in sys.stdin:
         request = json.loads(line)
-        with _environment(request["env"]), _output_to(request["out"], request["err"]):
+        with _environment({**request["env"], **own}), _output_to(request["out"], request["err"]):
             code = _run(main, request["argv"])
         answers.write(json.dumps({"code": code}) + "\n")
         answers.flush()
@@ -149,7 +152,9 @@ def _run(main, argv: list[str]) -> int:
 
 @contextlib.contextmanager
 def _environment(env: dict[str, str]):
+    """Exactly `env` while the command runs (a subprocess's), then the process's own again."""
     before = dict(os.environ)
+    os.environ.clear()
     os.environ.update(env)
     try:
         yield
