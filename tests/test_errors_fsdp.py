@@ -92,7 +92,7 @@ def test_failure_on_one_rank_stops_every_rank(ckpt, tmp_path):
     """Rank 1 reads a truncated file: both ranks exit non-zero with the same message, no index."""
     victim = ckpt / "model_world_size_4_rank_1.pt"
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
-    run = torchrun(2, "merge", "--input", ckpt, "--output", tmp_path / "out", "--quiet", timeout=120)
+    run = torchrun(2, "merge", "--input", ckpt, "--output", tmp_path / "out", "--quiet", timeout=120, real=True)
     assert run.returncode != 0
     errors = [line for line in run.stderr.splitlines() if line.startswith("distmerge: error:")]
     assert len(errors) == 1 and "model_world_size_4_rank_1.pt" in errors[0], run.stderr[-2000:]
@@ -107,7 +107,7 @@ def test_failure_on_one_rank_stops_every_rank(ckpt, tmp_path):
 def test_torchrun_shows_the_error_once_and_as_its_root_cause(args, line, tmp_path):
     """Made to fail first: every rank printed the error (and argparse's usage), torchrun's summary said
     "To enable traceback see ...", and a third of failed runs aborted at exit (SIGABRT) instead of exit 1."""
-    run = torchrun(2, "merge", *args, "--output", tmp_path / "out", timeout=120)
+    run = torchrun(2, "merge", *args, "--output", tmp_path / "out", timeout=120, real=True)
     assert run.returncode != 0
     ours = [s for s in run.stderr.splitlines() if "error:" in s and s.startswith("distmerge")]
     assert len(ours) == 1 and ours[0].startswith(line), run.stderr[-3000:]

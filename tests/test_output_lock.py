@@ -101,7 +101,8 @@ def test_under_torchrun_every_rank_learns_the_output_is_held(fsdp_ckpts, tmp_pat
     first = start(fsdp_ckpts[A], out, *SLOW, delay=1.0)  # still writing once torchrun has started (seconds)
     try:
         wait_for(lambda: (out / LOCK).exists(), first)
-        run = torchrun(2, "merge", "--quiet", "--input", fsdp_ckpts[B], "--output", out, *SLOW, "--resume")
+        run = torchrun(2, "merge", "--quiet", "--input", fsdp_ckpts[B], "--output", out, *SLOW, "--resume",
+                       real=True)
         assert first.poll() is None, "the first merge ended before the second began: slow it down"
     finally:
         first.kill()  # that the first one finishes with its model: the test above

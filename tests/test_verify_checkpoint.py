@@ -189,7 +189,8 @@ def test_two_processes_name_a_changed_element(fsdp_ckpts, tmp_path):
     bad = bumped_reference(reference_dir(ckpt), tmp_path / "bad", name)
     # a small budget: many rounds, each packed into the send buffer the round before went out from (exchange.py,
     # send_sets=1): a round packed over one still in flight would change the other tensors' bytes too
-    run = torchrun(2, "verify", "--merged", ckpt, "--reference", bad, "--device", "cpu", "--budget", "64KiB")
+    run = torchrun(2, "verify", "--merged", ckpt, "--reference", bad, "--device", "cpu", "--budget", "64KiB",
+                   real=True)
     assert run.returncode != 0
     lines = [line for line in run.stdout.splitlines() if line.startswith("verify:")]
     assert lines == [f"verify: FAIL 1 of 21 tensors: {name} (values differ: max abs 0.01)"], run.stdout

@@ -62,7 +62,7 @@ def test_test_command_two_processes_writes_nothing(fsdp_ckpts, tmp_path):
     repo = (sorted(os.listdir(REPO)), os.stat(REPO).st_mtime_ns)  # torchrun's working directory
     good = torchrun(2, "test", "--backend", "fsdp", "--local_dir", ckpt, "--test_hf_dir", reference_dir(ckpt))
     assert good.returncode == 0 and good.stdout.splitlines()[-1] == "verify: PASS 21 tensors bit-exact", good.stdout
-    failed = torchrun(2, "test", "--backend", "fsdp", "--local_dir", ckpt, "--test_hf_dir", bad)
+    failed = torchrun(2, "test", "--backend", "fsdp", "--local_dir", ckpt, "--test_hf_dir", bad, real=True)
     assert failed.returncode != 0
     verdict = [line for line in failed.stdout.splitlines() if line.startswith("verify:")]
     assert verdict == [f"verify: FAIL 1 of 21 tensors: {name} (values differ: max abs 0.01)"], failed.stdout
