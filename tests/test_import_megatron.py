@@ -6,10 +6,6 @@ Every dense family is also written at TP=2 x PP=2; megatron-core loads all the f
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,9 +14,9 @@ from safetensors.torch import load_file
 
 from distmerge import catalog
 from distmerge.families import transforms as tf
-from distmerge.front.cli import main as distmerge_main
-from tests.conftest import REPO, free_port, input_untouched, load_merged, merge_inproc, torchrun
+from tests.conftest import input_untouched, load_merged, merge_inproc, torchrun
 from tests.fixtures import megatron_models as mm
+from tests.helpers.importing import folder_bytes, import_inproc, load_with, padded_vocab
 
 # (family, TP, PP) each model is imported at: GQA (4 heads, 2 groups) split over TP; tied embeddings and q/k/v
 # biases over two pipeline stages; q/k layernorm with a head_dim that is not hidden/heads; and every family at
@@ -33,10 +29,6 @@ DIVISIBLE_BY = {"qwen3": 96}
 LOAD_WORLD = 4  # one megatron-core job loads every case: TP x PP of each divides it, the rest is data parallel
 
 
-def padded_vocab(vocab: int, tp: int, divisible_by: int) -> int:
-    """Megatron-LM's _vocab_size_with_padding: up to a multiple of divisible_by x TP."""
-    multiple = divisible_by * tp
-    return -(-vocab // multiple) * multiple
 
 
 def written_name(family: str, tp: int, pp: int) -> str:
@@ -54,8 +46,6 @@ def hf_models(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-def import_inproc(*args: object) -> int:
-    return distmerge_main(["import", "--quiet", *map(str, args)])
 
 
 @pytest.fixture(scope="module")
@@ -72,16 +62,6 @@ def imported(hf_models, tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-def load_in_megatron(nproc: int, cases: list[str], result: Path) -> dict:
-    """tests/fixtures/load_megatron_import.py under torchrun: megatron-core's own load of each case."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--nnodes", "1",
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           str(REPO / "tests" / "fixtures" / "load_megatron_import.py"), "--result", str(result),
-           *[a for c in cases for a in ("--case", c)]]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env, cwd=REPO)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(result.read_text())
 
 
 def at_written(family: str, tp: int, pp: int, imported: dict[str, Path], hf_models: dict[str, Path]) -> str:
@@ -98,7 +78,7 @@ def at_tp1(family: str, tp: int, pp: int, imported: dict[str, Path], hf_models: 
 def loads(imported, hf_models, tmp_path_factory) -> dict:
     """Every folder loaded by megatron-core at its written layout and at TP=1 x PP=1: one torchrun job."""
     cases = [make(*w, imported, hf_models) for w in WRITTEN for make in (at_written, at_tp1)]
-    return load_in_megatron(LOAD_WORLD, cases, tmp_path_factory.mktemp("loads") / "result.json")
+    return load_with("load_megatron_import.py", LOAD_WORLD, cases, tmp_path_factory.mktemp("loads") / "result.json")
 
 
 @pytest.mark.parametrize(("family", "tp", "pp"), WRITTEN)
@@ -133,8 +113,6 @@ def test_merged_back_it_is_the_source(imported, hf_models, tmp_path, family, tp,
         assert merged[name].dtype == tensor.dtype and torch.equal(merged[name], tensor), name
 
 
-def folder_bytes(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def test_two_processes_write_what_one_writes(hf_models, tmp_path):

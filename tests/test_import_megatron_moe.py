@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from tests.conftest import input_untouched, load_merged, merge_inproc, reference_dir, torchrun
 from tests.fixtures import megatron_models as mm
-from tests.test_import_megatron import folder_bytes, import_inproc, load_in_megatron, padded_vocab
+from tests.helpers.importing import folder_bytes, import_inproc, load_with, padded_vocab
 
 # (family, TP, PP, EP) each model is imported at: one expert per EP rank; over EP with the expert TP = TP = 2 and a
 # shared expert split by TP; over EP with two pipeline stages (Mixtral's block_sparse_moe.experts.{e}.w1/w3/w2)
@@ -88,7 +88,7 @@ def loads(imported, hf_models, from_legacy, megatron_ckpts, tmp_path_factory) ->
     """Every folder loaded by megatron-core at its written layout and at TP = PP = EP = 1: one torchrun job."""
     cases = [make(*w, imported, hf_models) for w in WRITTEN for make in (at_written, at_one)]
     cases += legacy_cases(from_legacy, megatron_ckpts)
-    return load_in_megatron(LOAD_WORLD, cases, tmp_path_factory.mktemp("loads") / "result.json")
+    return load_with("load_megatron_import.py", LOAD_WORLD, cases, tmp_path_factory.mktemp("loads") / "result.json")
 
 
 @pytest.mark.parametrize(("family", "tp", "pp", "ep"), WRITTEN)

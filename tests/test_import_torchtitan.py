@@ -6,10 +6,6 @@ N=1 and N=2, and a family torchtitan lacks is refused in one line with nothing w
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,9 +14,10 @@ from safetensors.torch import load_file
 
 from distmerge import catalog
 from distmerge.families import transforms as tf
-from distmerge.front.cli import main as distmerge_main
-from tests.conftest import REPO, free_port, input_untouched, load_merged, merge_inproc, torchrun
+from tests.conftest import input_untouched, load_merged, merge_inproc, torchrun
 from tests.fixtures import megatron_models as mm
+from tests.helpers.importing import folder_bytes, load_with
+from tests.helpers.importing import import_inproc as _import
 
 # family (as the loader script spells it) -> the seeded tiny transformers model: Llama with GQA (4 heads, 2 query
 # groups, rotary pairs to interleave); Qwen3 with q/k norm and head_dim 32 != 64 / 4; Qwen3 with tied embeddings
@@ -46,8 +43,6 @@ def hf_models(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-def import_inproc(*args: object) -> int:
-    return distmerge_main(["import", "--quiet", "--to", "torchtitan", *map(str, args)])
 
 
 @pytest.fixture(scope="module")
@@ -62,22 +57,12 @@ def imported(hf_models, tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-def load_in_torchtitan(nproc: int, cases: list[str], result: Path) -> dict:
-    """tests/fixtures/load_torchtitan_import.py under torchrun: torchtitan's own start from each folder."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--nnodes", "1",
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           str(REPO / "tests" / "fixtures" / "load_torchtitan_import.py"), "--result", str(result),
-           *[a for c in cases for a in ("--case", c)]]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env, cwd=REPO)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(result.read_text())
 
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_torchtitan_starts_from_it(imported, hf_models, tmp_path, world):
     cases = {c: f"{MODELS[c][0]}:{imported[c]}:{hf_models[c]}" for c in MODELS}
-    results = load_in_torchtitan(world, list(cases.values()), tmp_path / "result.json")
+    results = load_with("load_torchtitan_import.py", world, list(cases.values()), tmp_path / "result.json")
     for case, spec in cases.items():
         got = results[spec]
         assert got["loaded"] and got["keys_equal"], (case, got)
@@ -90,7 +75,7 @@ def test_torchtitan_resumes_from_it_as_its_checkpoint_folder(imported, hf_models
     """The other start docs/import.md gives: the folder as the job's checkpoint folder, its step-0 found by
     torchtitan's own scan and loaded as model weights only."""
     spec = f"llama:{imported['llama']}:{hf_models['llama']}:folder"
-    got = load_in_torchtitan(1, [spec], tmp_path / "result.json")[spec]
+    got = load_with("load_torchtitan_import.py", 1, [spec], tmp_path / "result.json")[spec]
     assert got["loaded"] and got["keys_equal"] and got["mismatched"] == [] and got["checked"] == ENTRIES["llama"]
 
 
@@ -104,8 +89,6 @@ def test_merged_back_it_is_the_source(imported, hf_models, tmp_path, case):
         assert merged[name].dtype == tensor.dtype and torch.equal(merged[name], tensor), name
 
 
-def folder_bytes(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def test_two_processes_write_what_one_writes(hf_models, tmp_path):
@@ -174,3 +157,9 @@ def test_rope_interleave_rows_undoes_rope_permute():
         assert torch.equal(tf.apply("rope_permute", [tt], RopePermute(heads=heads))[0], hf)
         for lo, hi in ((0, 1), (1, tt.shape[0] - 1), (3, tt.shape[0])):
             assert torch.equal(tf.gather_rows([hf], tf.narrow(segments, lo, hi)), tt[lo:hi]), (heads, lo, hi)
+
+
+def import_inproc(*args: object) -> int:
+    """`distmerge import --to torchtitan ARGS` in this process."""
+    return _import("--to", "torchtitan", *args)
+

@@ -344,3 +344,18 @@ def test_a_context_variable_is_touched_only_by_its_module():
     touched = sorted(f"{p.relative_to(PACKAGE.parent)}: {name}" for name, owner in owners.items()
                      for p in mods.values() if p != owner and re.search(rf"\b{name}\b", p.read_text()))
     assert touched == []
+
+
+def test_no_test_module_imports_another():
+    """Shared test code lives in tests/helpers/ (or conftest.py fixtures): a test module imported by another runs its
+    module-level setup twice and ties the two files' fates together. Seen to fail: test_import_megatron_moe.py
+    imported four helpers from test_import_megatron.py."""
+    tests = Path(__file__).resolve().parent
+    found = []
+    for path in sorted(tests.glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else (
+                [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            found += [f"{path.name}: {n}" for n in names if n.split(".")[-1].startswith("test_")
+                      and n.startswith("tests.")]
+    assert found == [], found
