@@ -41,6 +41,7 @@ INVERSES = (
     (transforms.identity, transforms.identity_rows), (transforms.trim_rows, transforms.pad_rows),
     (megatron_transforms.split_qkv, megatron_transforms.fuse_qkv_rows),
     (megatron_transforms.split_gate_up, megatron_transforms.fuse_gate_up_rows),
+    (megatron_transforms.mla_rope_halves, megatron_transforms.mla_rope_pairs_rows),
     (torchtitan_transforms.rope_permute, torchtitan_transforms.rope_interleave_rows),
 )
 # Transforms made in steps (engine/fold.py assembles a unit naming one a group at a time).

@@ -67,7 +67,8 @@ def check_layout(config: dict, layout: Layout) -> tuple[inverse.Sizes, dl.Grid]:
     """The model's sizes and the layout's grid, after the refusals config.json alone decides (an architecture not
     written, a TP, PP or EP that does not divide the heads, layers or experts)."""
     sizes = inverse.sizes(config, layout.tp, layout.divisible_by)
-    grid = dl.Grid(tp=layout.tp, pp=layout.pp, layers=sizes.layers, ep=layout.ep, experts=sizes.experts)
+    grid = dl.Grid(tp=layout.tp, pp=layout.pp, layers=sizes.layers, ep=layout.ep, experts=sizes.experts,
+                   per_layer=sizes.per_layer)
     dl.check_grid(grid)
     return sizes, grid
 

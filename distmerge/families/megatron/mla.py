@@ -30,6 +30,7 @@ MLA = "mla"  # the table's transform name for every MLA projection: resolved her
 
 Sizes = dict[str, int | None]
 MTP_SOURCE = re.compile(r"^mtp\.layers\.(\d+)\.(.*)$")
+MEGATRON_LAYER = re.compile(r"^(decoder|mtp)\.layers\.(\d+)\.(.*)$")
 
 
 def _sizes(config: dict[str, Any]) -> Sizes:
@@ -102,6 +103,17 @@ def mtp_aliases(names: Collection[str], config: dict[str, Any], has_rows: bool) 
         layer = next((p for p in MTP_LAYERS if rest.startswith(p)), None)
         out[name] = f"decoder.layers.{number}.{rest[len(layer):]}" if layer else f"mtp.layers.{number}.{rest}"
     return out
+
+
+def mtp_megatron_name(name: str, layers: int) -> str:
+    """mtp_aliases backwards, for the import: the name a decoder row makes for Hugging Face layer
+    num_hidden_layers + j -> megatron-core 0.16's name in MTP block j (`mtp.layers.{j}.transformer_layer.*`), and
+    an MTP row's (`mtp.layers.{num_hidden_layers + j}.*`) -> `mtp.layers.{j}.*`; any other name as it is."""
+    m = MEGATRON_LAYER.match(name)
+    if m is None or int(m[2]) < layers:
+        return name
+    inner = MTP_LAYERS[0] if m[1] == "decoder" else ""
+    return f"mtp.layers.{int(m[2]) - layers}.{inner}{m[3]}"
 
 
 def rope_interleaved(config: dict[str, Any]) -> bool:

@@ -97,3 +97,20 @@ def mla_rope_halves(sources: list[torch.Tensor], heads: int, keep: int, rope: in
     blocks = weight.reshape(heads, keep + rope, *rest)
     pairs = blocks[:, keep:].reshape(heads, rope // 2, 2, *rest).transpose(1, 2).reshape(heads, rope, *rest)
     return [torch.cat([blocks[:, :keep], pairs], dim=1).reshape(weight.shape).contiguous()]
+
+
+def mla_rope_pairs_rows(sizes: tuple[int, ...], heads: int, keep: int, rope: int) -> tuple[Segment, ...]:
+    """mla_rope_halves' inverse: a Hugging Face projection whose rope rows rotate halves (source 0) -> megatron-core's
+    interleaved pairs. Per head, the keep rows as they are, then rope row 2i from half row i and 2i + 1 from
+    half row rope/2 + i:
+
+        [ keep rows | x0 x1 ... | y0 y1 ... ]   ->   [ keep rows | x0 y0 x1 y1 ... ]
+    """
+    block, half = keep + rope, rope // 2
+    out: list[Segment] = []
+    for h in range(heads):
+        rope_at = h * block + keep
+        out.append(Segment(source=0, start=h * block, count=keep))
+        for i in range(half):
+            out += [Segment(source=0, start=rope_at + i, count=1), Segment(source=0, start=rope_at + half + i, count=1)]
+    return tuple(out)

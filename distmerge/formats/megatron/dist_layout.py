@@ -26,6 +26,13 @@ Facts from megatron-core 0.16.1's own saves of GPTModel (tests/fixtures/make_meg
                                     {num_layers}.{num_experts}`, saved by its EP rank
     files                           `__{rank}_{k}.distcp`, rank = tp + TP x ep + TP x EP x pp (megatron-core's
                                     default order tp-cp-ep-dp-pp, data parallel size EP): what a rank saved
+    layers saved alone              a decoder whose layers differ (DeepSeek-V3's first dense layers before the MoE
+                                    ones: moe_layer_freq a list, TransformerBlock's non_homogeneous_layers) saves
+                                    each layer under its own keys, unstacked: decoder.layers.{i}.X, an expert's
+                                    decoder.layers.{i}.mlp.experts.experts.X of global shape (num_experts, *shape)
+                                    at offset e, _extra_state `shard_0_1` (an expert's `shard_{e}_{num_experts}`);
+                                    multi-token prediction layers (mtp.layers.{j}.*, on the last stage) always so
+                                    (tests/fixtures/make_megatron_mla.py's saves)
 
 The file names and their contents depend only on the layout (TP, PP, EP), never on how many processes write them.
 """
@@ -40,6 +47,7 @@ from distmerge.formats.megatron.layout import LAYER, SEQUENTIAL_EXPERT, tp_split
 
 EXTRA_STATE_OBJECT = [None]  # the data of a linear module's _extra_state object as megatron-core saves it (local spec)
 EXPERTS_KEY = "mlp.experts.experts."  # where megatron-core 0.16's save puts the stacked experts, after decoder.layers.
+MTP_LAYER = re.compile(r"^mtp\.layers\.\d+\.")  # a multi-token prediction layer's tensor (megatron-core's name)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,6 +57,7 @@ class Grid:
     layers: int
     ep: int = 1
     experts: int = 0  # routed experts per MoE layer (0: a dense model)
+    per_layer: bool = False  # the decoder's layers are saved each on its own (the docstring's "layers saved alone")
 
     def stage(self, name: str) -> int:
         """The pipeline stage that holds the tensor `name` (global layer numbers)."""
@@ -112,11 +121,18 @@ def stacked(name: str, shape: tuple[int, ...], grid: Grid) -> tuple[str, tuple[i
     """(key, global shape, offset prefix) of a tensor in the save: a layer's tensors stacked over the layers, an
     expert's over the layers and the experts."""
     m = LAYER.match(name)
-    if m is None:
-        return name, shape, ()
-    if (expert := expert_of(m[3])) is not None:
-        return f"{m[1]}{EXPERTS_KEY}{expert[2][1:]}", (grid.layers, grid.experts, *shape), (int(m[2]), expert[1])
-    return f"{m[1]}{m[3][1:]}", (grid.layers, *shape), (int(m[2]),)
+    if m is not None and not grid.per_layer:
+        if (expert := expert_of(m[3])) is not None:
+            return f"{m[1]}{EXPERTS_KEY}{expert[2][1:]}", (grid.layers, grid.experts, *shape), (int(m[2]), expert[1])
+        return f"{m[1]}{m[3][1:]}", (grid.layers, *shape), (int(m[2]),)
+    if (expert := expert_of(name)) is not None:  # a layer saved alone: its experts stacked over the experts only
+        return alone_experts_key(expert), (grid.experts, *shape), (expert[1],)
+    return name, shape, ()
+
+
+def alone_experts_key(expert: tuple[str, int, str]) -> str:
+    """The key of an expert's tensor in a layer saved alone (expert_of's parts): `...mlp.experts.experts.X`."""
+    return f"{expert[0].removesuffix('local_experts.')}experts{expert[2]}"
 
 
 def chunks(name: str, shape: tuple[int, ...], parts: int, grid: Grid) -> list[Chunk]:
@@ -153,7 +169,11 @@ def extra_state_objects(names: list[str], grid: Grid) -> list[ObjectChunk]:
     out = []
     for name in names:
         m = LAYER.match(name)
-        if m is None or not name.endswith(".weight") or tp_split_dim(name) is None:
+        if not name.endswith(".weight") or tp_split_dim(name) is None or not (m or MTP_LAYER.match(name)):
+            continue
+        if m is None or grid.per_layer:
+            out.append(ObjectChunk(key=alone_extra_state_key(name, grid), rank=grid.rank(0, grid.stage(name),
+                                                                                         grid.ep_rank(name))))
             continue
         layer, module = int(m[2]), m[3][1:].removesuffix(".weight")
         if (expert := expert_of(m[3])) is None:
@@ -163,6 +183,14 @@ def extra_state_objects(names: list[str], grid: Grid) -> list[ObjectChunk]:
             key = f"{m[1]}{EXPERTS_KEY}{fc}._extra_state/shard_{layer}.{expert[1]}_{grid.layers}.{grid.experts}"
         out.append(ObjectChunk(key=key, rank=grid.rank(0, grid.stage(name), grid.ep_rank(name))))
     return out
+
+
+def alone_extra_state_key(name: str, grid: Grid) -> str:
+    """The _extra_state key of a linear module in a layer saved alone: its one shard, an expert's of the experts."""
+    if (expert := expert_of(name)) is None:
+        return f"{name.removesuffix('.weight')}._extra_state/shard_0_1"
+    module = alone_experts_key(expert).removesuffix(".weight")
+    return f"{module}._extra_state/shard_{expert[1]}_{grid.experts}"
 
 
 def file_name(rank: int) -> str:
