@@ -344,6 +344,13 @@ def tiny_qwen3_moe_hf(dst: Path, request) -> None:
     mm.build_hf_model(mm.FAMILIES["qwen3_moe"]).save_pretrained(dst, safe_serialization=True)
 
 
+def tiny_deepseek_v3_hf(dst: Path, request) -> None:
+    """docs/import.md's deepseek_v3: the tiny DeepSeek-V3 with its MTP layer (tests/helpers/importing.py)."""
+    from tests.helpers.importing import save_tiny_deepseek_v3
+
+    save_tiny_deepseek_v3(dst)
+
+
 def tiny_qwen2_hf(dst: Path, request) -> None:
     """docs/import.md's qwen2_model: the Megatron fixtures' seeded tiny Qwen2 (a family torchtitan lacks)."""
     from tests.fixtures import megatron_models as mm
@@ -352,6 +359,8 @@ def tiny_qwen2_hf(dst: Path, request) -> None:
 
 
 RUN: dict[tuple[str, str], Run] = {
+    ("import.md", "$ python -m distmerge import --input deepseek_v3 --output dsv3_ckpt --tp 2 --ep 2"): Run(
+        layout={"deepseek_v3": tiny_deepseek_v3_hf}),
     ("import.md", "$ python -m distmerge import --input hf_model --output titan_ckpt --to torchtitan"): Run(
         layout={"hf_model": tiny_llama_hf, "qwen2_model": tiny_qwen2_hf}),
     ("import.md", "$ python -m distmerge import --input hf_model --output megatron_ckpt --tp 2 --pp 2"): Run(

@@ -153,7 +153,7 @@ def test_a_folder_that_is_not_a_model_is_refused(tmp_path, capsys):
 def test_each_inverse_undoes_its_transform():
     """The import's inverses (catalog.INVERSES) against the export's transforms: forward(inverse(x)) == x, and a
     block of target rows read through `narrow` equals the same rows of the whole target."""
-    from distmerge.families.megatron.transforms import SplitGateUp, SplitQkv
+    from distmerge.families.megatron.transforms import MlaRopeHalves, SplitGateUp, SplitQkv
 
     catalog.install()
     gen = torch.Generator().manual_seed(0)
@@ -161,7 +161,8 @@ def test_each_inverse_undoes_its_transform():
              ("split_gate_up", [(6, 3), (6, 3)], SplitGateUp(shards=1), {}),
              ("split_gate_up", [(6, 3), (6, 3)], SplitGateUp(shards=3), {}),
              ("trim_rows", [(5, 3)], tf.TrimRows(rows=5), {"padded": 8}),
-             ("identity", [(5, 3)], tf.NO_PARAMS, {})]
+             ("identity", [(5, 3)], tf.NO_PARAMS, {}),
+             ("mla_rope_halves", [(2 * (3 + 4), 3)], MlaRopeHalves(heads=2, keep=3, rope=4), {})]
     for name, shapes, params, extra in cases:
         sources = [torch.randn(s, generator=gen) for s in shapes]
         segments = tf.inverse_segments(name, tuple(s[0] for s in shapes), params, **extra)

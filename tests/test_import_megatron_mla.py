@@ -6,80 +6,34 @@ every parameter the source's, and its `.metadata` has the keys, shapes and chunk
 the loaded model. Merged back, each folder is the source byte for byte; two processes write the bytes one writes; a
 TP that does not divide the heads is refused in one line with nothing written.
 
-The source: a seeded tiny DeepseekV3ForCausalLM (tests/fixtures/make_megatron_mla.py's: hidden 64, 4 layers with
-first_k_dense_replace=1, 4 routed experts, q_lora_rank 48, norms and e_score_correction_bias random) saved by
-save_pretrained, plus one MTP layer: transformers builds no module for MTP layers (DeepseekV3ForCausalLM ignores
-model.layers.61.* on load), so they are written here under the names of DeepSeek-V3's published checkpoint
-(deepseek-ai/DeepSeek-V3 README_WEIGHTS.md and model.safetensors.index.json: MTP module j is model.layers.
-{num_hidden_layers + j}.{enorm, hnorm, eh_proj, shared_head.norm, a decoder layer's tensors, embed_tokens and
-shared_head.head copying the main model's}).
+The source: tests/helpers/importing.save_tiny_deepseek_v3, a seeded tiny DeepseekV3ForCausalLM saved by
+save_pretrained plus one MTP layer under the names of DeepSeek-V3's published checkpoint.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
 
 from tests.conftest import input_untouched, merge_inproc, torchrun
-from tests.fixtures import make_megatron_mla as fx
-from tests.helpers.importing import folder_bytes, import_inproc, load_with, padded_vocab
+from tests.helpers.importing import folder_bytes, import_inproc, load_with, padded_vocab, save_tiny_deepseek_v3
 
 # (TP, PP, EP) the model is imported at: whole; experts over EP beside TP; TP x PP with the MTP layer on the last
 # stage
 WRITTEN = ((1, 1, 1), (2, 1, 2), (2, 2, 1))
 LOAD_WORLD = 4
-LAYERS, HIDDEN = fx.HF["num_hidden_layers"], fx.HF["hidden_size"]
-
-
-def mtp_layer(tensors: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
-    """MTP layer num_hidden_layers as DeepSeek-V3's checkpoint names it: a decoder layer shaped as the last one
-    (new seeded values, norms near 1), its own parts, and the copies of the embedding and output head."""
-    gen = torch.Generator().manual_seed(seed)
-    last, mtp = f"model.layers.{LAYERS - 1}.", f"model.layers.{LAYERS}."
-
-    def values(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        return (1.0 if "norm" in name else 0.0) + 0.1 * torch.randn(shape, generator=gen)
-
-    out = {mtp + n[len(last):]: values(n, tuple(t.shape)) for n, t in sorted(tensors.items()) if n.startswith(last)}
-    own = {"enorm.weight": (HIDDEN,), "hnorm.weight": (HIDDEN,), "eh_proj.weight": (HIDDEN, 2 * HIDDEN),
-           "shared_head.norm.weight": (HIDDEN,)}
-    out |= {mtp + n: values(n, shape) for n, shape in own.items()}
-    out[mtp + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
-    out[mtp + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
-    return out
-
-
-def save_source(root: Path, rope_interleave: bool = True) -> Path:
-    """The seeded model saved by save_pretrained, its MTP layer added to model.safetensors as save_pretrained
-    writes a file (safetensors, format pt)."""
-    import transformers
-
-    torch.manual_seed(fx.mm.SEED)
-    model = fx.build_hf_model(fx.MlaCase(1, 1, "torch_dist", mtp=1))
-    model.config.rope_interleave = rope_interleave
-    model.save_pretrained(root, safe_serialization=True)
-    assert isinstance(model, transformers.DeepseekV3ForCausalLM)
-    tensors = load_file(str(root / "model.safetensors"))
-    assert not any(n.startswith(f"model.layers.{LAYERS}.") for n in tensors)  # transformers wrote no MTP layer
-    save_file(tensors | mtp_layer(tensors, fx.mm.SEED + 2), str(root / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((root / "config.json").read_text())
-    assert config["num_nextn_predict_layers"] == 1 and config["first_k_dense_replace"] == 1
-    return root
 
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory) -> Path:
-    return save_source(tmp_path_factory.mktemp("hf") / "deepseek_v3")
+    return save_tiny_deepseek_v3(tmp_path_factory.mktemp("hf") / "deepseek_v3")
 
 
 @pytest.fixture(scope="module")
 def halves(tmp_path_factory) -> Path:
     """The same model with rope_interleave false: its rope rows rotate halves, megatron-core's pairs."""
-    return save_source(tmp_path_factory.mktemp("hf") / "deepseek_v3_halves", rope_interleave=False)
+    return save_tiny_deepseek_v3(tmp_path_factory.mktemp("hf") / "deepseek_v3_halves", rope_interleave=False)
 
 
 def name(tp: int, pp: int, ep: int) -> str:
