@@ -12,6 +12,8 @@ save_pretrained plus one MTP layer under the names of DeepSeek-V3's published ch
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -120,4 +122,35 @@ def test_a_tp_that_does_not_divide_the_heads_is_refused(source, tmp_path, capsys
         assert import_inproc("--input", source, "--output", out, "--tp", 3) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--tp 3 does not divide the model's 4 attention heads" in err[0], err
+    assert not out.exists()
+
+
+def edited(source: Path, dst: Path, config: dict, drop: str | None) -> Path:
+    """A copy of the source with config.json's fields `config` changed and the tensor `drop` left out."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, dst)
+    (dst / "config.json").write_text(json.dumps(json.loads((source / "config.json").read_text()) | config))
+    tensors = load_file(str(dst / "model.safetensors"))
+    save_file({n: t for n, t in tensors.items() if n != drop}, str(dst / "model.safetensors"),
+              metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize(("config", "drop", "words"), [
+    ({"first_k_dense_replace": 2}, None,
+     "layer 1 has experts, but config.json's first_k_dense_replace 2 makes it dense"),
+    ({"first_k_dense_replace": 0}, None, "layer 0 of the model has no experts while config.json has 4"),
+    ({}, "model.layers.4.enorm.weight", "multi-token prediction layer 4 (model.layers.4.*) differs from the last "
+                                        "decoder layer or lacks its own parts at enorm.weight"),
+    ({"num_nextn_predict_layers": 0}, None, "config.json has 4 layers but the model's tensors have 5"),
+])
+def test_layers_that_do_not_route_as_config_json_says_are_refused(source, tmp_path, capsys, config, drop, words):
+    """The dense/MoE boundary and the MTP layers are config.json's: a model whose tensors say otherwise is refused
+    in one line, nothing written (a folder written would not load, or load another model)."""
+    model = edited(source, tmp_path / "model", config, drop)
+    out = tmp_path / "out"
+    assert import_inproc("--input", model, "--output", out) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0], err
     assert not out.exists()

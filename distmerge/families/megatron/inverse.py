@@ -214,15 +214,17 @@ def _forward(row: Row, name: str, first: SourceMeta, config: dict[str, Any]) -> 
 
 
 def _refuse_untaken(hf: dict[str, SourceMeta], taken: set[str], size: Sizes, extra: range) -> None:
-    left = sorted(set(hf) - taken)
-    if left:
-        raise InputError(f"{len(left)} tensor(s) of the model have no Megatron name ({left[0]}, ...): not a "
-                         f"model of this architecture, or one distmerge import does not write yet")
+    """The layers first (a layer config.json does not count says more than the names it leaves untaken), then any
+    tensor no row took."""
     layers = {int(m[1]) for n in hf if (m := HF_LAYER.match(n))}
     if layers != set(range(size.layers)) | set(extra):
         mtps = f" and {len(extra)} multi-token prediction layer(s)" if extra else ""
         raise LayoutError(f"config.json has {size.layers} layers{mtps} but the model's tensors have "
                           f"{len(layers)}: config.json is another model's, or files are missing")
+    left = sorted(set(hf) - taken)
+    if left:
+        raise InputError(f"{len(left)} tensor(s) of the model have no Megatron name ({left[0]}, ...): not a "
+                         f"model of this architecture, or one distmerge import does not write yet")
 
 
 def _check_moe_layers(made: list[Imported], size: Sizes, extra: range) -> None:
