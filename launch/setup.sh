@@ -10,21 +10,19 @@ if [ ! -x .venv/bin/python ]; then
 fi
 log=.venv/setup.log
 quiet() { "$@" >"$log" 2>&1 || { cat "$log"; echo "setup failed: $*" >&2; exit 1; }; }
-quiet .venv/bin/python -m pip install --upgrade pip
-quiet .venv/bin/python -m pip install "$TORCH_SPEC"
-# '.[test]' includes matplotlib, which the tests of `verify --plot` need (the 'plot' extra, optional for users), and
-# compressed-tensors, which `--quantize fp8-channel`, `nvfp4` and `mxfp4` need and their tests read the output back
-# with (the 'quantize' extra),
-# and moto's S3 server, which tests/test_s3.py starts on 127.0.0.1 for the object-store tests (boto3: the 's3' extra)
-quiet .venv/bin/python -m pip install -e '.[test,plot,quantize,s3]'
-# The Megatron test fixtures save real checkpoints with megatron-core; --no-deps keeps the pinned torch
-# (its import needs only numpy and packaging, which the line above brought).
-quiet .venv/bin/python -m pip install --no-deps "${MEGATRON_SPEC:-megatron-core==0.16.1}"
+. launch/installer.sh  # install_into: uv, with torch kept the CPU build
+# '.[test,plot,quantize,s3]' includes matplotlib, which the tests of `verify --plot` need (the 'plot' extra, optional for
+# users), compressed-tensors, which `--quantize fp8-channel`, `nvfp4` and `mxfp4` need and their tests read the output
+# back with (the 'quantize' extra), and moto's S3 server, which tests/test_s3.py starts on 127.0.0.1 for the
+# object-store tests (boto3: the 's3' extra).
 # The DeepSpeed fixtures save real ZeRO checkpoints with DeepSpeed's engine and the HF Trainer (without its
-# shared-memory comm kernel: nothing is compiled, tests/fixtures/deepspeed_cases.py).
-quiet .venv/bin/python -m pip install "${DEEPSPEED_SPEC:-deepspeed==0.19.8}"
-# The torchtitan fixtures save with torchtitan's own CheckpointManager; --no-deps keeps the pinned torch
-# (triton and datasets, imported by modules the fixtures never run, are stubbed in tests/fixtures/torchtitan_cases.py).
-quiet .venv/bin/python -m pip install --no-deps "${TORCHTITAN_SPEC:-torchtitan==0.3.0}" spmd_types==0.2.3 torchdata==0.11.0
-quiet .venv/bin/python -m pip install tyro tensorboard
+# shared-memory comm kernel: nothing is compiled, tests/fixtures/deepspeed_cases.py); tyro and tensorboard are
+# torchtitan's.
+install_into .venv -e '.[test,plot,quantize,s3]' "${DEEPSPEED_SPEC:-deepspeed==0.19.8}" tyro tensorboard
+# The Megatron test fixtures save real checkpoints with megatron-core, the torchtitan ones with torchtitan's own
+# CheckpointManager; --no-deps keeps the pinned torch (megatron-core's import needs only numpy and packaging, which
+# the line above brought; triton and datasets, imported by torchtitan modules the fixtures never run, are stubbed in
+# tests/fixtures/torchtitan_cases.py).
+install_into .venv --no-deps "${MEGATRON_SPEC:-megatron-core==0.16.1}" "${TORCHTITAN_SPEC:-torchtitan==0.3.0}" \
+  spmd_types==0.2.3 torchdata==0.11.0
 .venv/bin/python -c 'import torch, transformers, safetensors, matplotlib, boto3, moto.server, distmerge; print(f"setup ok: torch {torch.__version__}, transformers {transformers.__version__}, distmerge {distmerge.__version__}")'

@@ -5,16 +5,12 @@ imported folders, and the tiny DeepSeek-V3 source with its MTP layer."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
 from distmerge.front.cli import main as distmerge_main
 from tests.conftest import REPO
-from tests.helpers.ports import free_port
 
 
 def import_inproc(*args: object) -> int:
@@ -34,15 +30,13 @@ def padded_vocab(vocab: int, tp: int, divisible_by: int) -> int:
 
 
 def load_with(loader: str, nproc: int, cases: list[str], result: Path) -> dict:
-    """tests/fixtures/`loader` under torchrun (N processes): the training library's own load of each case, its
-    findings written as JSON to `result`."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--nnodes", "1",
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           str(REPO / "tests" / "fixtures" / loader), "--result", str(result),
-           *[a for c in cases for a in ("--case", c)]]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env, cwd=REPO)
-    assert done.returncode == 0, done.stderr[-3000:]
+    """tests/fixtures/`loader` in N processes as torchrun starts them (forked: tests/fixtures/build.py run_job): the
+    training library's own load of each case, its findings written as JSON to `result`."""
+    from tests.fixtures.build import run_job
+
+    argv = ["--result", str(result), *[a for c in cases for a in ("--case", c)]]
+    code, output = run_job(REPO / "tests" / "fixtures" / loader, nproc, argv, timeout=400)
+    assert code == 0, output[-3000:]
     return json.loads(result.read_text())
 
 
