@@ -199,7 +199,11 @@ OPTIONS: tuple[Opt | str, ...] = (
 
 @cache
 def rows(command: str) -> tuple[Opt, ...]:
-    """The command's options, in --help's order, the format registry's rows put in."""
+    """The command's options, in --help's order, the format registry's rows put in; import's from its own table."""
+    if command == "import":  # it runs the other way and shares none of the rows below (import_options.py)
+        from distmerge.options.import_options import ROWS
+
+        return tuple(row for _, row in ROWS)
     out: list[Opt] = []
     for row in OPTIONS:
         if row == FORMAT:
