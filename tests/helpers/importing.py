@@ -41,3 +41,12 @@ def load_with(loader: str, nproc: int, cases: list[str], result: Path) -> dict:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(result.read_text())
+
+
+def save_hf_model(family: str, folder: Path) -> Path:
+    """The fixtures' seeded tiny transformers model of `family` (megatron_models.FAMILIES), as save_pretrained
+    writes it, in `folder`."""
+    from tests.fixtures import megatron_models as mm
+
+    mm.build_hf_model(mm.FAMILIES[family]).save_pretrained(folder, safe_serialization=True)
+    return folder
