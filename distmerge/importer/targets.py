@@ -83,8 +83,8 @@ def _refuse_megatron_options(opts: ImportOptions) -> None:
     lay = opts.layout
     if (lay.tp, lay.pp, lay.ep, lay.vpp, lay.first, lay.last) != (1, 1, 1, None, None, None):
         raise ConfigError("--to torchtitan writes one folder that torchtitan loads at any parallelism: drop --tp, "
-                          "--pp, --ep, --vpp and --decoder-first/last-pipeline-num-layers (set them in "
-                          "torchtitan's own config)")
+                          "--pp, --ep, --vpp, --decoder-first-pipeline-num-layers and "
+                          "--decoder-last-pipeline-num-layers (set them in torchtitan's own config)")
     if opts.hf_config is not None:
         raise ConfigError("--to torchtitan reads a Hugging Face model folder only: merge the checkpoint first "
                           "(distmerge merge ... --hf-config DIR), then import the merged folder")

@@ -95,12 +95,13 @@ def check(split: Split) -> None:
         raise ConfigError(f"--vpp {vpp} needs --pp above 1: virtual stages interleave the pipeline ranks' layers "
                           "(Megatron-LM refuses an interleaved schedule without pipeline parallelism)")
     if uneven and pp == 1:
-        raise ConfigError("--decoder-first/last-pipeline-num-layers need --pp above 1: with one pipeline rank "
-                          "every layer is on it")
+        raise ConfigError("--decoder-first-pipeline-num-layers and --decoder-last-pipeline-num-layers need --pp "
+                          "above 1: with one pipeline rank every layer is on it")
     if not uneven:
         if layers % pp:
             raise ConfigError(f"--pp {pp} does not divide the model's {layers} layers: megatron-core gives each "
-                              "pipeline stage as many (or give --decoder-first/last-pipeline-num-layers)")
+                              "pipeline stage as many (or give --decoder-first-pipeline-num-layers or "
+                              "--decoder-last-pipeline-num-layers)")
         if vpp is not None and (layers // pp) % vpp:
             raise ConfigError(f"--vpp {vpp} does not divide the {layers // pp} layers of each pipeline rank "
                               f"({layers} layers over --pp {pp}): each virtual stage holds as many")
@@ -117,8 +118,8 @@ def _check_uneven(split: Split) -> None:
                               "as many layers")
     middle, stages = _middle(split)
     if middle < 0 or bool(middle) != bool(stages):
-        raise ConfigError(f"--decoder-first/last-pipeline-num-layers leave {middle} of the model's {split.layers} "
-                          f"layers for {stages} middle pipeline rank(s) of --pp {split.pp}: each rank needs layers")
+        raise ConfigError(f"the uneven first and last stages leave {middle} of the model's {split.layers} layers "
+                          f"for {stages} middle pipeline rank(s) of --pp {split.pp}: each rank needs layers")
     if stages and middle % stages:
         raise ConfigError(f"the {middle} layers between the uneven first and last stages do not divide over the "
                           f"{stages} middle pipeline rank(s) of --pp {split.pp}")
@@ -126,5 +127,5 @@ def _check_uneven(split: Split) -> None:
         raise ConfigError(f"--vpp {vpp} does not divide the {middle // stages} layers of each middle pipeline rank")
     if vpp is not None and not stages and split.first is not None and split.last is not None:
         raise ConfigError(f"--vpp with both uneven stages set and no middle rank (--pp {split.pp}): megatron-core "
-                          "0.16.1 cannot place the last rank's layers (it divides by the middle ranks); set one of "
-                          "--decoder-first/last-pipeline-num-layers")
+                          "0.16.1 cannot place the last rank's layers (it divides by the middle ranks); set only "
+                          "--decoder-first-pipeline-num-layers or --decoder-last-pipeline-num-layers")
