@@ -15,7 +15,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from api_in_job import checked, same_on_every_rank, train_step  # this folder is sys.path[0]
+from api_in_job import checked, same_on_every_rank, say_and_exit, train_step  # this folder is sys.path[0]
 
 import distmerge
 
@@ -41,16 +41,9 @@ def main(hf_dir: str, output: str, tp: str, pp: str, vpp: str) -> None:
         problems.append(f"the results differ (between ranks, or between the two imports): {first} {second}")
     later_loss = train_step(model, device)  # the job's collectives and training still work
     tensors, chunks, files, _, processes = first
-    line = (f"rank {dist.get_rank()}: imported {tensors} tensors in {chunks} chunks into {files} file(s) with "
-            f"{processes} processes, twice; training step after: loss {first_loss:.4f} -> {later_loss:.4f}; "
-            + ("process unchanged" if not problems else "PROBLEMS: " + "; ".join(problems)))
-    lines = [None] * dist.get_world_size()
-    dist.all_gather_object(lines, line)
-    failed = any("PROBLEMS" in str(x) for x in lines)
-    if dist.get_rank() == 0:
-        print("\n".join(map(str, lines)), flush=True)
-    dist.destroy_process_group()
-    sys.exit(1 if failed else 0)
+    say_and_exit(f"rank {dist.get_rank()}: imported {tensors} tensors in {chunks} chunks into {files} file(s) with "
+                 f"{processes} processes, twice; training step after: loss {first_loss:.4f} -> {later_loss:.4f}; ",
+                 problems)
 
 
 if __name__ == "__main__":
