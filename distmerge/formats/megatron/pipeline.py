@@ -48,11 +48,6 @@ def layer_ranks(split: Split) -> tuple[int, ...]:
     return tuple(ranks)
 
 
-def chunks(split: Split, rank: int) -> list[range]:
-    """The layers of each model chunk of pipeline rank `rank` (one chunk without virtual stages)."""
-    return [range(offset(split, rank, v), offset(split, rank, v) + count(split, rank)) for v in range(split.vpp or 1)]
-
-
 def count(split: Split, rank: int) -> int:
     """Layers per model chunk on `rank` (get_num_layers_to_build)."""
     if split.first is not None and rank == 0:
