@@ -123,12 +123,12 @@ def megatron_core_ranks(layers: int, pp: int, vpp: int | None, first: int | None
 
 
 def test_the_split_places_each_layer_where_megatron_core_does():
-    """Every split of up to 8 layers over 2 to 4 ranks, with and without virtual stages and uneven stages: the
+    """Every split of 4, 6 or 8 layers over 2 to 4 ranks, with and without virtual stages and uneven stages: the
     import's placement is megatron-core's, and a split it cannot place is refused (ConfigError). Splits of one
     pipeline rank with virtual or uneven stages are refused apart (Megatron-LM's own refusal)."""
     differ = []
     sizes = (None, 1, 2, 3)
-    for layers, pp, vpp, first, last in itertools.product(range(2, 9), range(2, 5), (None, 2, 3), sizes, sizes):
+    for layers, pp, vpp, first, last in itertools.product((4, 6, 8), range(2, 5), (None, 2, 3), sizes, sizes):
         split = pipeline.Split(layers=layers, pp=pp, vpp=vpp, first=first, last=last)
         want = megatron_core_ranks(layers, pp, vpp, first, last)
         try:
