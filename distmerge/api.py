@@ -143,15 +143,11 @@ def import_checkpoint(input: str | os.PathLike, output: str | os.PathLike, *,
                       timeout: float = 600.0, progress: bool = False,
                       group: torch.distributed.ProcessGroup | None = None) -> ImportResult:
     given = dict(locals())  # first, so it holds the arguments alone
-    from distmerge.importer.run import run_import, summary
-
     with api_spelling("import"):
         values = options.from_keywords("import", given)
         opts = import_request(values)
         with as_found(), job_group({**values, "device": "cpu"}) as comm:  # import reads and writes on the CPU
-            result = run_import(opts, comm)
-            if values["progress"] and comm.rank == 0:
-                print(summary(result, opts), flush=True)
+            result = run_import(opts, comm, show=values["progress"])
     return result
 
 
@@ -269,6 +265,17 @@ def import_request(values: Mapping[str, Any]) -> ImportOptions:
     hf_config = values["hf_config"]
     return ImportOptions(input=Path(values["input"]), output=Path(values["output"]), layout=layout, to=values["to"],
                          overwrite=values["overwrite"], hf_config=None if hf_config is None else Path(hf_config))
+
+
+def run_import(opts: ImportOptions, comm: Comm, *, show: bool) -> ImportResult:
+    """Collective: the import; with `show`, rank 0 prints its summary line."""
+    from distmerge.importer.run import run_import as import_model
+    from distmerge.importer.run import summary
+
+    result = import_model(opts, comm)
+    if show and comm.rank == 0:
+        print(summary(result, opts), flush=True)
+    return result
 
 
 def run_merge(opts: MergeOptions, comm: Comm, *, show: bool) -> MergeResult:

@@ -39,14 +39,11 @@ def add_import_parser(sub) -> None:
 
 def run_import_command(args: argparse.Namespace, on_silence) -> int:
     """The import in a process group of our own (torchrun's processes, or this one alone); rank 0 prints one line.
-    The options become the request as the API's do (api.import_request)."""
+    The options become the request and run as the API's do (api.import_request, api.run_import)."""
     from distmerge import api, options
     from distmerge.distributed.comm import process_group
-    from distmerge.importer.run import run_import, summary
 
     opts = api.import_request(options.from_namespace(args, "import"))
     with process_group(device="cpu", timeout_s=args.timeout, on_silence=on_silence) as comm:
-        result = run_import(opts, comm)
-        if comm.rank == 0 and not args.quiet:
-            print(summary(result, opts), flush=True)
+        api.run_import(opts, comm, show=not args.quiet)
     return 0
