@@ -94,3 +94,18 @@ def test_a_running_job_imports_with_the_api_on_every_rank(hf_model, cli_folder, 
     assert said == ["0", "1"], done.stdout
     assert folder_bytes(tmp_path / "job" / "first") == folder_bytes(tmp_path / "job" / "second") == folder_bytes(
         cli_folder)
+
+
+def test_progress_prints_the_commands_line(hf_model, tmp_path, capsys):
+    """progress=True: the line the command prints (without --quiet), the layout in it; nothing else."""
+    from distmerge.front.cli import main as distmerge_main
+
+    flags = [a for key, value in LAYOUT.items() for a in (f"--{key}", str(value))]
+    assert distmerge_main(["import", "--input", str(hf_model), "--output", str(tmp_path / "out"), *flags]) == 0
+    said = capsys.readouterr().out.splitlines()
+    distmerge.import_checkpoint(hf_model, tmp_path / "out", **LAYOUT, overwrite=True, progress=True)
+    again = capsys.readouterr().out.splitlines()
+    timing = re.compile(r"; [\d.]+ s with")
+    assert [timing.sub("", line) for line in said] == [timing.sub("", line) for line in again]
+    assert len(said) == 1 and said[0].startswith(
+        f"distmerge import: wrote {tmp_path / 'out'} (Megatron-LM torch_dist, TP=2 x PP=2 x VPP=2): "), said
