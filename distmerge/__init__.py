@@ -3,6 +3,7 @@
     distmerge.merge(input, output, *, format="auto", dtype="keep", ...) -> MergeResult
     distmerge.verify(merged, reference, *, atol=None, ...) -> VerifyResult
     distmerge.watch(input, output, *, once=False, ...) -> WatchResult
+    distmerge.import_checkpoint(input, output, *, to="megatron", tp=1, pp=1, ...) -> ImportResult
 
 (distmerge/api.py, docs/api.md). Imported on first use: `import distmerge` alone loads no torch. The package that
 does the verifying is distmerge.verifier, the one that watches distmerge.watcher, so these names are only ever the
@@ -10,7 +11,7 @@ functions.
 """
 
 __version__ = "0.1.0"
-__all__ = ["merge", "verify", "watch"]
+__all__ = ["merge", "verify", "watch", "import_checkpoint"]
 
 
 def __getattr__(name: str):

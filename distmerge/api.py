@@ -1,9 +1,10 @@
-"""The library API, `distmerge.merge()`, `distmerge.verify()` and `distmerge.watch()`, and what the command line
-shares with it.
+"""The library API, `distmerge.merge()`, `distmerge.verify()`, `distmerge.watch()` and
+`distmerge.import_checkpoint()`, and what the command line shares with it.
 
     keywords --options.from_keywords--> values --merge_request--> engine.run.MergeOptions --run_merge--> MergeResult
     argv     --argparse (cli.py)------> values --verify_request-> verify.VerifyOptions --verify_and_write--> ...
                                         values --watch_request--> watcher.passes.WatchOptions --run_watch--> WatchResult
+                                        values --import_request-> importer.request.ImportOptions --run_import--> ...
 
 `values` are the options by name, parsed the same way on both paths (options/: the one table of options, from
 which argparse and docs/cli.md's table come; these functions' keywords are written out, for editors and type
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from distmerge.distributed.comm import Comm
     from distmerge.engine.inputs import InputSpec
     from distmerge.engine.run import MergeOptions
+    from distmerge.importer.request import ImportOptions, ImportResult
     from distmerge.results import MergeResult
     from distmerge.verifier.listing import VerifyOptions
     from distmerge.verifier.run import VerifyResult
@@ -132,6 +134,23 @@ def watch(input: str | os.PathLike, output: str | os.PathLike, *, once: bool = F
     return result
 
 
+def import_checkpoint(input: str | os.PathLike, output: str | os.PathLike, *,
+                      hf_config: str | os.PathLike | None = None, to: str = "megatron", tp: int | str = 1,
+                      pp: int | str = 1, vpp: int | str | None = None,
+                      decoder_first_pipeline_num_layers: int | str | None = None,
+                      decoder_last_pipeline_num_layers: int | str | None = None, ep: int | str = 1,
+                      make_vocab_size_divisible_by: int | str = 128, overwrite: bool = False,
+                      timeout: float = 600.0, progress: bool = False,
+                      group: torch.distributed.ProcessGroup | None = None) -> ImportResult:
+    given = dict(locals())  # first, so it holds the arguments alone
+    with api_spelling("import"):
+        values = options.from_keywords("import", given)
+        opts = import_request(values)
+        with as_found(), job_group({**values, "device": "cpu"}) as comm:  # import reads and writes on the CPU
+            result = run_import(opts, comm, show=values["progress"])
+    return result
+
+
 # The docstrings list each keyword with its flag and help, from the table (options.docstring); the signatures
 # above are written out so that editors and type checkers see them, and tests/test_options_agree.py checks them
 # against the table (a new row of OPTIONS fails it until its keyword is added here).
@@ -147,6 +166,11 @@ verify.__doc__ = options.docstring("verify", """Compare `merged` (a merged model
 with `reference` (a Hugging Face model, or a checkpoint merged in memory, read with the reference_ options), as
 `distmerge verify` does. Returns the VerifyResult (`.passed`, `.checks`): a failed comparison
 is a result, not an error. `json`, `plot`: written by rank 0; the report is printed only with `progress=True`.""")
+import_checkpoint.__doc__ = options.docstring("import", """Write the Hugging Face model `input` (or a training
+checkpoint distmerge merges) as the checkpoint a training job starts from, in `output`, as `distmerge import` does
+(docs/import.md): Megatron-LM torch_dist at the TP, PP (VPP, uneven stages) and EP given, or with
+`to="torchtitan"` a DCP step-0 folder. Named so because `import` is Python's keyword. Returns the ImportResult (the
+same on every rank). Errors: distmerge.errors' exceptions, on every rank, before anything is written.""")
 
 
 @contextmanager
@@ -226,6 +250,32 @@ def _fill(cls: type, values: Mapping[str, Any], **computed: Any) -> Any:
                 - set(options.reference_format_option_names()))
     assert not homeless, f"options {sorted(homeless)} reach no field of {cls.__name__}"
     return cls(**{k: v for k, v in values.items() if k in names and k not in computed}, **computed)
+
+
+def import_request(values: Mapping[str, Any]) -> ImportOptions:
+    """importer.request.ImportOptions from the parsed options of `import` (its own table, options/import_options.py)."""
+    from pathlib import Path
+
+    from distmerge.importer.plan import Layout
+    from distmerge.importer.request import ImportOptions
+
+    layout = Layout(tp=values["tp"], pp=values["pp"], ep=values["ep"], vpp=values["vpp"],
+                    first=values["decoder_first_pipeline_num_layers"], last=values["decoder_last_pipeline_num_layers"],
+                    divisible_by=values["make_vocab_size_divisible_by"])
+    hf_config = values["hf_config"]
+    return ImportOptions(input=Path(values["input"]), output=Path(values["output"]), layout=layout, to=values["to"],
+                         overwrite=values["overwrite"], hf_config=None if hf_config is None else Path(hf_config))
+
+
+def run_import(opts: ImportOptions, comm: Comm, *, show: bool) -> ImportResult:
+    """Collective: the import; with `show`, rank 0 prints its summary line."""
+    from distmerge.importer.run import run_import as import_model
+    from distmerge.importer.run import summary
+
+    result = import_model(opts, comm)
+    if show and comm.rank == 0:
+        print(summary(result, opts), flush=True)
+    return result
 
 
 def run_merge(opts: MergeOptions, comm: Comm, *, show: bool) -> MergeResult:

@@ -345,7 +345,7 @@ PRINTERS = {
     "distmerge/front/cli.py": {"main", "_report_error", "report_silence", "_run_watch"},
     "distmerge/front/verl_cli.py": {"say_notes", "after_merge"},
     "distmerge/front/inspect.py": {"run_inspect"},
-    "distmerge/front/import_cli.py": {"run_import_command"},  # the import's one line (no API function yet)
+    "distmerge/api.py": {"run_import"},  # the import's one line, for the command and progress=True
     "distmerge/report.py": {"Progress.say", "Progress.start", "Progress.advance", "print_summary"},
     "distmerge/verifier/report.py": {"print_report"},
     "distmerge/watcher/summary.py": {"say_merging", "print_pass", "print_end"},

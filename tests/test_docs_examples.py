@@ -351,6 +351,20 @@ def tiny_deepseek_v3_hf(dst: Path, request) -> None:
     save_tiny_deepseek_v3(dst)
 
 
+def tiny_llama4_hf(dst: Path, request) -> None:
+    """docs/import.md's llama4: the Megatron fixtures' seeded tiny Llama with 4 layers (pipeline stages)."""
+    from tests.fixtures import megatron_models as mm
+
+    mm.build_hf_model(mm.FAMILIES["llama4"]).save_pretrained(dst, safe_serialization=True)
+
+
+def imported_four_files(namespace: dict, printed: str) -> None:
+    """docs/import.md's API example: TP=2 x PP=2 written as four files, the vocabulary of 1001 padded for TP=2."""
+    assert printed.split() == ["4", "1024"], printed
+    assert sorted(p.name for p in Path("megatron_ckpt/release").glob("*.distcp")) == [
+        f"__{rank}_0.distcp" for rank in range(4)]
+
+
 def tiny_qwen2_hf(dst: Path, request) -> None:
     """docs/import.md's qwen2_model: the Megatron fixtures' seeded tiny Qwen2 (a family torchtitan lacks)."""
     from tests.fixtures import megatron_models as mm
@@ -365,6 +379,10 @@ RUN: dict[tuple[str, str], Run] = {
         layout={"hf_model": tiny_llama_hf, "qwen2_model": tiny_qwen2_hf}),
     ("import.md", "$ python -m distmerge import --input hf_model --output megatron_ckpt --tp 2 --pp 2"): Run(
         layout={"hf_model": tiny_llama_hf}),
+    ("import.md", "$ python -m distmerge import --input llama4 --output vpp_ckpt --tp 2 --pp 2 --vpp 2"): Run(
+        layout={"llama4": tiny_llama4_hf}),
+    ("import.md", 'distmerge.import_checkpoint("hf_model", "megatron_ckpt", tp=2, pp=2)'): Run(
+        layout={"hf_model": tiny_llama_hf}, check=imported_four_files),
     ("import.md", "$ python -m distmerge import --input qwen3_moe --output moe_ckpt --tp 2 --ep 2"): Run(
         layout={"qwen3_moe": tiny_qwen3_moe_hf}),
     ("average.md", "--input ckpts/global_step_800/actor --input ckpts/global_step_900/actor"): Run(

@@ -126,8 +126,9 @@ def test_a_llama_with_its_own_head_dim_is_refused(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(("option", "words"), [
-    (("--tp", "2"), "drop --tp, --pp and --ep"), (("--pp", "2"), "drop --tp, --pp and --ep"),
-    (("--ep", "2"), "drop --tp, --pp and --ep"),
+    (("--tp", "2"), "drop --tp, --pp, --ep, --vpp"), (("--pp", "2"), "drop --tp, --pp, --ep, --vpp"),
+    (("--ep", "2"), "drop --tp, --pp, --ep, --vpp"),
+    (("--decoder-last-pipeline-num-layers", "1"), "--decoder-last-pipeline-num-layers (set them in torchtitan's"),
     (("--hf-config", "."), "reads a Hugging Face model folder only"),
     (("--make-vocab-size-divisible-by", "64"), "torchtitan does not pad the vocabulary"),
 ])

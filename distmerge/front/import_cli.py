@@ -4,7 +4,6 @@ run; cli.py adds the one and calls the other."""
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 IMPORT_DESCRIPTION = """\
 Write a Hugging Face model as a training checkpoint that a job starts from: a Megatron-LM torch_dist save at the
@@ -39,45 +38,12 @@ def add_import_parser(sub) -> None:
 
 
 def run_import_command(args: argparse.Namespace, on_silence) -> int:
-    """The import in a process group of our own (torchrun's processes, or this one alone); rank 0 prints one line."""
+    """The import in a process group of our own (torchrun's processes, or this one alone); rank 0 prints one line.
+    The options become the request and run as the API's do (api.import_request, api.run_import)."""
+    from distmerge import api, options
     from distmerge.distributed.comm import process_group
-    from distmerge.importer.plan import Layout
-    from distmerge.importer.run import ImportOptions, run_import
 
-    layout = Layout(tp=args.tp, pp=args.pp, ep=args.ep, divisible_by=args.make_vocab_size_divisible_by)
-    opts = ImportOptions(input=Path(args.input), output=Path(args.output), layout=layout, overwrite=args.overwrite,
-                         hf_config=Path(args.hf_config) if args.hf_config else None)
-    if args.to == "torchtitan":
-        from distmerge.importer.torchtitan_run import describe, run_torchtitan_import
-
-        _refuse_megatron_options(args)
-        with process_group(device="cpu", timeout_s=args.timeout, on_silence=on_silence) as comm:
-            result = run_torchtitan_import(opts, comm)
-            if comm.rank == 0 and not args.quiet:
-                print(describe(result, Path(args.output)), flush=True)
-        return 0
+    opts = api.import_request(options.from_namespace(args, "import"))
     with process_group(device="cpu", timeout_s=args.timeout, on_silence=on_silence) as comm:
-        result = run_import(opts, comm)
-        if comm.rank == 0 and not args.quiet:
-            ep = f" x EP={args.ep}" if args.ep > 1 else ""
-            print(f"distmerge import: wrote {args.output} (Megatron-LM torch_dist, TP={args.tp} x PP={args.pp}{ep}): "
-                  f"{result.tensors} tensors in {result.chunks} chunks, {result.files} files, "
-                  f"{result.nbytes / 1e6:.1f} MB, vocabulary padded to {result.padded_vocab} rows; "
-                  f"{result.seconds:.1f} s with {result.processes} process(es)", flush=True)
+        api.run_import(opts, comm, show=not args.quiet)
     return 0
-
-
-def _refuse_megatron_options(args: argparse.Namespace) -> None:
-    """--to torchtitan: one layout for every world size, so no --tp or --pp (torchtitan's run options, not the
-    checkpoint's: its loader reshards), and no vocabulary padding (torchtitan's embedding is vocab_size rows)."""
-    from distmerge.errors import ConfigError
-
-    if args.tp != 1 or args.pp != 1 or args.ep != 1:
-        raise ConfigError("--to torchtitan writes one folder that torchtitan loads at any parallelism: drop --tp, "
-                          "--pp and --ep (set them in torchtitan's own config)")
-    if args.hf_config:
-        raise ConfigError("--to torchtitan reads a Hugging Face model folder only: merge the checkpoint first "
-                          "(distmerge merge ... --hf-config DIR), then import the merged folder")
-    if args.make_vocab_size_divisible_by != 128:
-        raise ConfigError("--make-vocab-size-divisible-by is Megatron-LM's: torchtitan does not pad the vocabulary, "
-                          "so --to torchtitan takes no such option")

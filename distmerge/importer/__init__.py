@@ -11,9 +11,13 @@ from a merge. The same pipeline, sources and targets swapped:
     finalize (rank 0)   `.metadata`, metadata.json, common.pt (Megatron-LM's args), and last the iteration
                         tracker (finalize.py): no tracker, no finished import
 
-run.py wires them under the output's lock (output/lock.py), as a merge does. An input that is a training checkpoint
-is merged first, by the merge engine, into a folder beside the output that the phases above then read (source.py).
-`--to torchtitan` runs the same phases with its own plan and finalize (torchtitan_plan.py, torchtitan_run.py): the
-torchtitan table walked backwards (families/torchtitan/inverse.py), each tensor one whole chunk, `step-0/.metadata`
-last.
+run.py wires them under the output's lock (output/lock.py), as a merge does, once for every training layout: what
+differs between Megatron-LM's and torchtitan's is declared in targets.py (the folder, the marker of a finished
+import, the plan, the last files, the refusals of options), so no phase tests which one it writes. request.py holds
+what an import is asked for and answers (the command line and api.import_checkpoint build the same). An input that
+is a training checkpoint is merged first, by the merge engine, into a folder beside the output that the phases above
+then read (source.py). `--to torchtitan` runs the same phases with its own plan and finalize (torchtitan_plan.py,
+targets.py): the torchtitan table walked backwards (families/torchtitan/inverse.py), each tensor one whole chunk,
+`step-0/.metadata` last. The pipeline split (--pp, --vpp, uneven stages) that says which rank saves each layer is
+formats/megatron/pipeline.py's, megatron-core's own formulas.
 """

@@ -41,11 +41,11 @@ def megatron_args(config: dict[str, Any], plan: ImportPlan, layout: Layout, dtyp
         padded_vocab_size=sizes.padded_vocab, make_vocab_size_divisible_by=layout.divisible_by,
         tokenizer_type="HuggingFaceTokenizer",
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=layout.ep,
+        expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.tp, context_parallel_size=1, data_parallel_size=layout.ep,
         world_size=layout.tp * layout.pp * layout.ep, bf16=dtype == "BF16", fp16=dtype == "F16",
         ckpt_format="torch_dist", use_dist_ckpt=True, no_save_optim=True, no_save_rng=True, iteration=0,
-        consumed_train_samples=0, consumed_valid_samples=0,
+        consumed_train_samples=0, consumed_valid_samples=0, **pipeline_args(layout),
     )
     # MLA's fields replace the plain attention's (kv_channels is MLA's value head size)
     return argparse.Namespace(**plain | moe_args(c, plan) | mla_args(c, plan))
@@ -77,6 +77,16 @@ def mla_args(block: dict[str, Any], plan: ImportPlan) -> dict[str, Any]:
                     beta_slow=rope.get("beta_slow", 1),
                     original_max_position_embeddings=rope.get("original_max_position_embeddings"))
     return out
+
+
+def pipeline_args(layout: Layout) -> dict[str, Any]:
+    """The pipeline split's fields, as Megatron-LM's arguments.py leaves them after parsing
+    --num-virtual-stages-per-pipeline-rank V (virtual_pipeline_model_parallel_size V; the layers per virtual
+    stage only set by its other spelling, --num-layers-per-virtual-pipeline-stage, which uneven stages exclude)
+    and --decoder-first/last-pipeline-num-layers."""
+    return dict(virtual_pipeline_model_parallel_size=layout.vpp, num_virtual_stages_per_pipeline_rank=layout.vpp,
+                num_layers_per_virtual_pipeline_stage=None, decoder_first_pipeline_num_layers=layout.first,
+                decoder_last_pipeline_num_layers=layout.last)
 
 
 def moe_args(block: dict[str, Any], plan: ImportPlan) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from distmerge import catalog, dtypes
 from distmerge.families.base import SourceMeta
 from distmerge.families.megatron import inverse
 from distmerge.formats.megatron import dist_layout as dl
+from distmerge.formats.megatron import pipeline
 from distmerge.importer.discover import Model
 
 
@@ -25,6 +26,13 @@ class Layout:
     pp: int
     divisible_by: int = 128  # Megatron-LM's --make-vocab-size-divisible-by
     ep: int = 1  # expert parallel size: an MoE model's experts split over EP ranks
+    vpp: int | None = None  # virtual pipeline stages per pipeline rank (Megatron-LM's interleaved schedule)
+    first: int | None = None  # layers of the first pipeline rank (--decoder-first-pipeline-num-layers), else even
+    last: int | None = None  # layers of the last pipeline rank (--decoder-last-pipeline-num-layers), else even
+
+    def split(self, layers: int) -> pipeline.Split:
+        """The pipeline split of a model of `layers` layers at this layout."""
+        return pipeline.Split(layers=layers, pp=self.pp, vpp=self.vpp, first=self.first, last=self.last)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,10 +73,12 @@ def make_plan(model: Model, layout: Layout, world: int) -> ImportPlan:
 
 def check_layout(config: dict, layout: Layout) -> tuple[inverse.Sizes, dl.Grid]:
     """The model's sizes and the layout's grid, after the refusals config.json alone decides (an architecture not
-    written, a TP, PP or EP that does not divide the heads, layers or experts)."""
+    written, a TP, PP or EP that does not divide the heads, layers or experts, a pipeline split megatron-core
+    refuses: pipeline.check)."""
     sizes = inverse.sizes(config, layout.tp, layout.divisible_by)
     grid = dl.Grid(tp=layout.tp, pp=layout.pp, layers=sizes.layers, ep=layout.ep, experts=sizes.experts,
-                   per_layer=sizes.per_layer)
+                   per_layer=sizes.per_layer,
+                   layer_ranks=pipeline.layer_ranks(layout.split(sizes.layers)))
     dl.check_grid(grid)
     return sizes, grid
 

@@ -1,109 +1,94 @@
-"""The import's phases in order (the package docstring), on every rank of a Comm, under the output's lock.
+"""The import's phases in order (the package docstring), on every rank of a Comm, under the output's lock, for
+any training layout (targets.py: what differs between them is declared there, never tested for here).
 
     rank 0       discover, plan (every refusal: nothing written yet), lock, check and prepare the output
                  broadcast of the model found
     every rank   the plan (the same everywhere), the files it owns written
                  all_gather of the entries
-    rank 0       finalize: .metadata, metadata.json, common.pt, the tracker last
+    rank 0       finalize: the target's last files, its marker of a finished import last
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import replace
 
 from distmerge.distributed.comm import Comm
-from distmerge.importer import finalize as fin
 from distmerge.importer.discover import Model, discover, discover_config
-from distmerge.importer.megatron_args import common_state, megatron_args
-from distmerge.importer.plan import ImportPlan, Layout, check_layout, make_plan
-from distmerge.importer.source import as_hf_model
+from distmerge.importer.request import ImportOptions, ImportResult
+from distmerge.importer.targets import TARGETS, Target
 from distmerge.importer.write import write_owned
 from distmerge.output import lock, open_store
 from distmerge.output.lock import Lease
 from distmerge.output.store import Store
 
 
-@dataclass(frozen=True, kw_only=True)
-class ImportOptions:
-    input: Path
-    output: Path
-    layout: Layout
-    overwrite: bool = False
-    hf_config: Path | None = None  # config.json's folder, for an input that is a training checkpoint (source.py)
-
-
-@dataclass(frozen=True, kw_only=True)
-class ImportResult:
-    files: int  # .distcp files written
-    tensors: int  # Megatron tensors
-    chunks: int
-    nbytes: int  # tensor bytes written
-    padded_vocab: int
-    seconds: float
-    processes: int
-
-
 def run_import(opts: ImportOptions, comm: Comm) -> ImportResult:
-    """Collective: the import of a Hugging Face folder, or of a training checkpoint merged first (source.py)."""
+    """Collective: the import of a Hugging Face folder, or of a training checkpoint merged first (source.py), in
+    the layout opts.to names. Every refusal is raised on every rank, before anything is written."""
     start = time.perf_counter()
-    with as_hf_model(opts.input, opts.output, opts.hf_config, comm, lambda: _refuse_early(opts)) as hf_dir:
-        return _import_model(replace(opts, input=hf_dir), comm, start)
+    target = TARGETS[opts.to]
+    target.check_options(opts)
+    with target.source(opts.input, opts.output, opts.hf_config, comm, lambda: _refuse_early(target, opts)) as hf_dir:
+        return _import_model(target, replace(opts, input=hf_dir), comm, start)
 
 
-def _refuse_early(opts: ImportOptions) -> None:
+def summary(result: ImportResult, opts: ImportOptions) -> str:
+    """The line rank 0 prints after the import."""
+    return TARGETS[opts.to].summary(result, opts)
+
+
+def _refuse_early(target: Target, opts: ImportOptions) -> None:
     """Rank 0, before a checkpoint input is merged (source.py): an output the import may not write, and with
-    --hf-config, a TP, PP or EP its config.json does not allow; the rest is judged on the merged tensors."""
+    --hf-config, a layout its config.json does not allow; the rest is judged on the merged tensors."""
     store = open_store(opts.output)
     store.check(str(opts.input), opts.overwrite)
     if opts.hf_config is not None:
-        check_layout(discover_config(opts.hf_config), opts.layout)
+        target.check_config(discover_config(opts.hf_config), opts.layout)
 
 
-def _import_model(opts: ImportOptions, comm: Comm, start: float) -> ImportResult:
+def _import_model(target: Target, opts: ImportOptions, comm: Comm, start: float) -> ImportResult:
     store = open_store(opts.output)
     held: list[Lease] = []
     unregister = comm.on_abort(lambda: _release(held))
     try:
         comm.phase("discovery")
-        model = comm.root_only(lambda: _discover(opts, store, held))
-        plan = make_plan(model, opts.layout, comm.world)  # rank 0 made it already: it cannot fail here
+        model = comm.root_only(lambda: _discover(target, opts, store, held))
+        plan = target.plan(model, opts.layout, comm.world)  # rank 0 made it already: it cannot fail here
         comm.phase("writing")
-        entries = comm.gather(lambda: write_owned(plan, model, store, fin.RELEASE, comm.rank))
+        entries = comm.gather(lambda: write_owned(plan, model, store, target.folder, comm.rank))
         comm.phase("finalize")
-        comm.agree(lambda: _finalize(opts, store, model, plan, [e for mine in entries for e in mine], held)
+        comm.agree(lambda: _finalize(target, opts, store, model, plan, [e for mine in entries for e in mine], held)
                    if comm.rank == 0 else None)
     finally:
         unregister()
         _release(held)
     return ImportResult(files=len(plan.files), tensors=len(plan.tensors), chunks=sum(len(f.chunks) for f in plan.files),
-                        nbytes=sum(f.nbytes for f in plan.files), padded_vocab=plan.sizes.padded_vocab,
+                        nbytes=sum(f.nbytes for f in plan.files), padded_vocab=target.padded_vocab(plan),
                         seconds=time.perf_counter() - start, processes=comm.world)
 
 
-def _discover(opts: ImportOptions, store: Store, held: list[Lease]) -> Model:
+def _discover(target: Target, opts: ImportOptions, store: Store, held: list[Lease]) -> Model:
     """Rank 0: the model read and the plan made (each refusal here, before the output is touched), then the
-    output's lock, the output checked under it and made ready (a stale tracker removed first)."""
+    output's lock, the output checked under it and made ready (a stale marker removed first, then the files)."""
     model = discover(opts.input)
-    make_plan(model, opts.layout, 1)
+    target.plan(model, opts.layout, 1)
     store.check_place(model.root)
     held.append(lock.take(store.lock(), lock.this_process(model.root), store.url, take_over=opts.overwrite,
                           say=lambda line: None))
     store.check(model.root, opts.overwrite)
     store.prepare(keep_finished=False)
-    store.remove(fin.TRACKER)
-    for name in store.list(f"{fin.RELEASE}/*"):
+    store.remove(target.marker)
+    for name in store.list(f"{target.folder}/*"):
         store.remove(name)
     return model
 
 
-def _finalize(opts: ImportOptions, store: Store, model: Model, plan: ImportPlan, entries: list, held: list[Lease]
-              ) -> None:
+def _finalize(target: Target, opts: ImportOptions, store: Store, model: Model, plan, entries: list,
+              held: list[Lease]) -> None:
     for lease in held:
         lease.check(store.url)  # the output is still this import's
-    dtype = next(iter(plan.tensors.values())).dtype
-    fin.finalize(store, entries, common_state(megatron_args(model.config, plan, opts.layout, dtype)))
+    target.finalize(store, model, plan, entries, opts.layout)
 
 
 def _release(held: list[Lease]) -> None:

@@ -89,6 +89,7 @@ CLI_ONLY = {
     "json": "inspect is the command line's only",
 }
 FORMAT, FORMAT_OPTIONS = "<format>", "<format options>"  # rows made from the format registry (rows())
+IMPORT_OPTIONS = "<import options>"  # import's rows (import_options.py): it runs the other way, sharing none
 OUTPUT_OPTIONS = "<output options>"  # the rows of the options that shape the output (output_options.py)
 REFERENCE_OPTIONS = "<reference options>"  # verify's --reference- twins of the input rows (rows())
 # The input rows verify reads --reference with, by name, and the end of each twin's help ("as --format, for
@@ -194,24 +195,19 @@ OPTIONS: tuple[Opt | str, ...] = (
     Opt(name="group", commands=RUN, kind=Kind.GROUP,
         help="the running job's process group to use (default: its default group when torch.distributed is "
              "initialized); borrowed, never destroyed"),
+    IMPORT_OPTIONS,
 )
 
 
 @cache
 def rows(command: str) -> tuple[Opt, ...]:
-    """The command's options, in --help's order, the format registry's rows put in."""
-    out: list[Opt] = []
-    for row in OPTIONS:
-        if row == FORMAT:
-            out.append(_format_row())
-        elif row == FORMAT_OPTIONS:
-            out.extend(_format_option_rows())
-        elif row == REFERENCE_OPTIONS:
-            out.extend(_reference_rows())
-        elif row == OUTPUT_OPTIONS:
-            out.extend(output_row(o) for o in output_options.OUTPUT_OPTIONS)
-        else:
-            out.append(row)
+    """The command's options, in --help's order, each placeholder of OPTIONS replaced by the rows it stands for."""
+    from distmerge.options import import_options  # import's own table (it imports Opt from here)
+
+    made = {FORMAT: lambda: [_format_row()], FORMAT_OPTIONS: _format_option_rows, REFERENCE_OPTIONS: _reference_rows,
+            OUTPUT_OPTIONS: lambda: [output_row(o) for o in output_options.OUTPUT_OPTIONS],
+            IMPORT_OPTIONS: lambda: [row for _, row in import_options.ROWS]}
+    out = [r for row in OPTIONS for r in (made[row]() if isinstance(row, str) else [row])]
     return tuple(r for r in out if command in r.commands)
 
 

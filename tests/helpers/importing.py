@@ -87,3 +87,12 @@ def save_tiny_deepseek_v3(root: Path, rope_interleave: bool = True) -> Path:
     config = json.loads((root / "config.json").read_text())
     assert config["num_nextn_predict_layers"] == 1 and config["first_k_dense_replace"] == 1
     return root
+
+
+def save_hf_model(family: str, folder: Path) -> Path:
+    """The fixtures' seeded tiny transformers model of `family` (megatron_models.FAMILIES), as save_pretrained
+    writes it, in `folder`."""
+    from tests.fixtures import megatron_models as mm
+
+    mm.build_hf_model(mm.FAMILIES[family]).save_pretrained(folder, safe_serialization=True)
+    return folder

@@ -170,10 +170,15 @@ def main(checkpoint: str, output: str, reference: str, backend: str = "gloo") ->
         problems.append("the job's group is gone")
     later_loss = train_step(model, device)  # the job's collectives and training still work
     tensors, files, _, processes = merged
-    line = (f"rank {dist.get_rank()}: merged {tensors} tensors into {len(files)} file(s) with {processes} "
-            f"processes, twice; verify passed {len(report[1])} + {len(in_memory[1])}; "
-            f"training step after: loss {first_loss:.4f} -> {later_loss:.4f}; "
-            + ("process unchanged" if not problems else "PROBLEMS: " + "; ".join(problems)))
+    say_and_exit(f"rank {dist.get_rank()}: merged {tensors} tensors into {len(files)} file(s) with {processes} "
+                 f"processes, twice; verify passed {len(report[1])} + {len(in_memory[1])}; "
+                 f"training step after: loss {first_loss:.4f} -> {later_loss:.4f}; ", problems)
+
+
+def say_and_exit(line: str, problems: list[str]) -> None:
+    """Every rank's line, ended with its problems, printed by rank 0; the job's group ended; exit 1 if a rank found
+    any."""
+    line += "process unchanged" if not problems else "PROBLEMS: " + "; ".join(problems)
     lines = [None] * dist.get_world_size()
     dist.all_gather_object(lines, line)
     failed = any("PROBLEMS" in str(x) for x in lines)

@@ -17,8 +17,10 @@ Facts from megatron-core 0.16.1's own saves of GPTModel (tests/fixtures/make_meg
     expert parallelism              EP rank r holds experts [r E/EP, (r+1) E/EP) and saves their chunks, split
                                     over the expert TP (= TP, megatron-core's default) as the dense layers are;
                                     what is not an expert is saved by EP (= data-parallel) rank 0
-    pipeline stages                 layer i on stage i // (num_layers / PP); the embedding on the first stage,
-                                    the output layer and final norm on the last
+    pipeline stages                 layer i on the pipeline rank pipeline.layer_ranks gives (i // (num_layers /
+                                    PP) for an even split without virtual stages; interleaved with --vpp, the
+                                    first and last rank's share set with uneven stages); the embedding on the
+                                    first rank, the output layer and final norm on the last
     {module}._extra_state           a ShardedObject per layer of each linear module (the TP-split ones), key
                                     `decoder.layers.{module}._extra_state/shard_{i}_{num_layers}`, saved by TP
                                     rank 0 as torch.save of [None] (what the local spec's save writes); an
@@ -57,12 +59,13 @@ class Grid:
     layers: int
     ep: int = 1
     experts: int = 0  # routed experts per MoE layer (0: a dense model)
+    layer_ranks: tuple[int, ...]  # the pipeline rank of each layer, by global number (pipeline.layer_ranks)
     per_layer: bool = False  # the decoder's layers are saved each on its own (the docstring's "layers saved alone")
 
     def stage(self, name: str) -> int:
         """The pipeline stage that holds the tensor `name` (global layer numbers)."""
         if (m := LAYER.match(name)) is not None:
-            return int(m[2]) // (self.layers // self.pp)
+            return self.layer_ranks[int(m[2])]
         return 0 if name.startswith("embedding.") else self.pp - 1
 
     def ep_rank(self, name: str) -> int:
@@ -104,11 +107,9 @@ class ObjectChunk:
 
 
 def check_grid(grid: Grid) -> None:
+    """The refusals of TP and EP (the pipeline split's are pipeline.check's, made with the grid's layer_ranks)."""
     if grid.tp < 1 or grid.pp < 1:
         raise ConfigError(f"--tp {grid.tp} --pp {grid.pp}: both must be at least 1")
-    if grid.layers % grid.pp:
-        raise ConfigError(f"--pp {grid.pp} does not divide the model's {grid.layers} layers: megatron-core gives "
-                          "each pipeline stage as many layers (uneven stages are not written yet)")
     if grid.ep > 1 and not grid.experts:
         raise ConfigError(f"--ep {grid.ep}: the model has no experts to split (expert parallelism is for MoE "
                           "models); leave --ep out")
