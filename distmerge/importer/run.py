@@ -10,16 +10,16 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from distmerge.distributed.comm import Comm
 from distmerge.importer import finalize as fin
-from distmerge.importer.discover import Model, discover, discover_config
+from distmerge.importer.discover import Model, discover_config
 from distmerge.importer.megatron_args import common_state, megatron_args
 from distmerge.importer.plan import ImportPlan, Layout, check_layout, make_plan
-from distmerge.importer.source import as_hf_model
-from distmerge.importer.write import write_owned
+from distmerge.importer.source import open_input
+from distmerge.importer.write import write_files
 from distmerge.output import lock, open_store
 from distmerge.output.lock import Lease
 from distmerge.output.store import Store
@@ -46,35 +46,26 @@ class ImportResult:
 
 
 def run_import(opts: ImportOptions, comm: Comm) -> ImportResult:
-    """Collective: the import of a Hugging Face folder, or of a training checkpoint merged first (source.py)."""
+    """Collective: the import of a Hugging Face folder, or of a training checkpoint read in one pass (source.py)."""
     start = time.perf_counter()
-    with as_hf_model(opts.input, opts.output, opts.hf_config, comm, lambda: _refuse_early(opts)) as hf_dir:
-        return _import_model(replace(opts, input=hf_dir), comm, start)
-
-
-def _refuse_early(opts: ImportOptions) -> None:
-    """Rank 0, before a checkpoint input is merged (source.py): an output the import may not write, and with
-    --hf-config, a TP, PP or EP its config.json does not allow; the rest is judged on the merged tensors."""
-    store = open_store(opts.output)
-    store.check(str(opts.input), opts.overwrite)
-    if opts.hf_config is not None:
-        check_layout(discover_config(opts.hf_config), opts.layout)
-
-
-def _import_model(opts: ImportOptions, comm: Comm, start: float) -> ImportResult:
     store = open_store(opts.output)
     held: list[Lease] = []
     unregister = comm.on_abort(lambda: _release(held))
+    source = None
     try:
         comm.phase("discovery")
-        model = comm.root_only(lambda: _discover(opts, store, held))
+        source = open_input(opts.input, opts.hf_config, comm, lambda: _refuse_early(opts),
+                            lambda model: make_plan(model, opts.layout, 1), store.host)
+        model = source.open(comm)
+        comm.root_only(lambda: _discover(opts, store, held, model))
         plan = make_plan(model, opts.layout, comm.world)  # rank 0 made it already: it cannot fail here
         comm.phase("writing")
-        entries = comm.gather(lambda: write_owned(plan, model, store, fin.RELEASE, comm.rank))
+        entries = write_files(plan, store, fin.RELEASE, comm, source.writer(plan, comm))
         comm.phase("finalize")
-        comm.agree(lambda: _finalize(opts, store, model, plan, [e for mine in entries for e in mine], held)
-                   if comm.rank == 0 else None)
+        comm.agree(lambda: _finalize(opts, store, model, plan, entries, held) if comm.rank == 0 else None)
     finally:
+        if source is not None:
+            source.close()
         unregister()
         _release(held)
     return ImportResult(files=len(plan.files), tensors=len(plan.tensors), chunks=sum(len(f.chunks) for f in plan.files),
@@ -82,10 +73,18 @@ def _import_model(opts: ImportOptions, comm: Comm, start: float) -> ImportResult
                         seconds=time.perf_counter() - start, processes=comm.world)
 
 
-def _discover(opts: ImportOptions, store: Store, held: list[Lease]) -> Model:
-    """Rank 0: the model read and the plan made (each refusal here, before the output is touched), then the
+def _refuse_early(opts: ImportOptions) -> None:
+    """Rank 0, before a checkpoint input is opened (source.py): an output the import may not write, and with
+    --hf-config, a TP, PP or EP its config.json does not allow; the rest is judged on the checkpoint's tensors."""
+    store = open_store(opts.output)
+    store.check(str(opts.input), opts.overwrite)
+    if opts.hf_config is not None:
+        check_layout(discover_config(opts.hf_config), opts.layout)
+
+
+def _discover(opts: ImportOptions, store: Store, held: list[Lease], model: Model) -> None:
+    """Rank 0, the model found: the plan made (each refusal here, before the output is touched), then the
     output's lock, the output checked under it and made ready (a stale tracker removed first)."""
-    model = discover(opts.input)
     make_plan(model, opts.layout, 1)
     store.check_place(model.root)
     held.append(lock.take(store.lock(), lock.this_process(model.root), store.url, take_over=opts.overwrite,
@@ -95,7 +94,6 @@ def _discover(opts: ImportOptions, store: Store, held: list[Lease]) -> Model:
     store.remove(fin.TRACKER)
     for name in store.list(f"{fin.RELEASE}/*"):
         store.remove(name)
-    return model
 
 
 def _finalize(opts: ImportOptions, store: Store, model: Model, plan: ImportPlan, entries: list, held: list[Lease]

@@ -20,7 +20,7 @@ from distmerge.formats.torch_private.dcp import write as dcp
 from distmerge.importer.discover import Model, discover
 from distmerge.importer.run import ImportOptions, ImportResult, _release
 from distmerge.importer.torchtitan_plan import STEP, make_titan_plan
-from distmerge.importer.write import write_owned
+from distmerge.importer.write import write_folder
 from distmerge.output import lock, open_store
 from distmerge.output.lock import Lease
 from distmerge.output.store import Store
@@ -36,9 +36,9 @@ def run_torchtitan_import(opts: ImportOptions, comm: Comm) -> ImportResult:
         model = comm.root_only(lambda: _discover(opts, store, held))
         plan = make_titan_plan(model, comm.world)  # rank 0 made it already: it cannot fail here
         comm.phase("writing")
-        entries = comm.gather(lambda: write_owned(plan, model, store, STEP, comm.rank))  # type: ignore[arg-type]
+        entries = write_folder(plan, model, store, STEP, comm)  # type: ignore[arg-type]
         comm.phase("finalize")
-        comm.agree(lambda: _finalize(store, [e for mine in entries for e in mine], held) if comm.rank == 0 else None)
+        comm.agree(lambda: _finalize(store, entries, held) if comm.rank == 0 else None)
     finally:
         unregister()
         _release(held)

@@ -19,6 +19,7 @@ import io
 import pickle
 import sys
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -47,6 +48,14 @@ def tensor_blob(chunk: torch.Tensor) -> bytes:
     buf = io.BytesIO()
     torch.save(own, buf)
     return buf.getvalue()
+
+
+@lru_cache(maxsize=256)
+def tensor_blob_length(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """The length of tensor_blob of any chunk of this shape and dtype, so that blobs are placed before they are
+    made (several processes write one file). torch.save's length does not depend on the values: the CRC-32s and
+    the serialization id it records are fixed-width. Measured once per shape on an uninitialised tensor."""
+    return len(tensor_blob(torch.empty(shape, dtype=dtype)))
 
 
 def object_blob(value: Any) -> bytes:
