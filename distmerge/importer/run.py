@@ -55,7 +55,7 @@ def run_import(opts: ImportOptions, comm: Comm) -> ImportResult:
     try:
         comm.phase("discovery")
         source = open_input(opts.input, opts.hf_config, comm, lambda: _refuse_early(opts),
-                            lambda model: make_plan(model, opts.layout, 1), store.host)
+                            lambda model: make_plan(model, opts.layout, 1))
         model = source.open(comm)
         comm.root_only(lambda: _discover(opts, store, held, model))
         plan = make_plan(model, opts.layout, comm.world)  # rank 0 made it already: it cannot fail here

@@ -42,7 +42,7 @@ from distmerge.report import Progress
 
 # The import's plan of a model at one process: its refusals, and which Hugging Face tensors make each Megatron one
 PlanOf = Callable[[Model], ImportPlan]
-# The merge engine's plan may give any rank any unit: its output files are never written (sink.py)
+# The merge engine's plan may give any rank any unit, wherever it runs: its output files are never written (sink.py)
 ANY_RANK = Sharing(within="any")
 
 
@@ -65,11 +65,11 @@ def is_checkpoint(location: Path) -> bool:
 
 
 def open_input(location: Path, hf_config: Path | None, comm: Comm, refuse_early: Callable[[], None],
-               plan_of: PlanOf, host: Callable[[], str]) -> ImportInput:
+               plan_of: PlanOf) -> ImportInput:
     """Collective: the input, as rank 0 finds it. An input no format detects is left to the folder's discovery,
-    whose refusal says what a model folder holds. `host`: this rank's machine (the engine's plan asks)."""
+    whose refusal says what a model folder holds."""
     if comm.root_only(lambda: is_checkpoint(location)):
-        return CheckpointInput(location, hf_config, refuse_early, plan_of, host)
+        return CheckpointInput(location, hf_config, refuse_early, plan_of)
     return FolderInput(location)
 
 
@@ -96,17 +96,16 @@ class FolderInput:
 class CheckpointInput:
     """A training checkpoint, read by the merge engine's phases into the import's chunks."""
 
-    def __init__(self, location: Path, hf_config: Path | None, refuse_early: Callable[[], None], plan_of: PlanOf,
-                 host: Callable[[], str]) -> None:
+    def __init__(self, location: Path, hf_config: Path | None, refuse_early: Callable[[], None],
+                 plan_of: PlanOf) -> None:
         self.location, self.hf_config, self.refuse_early, self.plan_of = location, hf_config, refuse_early, plan_of
-        self.host = host
         self.reader: Reader | None = None
 
     def open(self, comm: Comm) -> Model:
         """Collective: discovery (rank 0), the inventories and the merge plan (every rank, the units joined)."""
         found = comm.root_only(self._discover)
         self.reader = Reader(found.scan, registry.get(found.scan.format))
-        self.merge_plan = plan_checkpoint(found, self.reader, comm, OutputSettings(), host=self.host,
+        self.merge_plan = plan_checkpoint(found, self.reader, comm, OutputSettings(), host=lambda: "",
                                           sharing=ANY_RANK, together=self._together)
         self.model = model_of([t for u in self.merge_plan.units for t in u.targets], found.config,
                               str(self.location))
