@@ -11,6 +11,7 @@ that share their rows (the TP chunks of a column split) are cut from one read of
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -42,10 +43,9 @@ class Files:
     def pread(self, tensor: Tensor, first_row: int, rows: int) -> bytes:
         row_bytes = math.prod(tensor.shape[1:]) * dtypes.itemsize(tensor.dtype)
         if tensor.file not in self.open:
-            self.open[tensor.file] = open(self.root / tensor.file, "rb")  # noqa: SIM115  (closed by close())
-        fh = self.open[tensor.file]
-        fh.seek(tensor.start + first_row * row_bytes)
-        data = fh.read(rows * row_bytes)
+            # unbuffered: a buffered file reads ahead of each row range, and the ranges of a TP shard are many
+            self.open[tensor.file] = open(self.root / tensor.file, "rb", buffering=0)  # noqa: SIM115  (close())
+        data = _pread(self.open[tensor.file].fileno(), rows * row_bytes, tensor.start + first_row * row_bytes)
         if len(data) != rows * row_bytes:
             raise OSError(f"{self.root / tensor.file}: {tensor.name} is cut short (truncated file?)")
         self.bytes_read += len(data)
@@ -55,6 +55,18 @@ class Files:
         for fh in self.open.values():
             fh.close()
         self.open.clear()
+
+
+def _pread(fd: int, nbytes: int, offset: int) -> bytes:
+    """nbytes at offset, or fewer at the end of the file (one pread returns at most about 2 GiB)."""
+    parts, done = [], 0
+    while done < nbytes:
+        part = os.pread(fd, min(nbytes - done, 1 << 30), offset + done)
+        if not part:
+            break
+        parts.append(part)
+        done += len(part)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def chunk_tensors(made: Imported, chunks: list[Chunk], rows: RowReader) -> Iterator[tuple[Chunk, torch.Tensor]]:
