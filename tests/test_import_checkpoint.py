@@ -129,3 +129,20 @@ def test_column_split_tensors_are_read_once(merged, tmp_path):
     at_tp2 = bytes_read(tmp_path, "tp2", "import", "--quiet", "--input", folder, "--output", tmp_path / "tp2",
                         "--tp", "2")
     assert tensors <= at_tp1 and at_tp2 <= at_tp1 + SLACK, (at_tp1, at_tp2, tensors)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_a_blob_is_placed_at_the_length_torch_save_writes(dtype):
+    """Blobs are placed before they are made (several processes write one file): the length planned for a shape
+    is torch.save's of any values of that shape (random ones here, saved by torch itself)."""
+    import io
+
+    import torch
+
+    from distmerge.formats.torch_private.dcp.write import tensor_blob_length
+
+    kind = getattr(torch, dtype)
+    for shape in [(1,), (3,), (1001, 64), (1, 2, 69, 64), (16, 1), (4097,)]:
+        saved = io.BytesIO()
+        torch.save(torch.randn(shape).to(kind), saved)
+        assert tensor_blob_length(shape, kind) == len(saved.getvalue()), shape
