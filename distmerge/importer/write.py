@@ -4,13 +4,14 @@ their blobs (place.py), and each file committed by its owner once every process 
 
 Call order, every rank (write_files runs it):
 
+    hosts    every rank the output's machine as this rank sees it        all_gather (store.host): one, or refused
     create   owners     each file it owns made at its size through the store (output/store.py: a shared file),
-                        its objects' blobs written        all_gather of the files' tokens
+                        its objects' blobs written                      all_gather of the files' tokens
     write    makers     `write_mine(out)`: each chunk's blob at its place (Output.put), the file joined on first use;
                         a folder's tensors by their makers (tensor_makers), a checkpoint's by the merge engine's
                         owners (sink.py)
-    finish   every rank what it wrote made durable           all_gather of the receipts
-    commit   owners     each file visible under its name     all_gather (errors)
+    finish   every rank what it wrote made durable                         all_gather of the receipts
+    commit   owners     each file visible under its name                   all_gather (errors)
 
 A tensor's chunks are made by one process: the chunks of a column split share their rows, read once (read.py).
 """
@@ -26,6 +27,7 @@ import torch
 
 from distmerge import dtypes
 from distmerge.distributed.comm import Comm
+from distmerge.errors import ConfigError
 from distmerge.formats.megatron.dist_layout import Chunk
 from distmerge.formats.torch_private.dcp import write as dcp
 from distmerge.importer.discover import Model
@@ -33,6 +35,7 @@ from distmerge.importer.place import Placed, object_bytes, place
 from distmerge.importer.plan import ImportPlan
 from distmerge.importer.read import Files, RowReader, chunk_tensors
 from distmerge.output.store import FileLayout, OutFile, Store
+from distmerge.threads import one_thread
 
 
 class Output:
@@ -44,6 +47,10 @@ class Output:
         self.placed = [place(f, dtype_of) for f in plan.files]
         self.file_of = {(c.key, c.offsets): i for i, f in enumerate(plan.files) for c in f.chunks}
         self.at = {k: e for p in self.placed for k, e in p.chunk_at().items()}
+        self.chunks_of: dict[str, list[Chunk]] = {}  # Megatron tensor -> its chunks, in file order
+        for f in plan.files:
+            for chunk in f.chunks:
+                self.chunks_of.setdefault(chunk.tensor, []).append(chunk)
         self.tokens: dict[int, Any] = {}
         self.handles: dict[int, OutFile] = {}
 
@@ -91,6 +98,9 @@ def write_files(plan: ImportPlan, store: Store, folder: str, comm: Comm,
                 write_mine: Callable[[Output], None]) -> list[dcp.Entry]:
     """Collective: the plan's files written into `folder` of the output (the call order above); returns the
     entries `.metadata` needs, the same on every rank."""
+    if len(set(comm.gather(store.host))) > 1:
+        raise ConfigError("distmerge import writes each file of its output from several processes, which needs "
+                          "them on one machine: run it with the processes of one node")
     out = Output(plan, store, folder, comm.rank)
     try:
         for made in comm.gather(out.create_owned):
@@ -105,14 +115,12 @@ def write_files(plan: ImportPlan, store: Store, folder: str, comm: Comm,
 
 
 def write_tensors(plan: ImportPlan, names: list[str], rows: RowReader, out: Output) -> None:
-    """Each Megatron tensor of `names`, every chunk of it, into its place."""
-    chunks: dict[str, list[Chunk]] = {}
-    for f in plan.files:
-        for chunk in f.chunks:
-            chunks.setdefault(chunk.tensor, []).append(chunk)
-    for name in names:
-        for chunk, tensor in chunk_tensors(plan.tensors[name], chunks[name], rows):
-            out.put(chunk, tensor)
+    """Each Megatron tensor of `names`, every chunk of it, into its place. Copies of a few MB each (rows joined,
+    a blob's own storage): on one thread, as a second only waits beside other busy processes (threads.py)."""
+    with one_thread():
+        for name in names:
+            for chunk, tensor in chunk_tensors(plan.tensors[name], out.chunks_of[name], rows):
+                out.put(chunk, tensor)
 
 
 def tensor_makers(plan: ImportPlan, world: int) -> dict[str, int]:
