@@ -39,6 +39,7 @@ from distmerge.importer.sink import ImportSink
 from distmerge.importer.write import Output, from_folder
 from distmerge.output.store import Sharing
 from distmerge.report import Progress
+from distmerge.threads import one_thread
 
 # The import's plan of a model at one process: its refusals, and which Hugging Face tensors make each Megatron one
 PlanOf = Callable[[Model], ImportPlan]
@@ -112,9 +113,14 @@ class CheckpointInput:
         return self.model
 
     def writer(self, plan: ImportPlan, comm: Comm) -> Callable[[Output], None]:
+        """The engine's rounds into the import's chunks, torch on one thread: the units are assembled by copies
+        (the tensor path), where a second thread only waits beside other busy processes (threads.py)."""
         merge_plan, reader = self.merge_plan, self.reader
-        return lambda out: run_rounds(merge_plan, comm, reader, ImportSink(merge_plan, plan, out),
-                                      Progress(enabled=False))
+
+        def rounds(out: Output) -> None:
+            with one_thread():
+                run_rounds(merge_plan, comm, reader, ImportSink(merge_plan, plan, out), Progress(enabled=False))
+        return rounds
 
     def close(self) -> None:
         if self.reader is not None:
