@@ -22,6 +22,7 @@ import pytest
 
 from tests.conftest import REPO, input_untouched, merge_inproc, reference_dir, torchrun
 from tests.helpers.importing import folder_bytes, import_inproc
+from tests.helpers.two_nodes import can_simulate, last_error, run_two_nodes
 
 # case: (fixture family, checkpoint, the import's layout options, --hf-config from the reference folder)
 CASES = {
@@ -146,3 +147,16 @@ def test_a_blob_is_placed_at_the_length_torch_save_writes(dtype):
         saved = io.BytesIO()
         torch.save(torch.randn(shape).to(kind), saved)
         assert tensor_blob_length(shape, kind) == len(saved.getvalue()), shape
+
+
+@pytest.mark.skipif(not can_simulate(), reason="simulating two nodes needs root and unshare")
+def test_an_output_each_node_sees_apart_is_refused_before_writing(merged, tmp_path):
+    """Several processes write each file of an import, so they must see one output on one machine. Two simulated
+    nodes, each with a disk of its own at the output's path: the one line on each node, before any file is made.
+    Seen failing without the check: node 1 found no file to join (the one its owner made is on node 0's disk)."""
+    at = tmp_path / "disk"
+    runs = run_two_nodes([None, None], at, ["import", "--input", merged["fsdp2"], "--output", at / "out"],
+                         nproc=(1, 1), before=(f"mkdir -p {at / 'out'}", f"mkdir -p {at / 'out'}"))
+    for run in runs:
+        assert run.returncode != 0, run.log[-2000:]
+        assert "needs them on one machine" in last_error(run.log), run.log[-2000:]
