@@ -13,14 +13,13 @@ plug-ins only through the registries.
 from __future__ import annotations
 
 from distmerge.average import fold as average_fold
-from distmerge.families import base, hf, transforms, value_head
+from distmerge.families import base, hf, joined, transforms, value_head
 from distmerge.families.lora import family as lora_family
 from distmerge.families.lora import transforms as lora_transforms
 from distmerge.families.megatron import family as megatron_family
 from distmerge.families.megatron import transforms as megatron_transforms
 from distmerge.families.torchtitan import family as torchtitan_family
 from distmerge.families.torchtitan import transforms as torchtitan_transforms
-from distmerge.quantize import fused
 from distmerge.quantize import table as quantize_table
 
 # In any order: claim tries them in each one's declared `order`.
@@ -33,7 +32,7 @@ TRANSFORMS = (
     torchtitan_transforms.rope_permute,
     lora_transforms.lora_fuse,
     value_head.with_zero_bias,
-    quantize_table.quantized, fused.joined,
+    quantize_table.quantized, joined.joined,
 )
 # Each transform the import walks backwards, and its inverse (families/transforms.Segment: the target's rows as
 # rows of the Hugging Face tensors), declared beside it.

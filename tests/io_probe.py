@@ -32,6 +32,7 @@ def rchar() -> int:
 
 
 def import_everything(argv: list[str]) -> None:
+    import torch.distributed.checkpoint.filesystem  # noqa: F401  (the import's .metadata: dcp/write.py, lazily)
     import torch.distributed.nn  # noqa: F401  (imported when the process group starts)
 
     for module in pkgutil.walk_packages(distmerge.__path__, "distmerge."):

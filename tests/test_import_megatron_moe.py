@@ -198,25 +198,25 @@ def test_a_legacy_save_two_processes_write_what_one_writes(from_legacy, megatron
     assert sorted(p.name for p in tmp_path.iterdir()) == ["n2"]
 
 
-def no_merge(monkeypatch) -> None:
-    """The merge engine refuses to run in this process: a refusal must come before it."""
+def no_reading(monkeypatch) -> None:
+    """The checkpoint may not be discovered in this process: a refusal must come before the import reads it."""
     from distmerge.errors import InputError
 
     def refused(*args, **kwargs):
-        raise InputError("the checkpoint was merged before the refusal")
+        raise InputError("the checkpoint was read before the refusal")
 
-    monkeypatch.setattr("distmerge.engine.run.merge", refused)
+    monkeypatch.setattr("distmerge.importer.source.discover_inputs", refused)
 
 
 @pytest.mark.parametrize(("args", "words"), [
     (("--ep", "3"), "--ep 3 does not divide the model's 4 experts"),
     (("--tp", "3"), "--tp 3 does not divide the model's 4 attention heads"),
 ])
-def test_a_legacy_save_at_a_layout_it_cannot_have_is_refused_before_its_merge(megatron_ckpts, tmp_path, capsys,
+def test_a_legacy_save_at_a_layout_it_cannot_have_is_refused_before_it_is_read(megatron_ckpts, tmp_path, capsys,
                                                                               monkeypatch, args, words):
-    """config.json (--hf-config) decides these before the checkpoint is merged (a merge here would fail the test
-    in other words): no output, no staged folder."""
-    no_merge(monkeypatch)
+    """config.json (--hf-config) decides these before the checkpoint is read (a reading here would fail the test
+    in other words): no output."""
+    no_reading(monkeypatch)
     out = tmp_path / "out"
     config = reference_dir(megatron_ckpts[LEGACY]) / "huggingface"
     assert import_inproc("--input", megatron_ckpts[LEGACY], "--output", out, "--hf-config", config, *args) == 1
@@ -225,9 +225,9 @@ def test_a_legacy_save_at_a_layout_it_cannot_have_is_refused_before_its_merge(me
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_legacy_save_into_a_folder_in_use_is_refused_before_its_merge(megatron_ckpts, tmp_path, capsys,
+def test_a_legacy_save_into_a_folder_in_use_is_refused_before_it_is_read(megatron_ckpts, tmp_path, capsys,
                                                                         monkeypatch):
-    no_merge(monkeypatch)
+    no_reading(monkeypatch)
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("someone's work")

@@ -10,8 +10,10 @@ Pure and deterministic: every rank calls it with the same arguments and gets the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from distmerge import catalog
 from distmerge.average import units as average
@@ -23,7 +25,7 @@ from distmerge.engine.discover import Discovery
 from distmerge.engine.placement import Placement
 from distmerge.engine.plan import Plan
 from distmerge.errors import InputError
-from distmerge.families.base import FamilyContext, LoraOptions, SourceMeta, claim, rewrite
+from distmerge.families.base import FamilyContext, LoraOptions, SourceMeta, Unit, claim, rewrite
 from distmerge.formats.base import BASE_MODEL_PREFIX, Fragment, input_prefix
 from distmerge.output import is_store, is_url
 from distmerge.output.store import Sharing
@@ -41,6 +43,11 @@ class OutputSettings:
     output: Path | str = Path()  # a folder, or an object-store URL
     quantize: str | None = None  # a --quantize choice (quantize.schemes.SCHEMES): linear weights in FP8 or 4 bits
     average: AverageOptions = field(default_factory=AverageOptions)  # --average, --average-weights
+
+
+# The units joined as a caller needs them (the one-pass import: the Hugging Face tensors of one Megatron tensor on
+# one owner, in one round), given the family's units and config.json; it may refuse in one line (a DistmergeError).
+Together = Callable[[list[Unit], dict[str, Any]], list[Unit]]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,10 +69,10 @@ def plan_merge(found: Discovery, fragments: list[Fragment], world: int, settings
 
 def prepare_merge(found: Discovery, fragments: list[Fragment], world: int, settings: OutputSettings,
                   hosts: tuple[int, ...] | None = None, sharing: Sharing | None = None,
-                  placement: Placement | None = None) -> Prepared:
+                  placement: Placement | None = None, together: Together | None = None) -> Prepared:
     """`hosts[r]`: the host of rank r, for plan.make_plan (None: every rank on one host); `sharing`: what the
     output store lets several ranks do with one file (None: a local folder's rule); `placement`: the input on the
-    nodes' own disks (placement.Placement)."""
+    nodes' own disks (placement.Placement); `together`: the caller's joining of the units (Together)."""
     catalog.install()  # the families, transforms and rewrites the claim and the plan look up by name
     scan = found.scan
     sources = planning.merge_inventories(fragments, scan.files)
@@ -88,6 +95,8 @@ def prepare_merge(found: Discovery, fragments: list[Fragment], world: int, setti
     # the options that rewrite any family's result (base.register_rewrite), after the family: its targets carry
     # Hugging Face names, which their tables match
     result = rewrite(result, settings, family.traits(found.config), found.config)
+    if together is not None:
+        result = replace(result, units=together(list(result.units), found.config))
     if base and not any(s.startswith(BASE_MODEL_PREFIX) for u in result.units for s in u.sources):
         result = replace(result, notes=[*result.notes, "--base-model: the folder's weights were not needed (the "
                                                        "checkpoint holds its own), none was read"])

@@ -50,7 +50,7 @@ from distmerge.engine.fold import FoldBuild, unit_build
 from distmerge.engine.inputs import InputSpec, check_inputs, discover_inputs
 from distmerge.engine.placement import Placement
 from distmerge.engine.plan import Plan
-from distmerge.engine.prepare import OutputSettings, prepare_merge
+from distmerge.engine.prepare import OutputSettings, Together, prepare_merge
 from distmerge.engine.reader import Reader
 from distmerge.engine.sink import FileSink, Sink
 from distmerge.errors import Interrupted
@@ -185,14 +185,16 @@ def _merge_on(spread: nodes.Spread | None, opts: MergeOptions, comm: Comm, progr
 
 def plan_checkpoint(found: disc.Discovery, reader: Reader, comm: Comm, settings: OutputSettings,
                     host: Callable[[], str], claims: tuple[Claim, ...] = (), sharing: Sharing | None = None,
-                    laps: Laps | None = None, placement: Placement | None = None) -> Plan:
+                    laps: Laps | None = None, placement: Placement | None = None,
+                    together: Together | None = None) -> Plan:
     """Collective, after discovery, before any round (merge, and verify of a checkpoint): each rank opens the input
     files it reads and the inventories are gathered; every rank plans the same; the checks of small replicas and
     of the sources the family wrote into no unit run. Returns the plan with their notes, the same on every rank.
     `host()`: this rank's machine, as spread.py groups ranks that may write one file; `claims`: what the user
     says the checkpoint is, checked against the plan (expect.py); `sharing`: what the output store lets several
     ranks do with one file (None: what a local folder allows); `laps`: the phases' times, when kept;
-    `placement`: the input on the nodes' own disks (engine/nodes.py), each file read on a node that holds it."""
+    `placement`: the input on the nodes' own disks (engine/nodes.py), each file read on a node that holds it;
+    `together`: the caller's joining of units whose targets it needs on one owner (prepare.Together)."""
     laps = laps if laps is not None else Laps()
     readers = planning.assign_readers(found.scan.files, comm.world, placement)
     mine = [i for i, r in enumerate(readers) if r == comm.rank]
@@ -203,7 +205,7 @@ def plan_checkpoint(found: disc.Discovery, reader: Reader, comm: Comm, settings:
     hosts = _host_numbers([name for name, _ in gathered])
     comm.phase("planning")
     prepared = comm.agree(lambda: _prepare(found, inventory.unpack([part for _, part in gathered]), comm.world,
-                                           settings, hosts, claims, sharing, placement))
+                                           settings, hosts, claims, sharing, placement, together))
     laps.lap("plan")
     plan = prepared.plan
     checked = unwritten.check(plan, prepared.left_out, prepared.must_equal, comm, reader)
@@ -211,8 +213,10 @@ def plan_checkpoint(found: disc.Discovery, reader: Reader, comm: Comm, settings:
 
 
 def _prepare(found: disc.Discovery, fragments, world: int, settings: OutputSettings, hosts: tuple[int, ...],
-             claims: tuple[Claim, ...], sharing: Sharing | None, placement: Placement | None = None):
-    prepared = prepare_merge(found, fragments, world, settings, hosts=hosts, sharing=sharing, placement=placement)
+             claims: tuple[Claim, ...], sharing: Sharing | None, placement: Placement | None = None,
+             together: Together | None = None):
+    prepared = prepare_merge(found, fragments, world, settings, hosts=hosts, sharing=sharing, placement=placement,
+                             together=together)
     expect.check(claims, found.config, prepared.plan)
     return prepared
 

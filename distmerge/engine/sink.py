@@ -9,8 +9,9 @@ it is built. Call order on each rank, per round:
                   the files whose every byte is in)
 
 `output` and `round_done` run inside the round's all_gather, so an error in either is raised on every rank.
-Two sinks exist: `FileSink` below (`merge`: safetensors files) and verifier/stream.StreamSink (`verify` of a
-checkpoint: each target compared with a reference, nothing written).
+Three sinks exist: `FileSink` below (`merge`: safetensors files), verifier/stream.StreamSink (`verify` of a
+checkpoint: each target compared with a reference, nothing written) and importer/sink.ImportSink (`import` of a
+checkpoint: each unit's targets cut into Megatron chunks, no safetensors written).
 """
 
 from __future__ import annotations

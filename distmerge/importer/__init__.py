@@ -6,18 +6,22 @@ from a merge. The same pipeline, sources and targets swapped:
     plan (every rank)   the family's table walked backwards (families/megatron/inverse.py), each Megatron tensor
                         cut into the chunks megatron-core saves (formats/megatron/dist_layout.py), the files given
                         owners by bytes (plan.py): the same plan on every rank, whatever their number
-    write (owners)      each chunk read as row ranges of the Hugging Face tensors and written as a DCP blob
-                        (read.py, write.py), each file by its owner only
+    write (makers)      each Megatron tensor made by one process, its chunks read as row ranges of the Hugging
+                        Face tensors (a column split's rows once for all its TP chunks) and written as DCP blobs at
+                        the places the plan gave them (read.py, place.py, write.py): each file created and committed
+                        by its owner, written by every process that makes one of its tensors
     finalize (rank 0)   `.metadata`, metadata.json, common.pt (Megatron-LM's args), and last the iteration
                         tracker (finalize.py): no tracker, no finished import
 
 run.py wires them under the output's lock (output/lock.py), as a merge does, once for every training layout: what
 differs between Megatron-LM's and torchtitan's is declared in targets.py (the folder, the marker of a finished
-import, the plan, the last files, the refusals of options), so no phase tests which one it writes. request.py holds
-what an import is asked for and answers (the command line and api.import_checkpoint build the same). An input that
-is a training checkpoint is merged first, by the merge engine, into a folder beside the output that the phases above
-then read (source.py). `--to torchtitan` runs the same phases with its own plan and finalize (torchtitan_plan.py,
-targets.py): the torchtitan table walked backwards (families/torchtitan/inverse.py), each tensor one whole chunk,
-`step-0/.metadata` last. The pipeline split (--pp, --vpp, uneven stages) that says which rank saves each layer is
-formats/megatron/pipeline.py's, megatron-core's own formulas.
+import, the input it reads, the plan, the last files, the refusals of options), so no phase tests which one it
+writes. request.py holds what an import is asked for and answers (the command line and api.import_checkpoint build
+the same). An input that is a training checkpoint is read in one pass (source.py): the merge engine discovers,
+plans, exchanges and assembles its Hugging Face tensors, and hands each owner its units' tensors whole in memory
+(sink.py) instead of writing safetensors; the owner cuts the Megatron chunks from them. `--to torchtitan` runs the
+same phases with its own plan and finalize (torchtitan_plan.py, targets.py): the torchtitan table walked backwards
+(families/torchtitan/inverse.py), each tensor one whole chunk, `step-0/.metadata` last. The pipeline split (--pp,
+--vpp, uneven stages) that says which rank saves each layer is formats/megatron/pipeline.py's, megatron-core's own
+formulas.
 """

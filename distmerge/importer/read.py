@@ -1,14 +1,18 @@
-"""A chunk's tensor, read as row ranges of the Hugging Face tensors: never a whole tensor unless the chunk is.
+"""A chunk's tensor, made of row ranges of the Hugging Face tensors: never a whole tensor unless the chunk needs it.
 
 A chunk is rows [a, b) (and columns, for a row-parallel split) of one Megatron tensor, whose rows are segments of
 Hugging Face tensors (families/transforms.Segment). The segments that cover [a, b) (transforms.narrow) are each
-one contiguous byte range of a safetensors file, read with one pread. A column split reads its rows whole and
-keeps the columns: at most the chunk's rows at full width in memory.
+rows of one Hugging Face tensor: from a folder, one contiguous byte range of a safetensors file, read with one
+pread (Files); from a checkpoint, rows of the tensor the merge engine assembled (sink.py). The chunks of one tensor
+that share their rows (the TP chunks of a column split) are cut from one read of those rows at full width
+(`chunk_tensors`), so each byte is read once.
 """
 
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -19,23 +23,32 @@ from distmerge.families.megatron.inverse import Imported
 from distmerge.formats.megatron.dist_layout import Chunk
 from distmerge.importer.discover import Model, Tensor
 
+# rows(name, first, count): rows [first, first + count) of the Hugging Face tensor `name`
+RowReader = Callable[[str, int, int], torch.Tensor]
+
 
 class Files:
-    """The Hugging Face files a process reads, each opened once."""
+    """The Hugging Face files a process reads, each opened once; `bytes_read` counts what was read."""
 
-    def __init__(self, root: str) -> None:
-        self.root = Path(root)
+    def __init__(self, model: Model) -> None:
+        self.model, self.root = model, Path(model.root)
         self.open: dict[str, object] = {}
+        self.bytes_read = 0
+
+    def rows(self, name: str, first_row: int, count: int) -> torch.Tensor:
+        tensor = self.model.tensors[name]
+        raw = bytearray(self.pread(tensor, first_row, count))
+        return torch.frombuffer(raw, dtype=dtypes.torch_dtype(tensor.dtype)).view(count, *tensor.shape[1:])
 
     def pread(self, tensor: Tensor, first_row: int, rows: int) -> bytes:
         row_bytes = math.prod(tensor.shape[1:]) * dtypes.itemsize(tensor.dtype)
         if tensor.file not in self.open:
-            self.open[tensor.file] = open(self.root / tensor.file, "rb")  # noqa: SIM115  (closed by close())
-        fh = self.open[tensor.file]
-        fh.seek(tensor.start + first_row * row_bytes)
-        data = fh.read(rows * row_bytes)
+            # unbuffered: a buffered file reads ahead of each row range, and the ranges of a TP shard are many
+            self.open[tensor.file] = open(self.root / tensor.file, "rb", buffering=0)  # noqa: SIM115  (close())
+        data = _pread(self.open[tensor.file].fileno(), rows * row_bytes, tensor.start + first_row * row_bytes)
         if len(data) != rows * row_bytes:
             raise OSError(f"{self.root / tensor.file}: {tensor.name} is cut short (truncated file?)")
+        self.bytes_read += len(data)
         return data
 
     def close(self) -> None:
@@ -44,15 +57,40 @@ class Files:
         self.open.clear()
 
 
-def chunk_tensor(chunk: Chunk, made: Imported, model: Model, files: Files) -> torch.Tensor:
-    """The chunk's values: the rows of its Hugging Face tensors its segments name, in order, then its columns."""
+def _pread(fd: int, nbytes: int, offset: int) -> bytes:
+    """nbytes at offset, or fewer at the end of the file (one pread returns at most about 2 GiB)."""
+    parts, done = [], 0
+    while done < nbytes:
+        part = os.pread(fd, min(nbytes - done, 1 << 30), offset + done)
+        if not part:
+            break
+        parts.append(part)
+        done += len(part)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def chunk_tensors(made: Imported, chunks: list[Chunk], rows: RowReader) -> Iterator[tuple[Chunk, torch.Tensor]]:
+    """Each chunk of `made` with its values, in the order given; the rows that several chunks share (a column
+    split's) made once, kept only while their chunks are cut."""
+    by_rows: dict[tuple[int, int], list[Chunk]] = {}
+    for chunk in chunks:
+        by_rows.setdefault(chunk.rows, []).append(chunk)
+    for span, cut in by_rows.items():
+        block = rows_of(made, span, rows)
+        for chunk in cut:
+            yield chunk, _columns(chunk, block)
+
+
+def rows_of(made: Imported, span: tuple[int, int], rows: RowReader) -> torch.Tensor:
+    """Rows [a, b) of the Megatron tensor: the rows of its Hugging Face tensors its segments name, in order."""
     pieces = []
-    for seg in tf.narrow(made.segments, *chunk.rows):
-        source = model.tensors[made.sources[seg.source]]
-        raw = bytearray(files.pread(source, seg.start, seg.count))
-        rows = torch.frombuffer(raw, dtype=dtypes.torch_dtype(source.dtype)).view(seg.count, *source.shape[1:])
-        if chunk.cols is not None:
-            rows = rows[:, chunk.cols[0] : chunk.cols[1]]
-        pieces.append(rows.repeat(seg.repeat, *[1] * (rows.dim() - 1)) if seg.repeat > 1 else rows)
-    out = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-    return out.reshape(chunk.lengths)
+    for seg in tf.narrow(made.segments, *span):
+        block = rows(made.sources[seg.source], seg.start, seg.count)
+        pieces.append(block.repeat(seg.repeat, *[1] * (block.dim() - 1)) if seg.repeat > 1 else block)
+    return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+
+def _columns(chunk: Chunk, block: torch.Tensor) -> torch.Tensor:
+    if chunk.cols is not None:
+        block = block[:, chunk.cols[0] : chunk.cols[1]]
+    return block.reshape(chunk.lengths)

@@ -11,26 +11,46 @@ any training layout (targets.py: what differs between them is declared there, ne
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 
 from distmerge.distributed.comm import Comm
-from distmerge.importer.discover import Model, discover, discover_config
+from distmerge.importer.discover import Model, discover_config
 from distmerge.importer.request import ImportOptions, ImportResult
 from distmerge.importer.targets import TARGETS, Target
-from distmerge.importer.write import write_owned
+from distmerge.importer.write import write_files
 from distmerge.output import lock, open_store
 from distmerge.output.lock import Lease
 from distmerge.output.store import Store
 
 
 def run_import(opts: ImportOptions, comm: Comm) -> ImportResult:
-    """Collective: the import of a Hugging Face folder, or of a training checkpoint merged first (source.py), in
+    """Collective: the import of a Hugging Face folder, or of a training checkpoint read in one pass (source.py), in
     the layout opts.to names. Every refusal is raised on every rank, before anything is written."""
     start = time.perf_counter()
     target = TARGETS[opts.to]
     target.check_options(opts)
-    with target.source(opts.input, opts.output, opts.hf_config, comm, lambda: _refuse_early(target, opts)) as hf_dir:
-        return _import_model(target, replace(opts, input=hf_dir), comm, start)
+    store = open_store(opts.output)
+    held: list[Lease] = []
+    unregister = comm.on_abort(lambda: _release(held))
+    source = None
+    try:
+        comm.phase("discovery")
+        source = target.open_input(opts.input, opts.hf_config, comm, lambda: _refuse_early(target, opts),
+                                   lambda model: target.plan(model, opts.layout, 1))
+        model = source.open(comm)
+        comm.root_only(lambda: _discover(target, opts, store, held, model))
+        plan = target.plan(model, opts.layout, comm.world)  # rank 0 made it already: it cannot fail here
+        comm.phase("writing")
+        entries = write_files(plan, store, target.folder, comm, source.writer(plan, comm))
+        comm.phase("finalize")
+        comm.agree(lambda: _finalize(target, opts, store, model, plan, entries, held) if comm.rank == 0 else None)
+    finally:
+        if source is not None:
+            source.close()
+        unregister()
+        _release(held)
+    return ImportResult(files=len(plan.files), tensors=len(plan.tensors), chunks=sum(len(f.chunks) for f in plan.files),
+                        nbytes=sum(f.nbytes for f in plan.files), padded_vocab=target.padded_vocab(plan),
+                        seconds=time.perf_counter() - start, processes=comm.world)
 
 
 def summary(result: ImportResult, opts: ImportOptions) -> str:
@@ -39,39 +59,17 @@ def summary(result: ImportResult, opts: ImportOptions) -> str:
 
 
 def _refuse_early(target: Target, opts: ImportOptions) -> None:
-    """Rank 0, before a checkpoint input is merged (source.py): an output the import may not write, and with
-    --hf-config, a layout its config.json does not allow; the rest is judged on the merged tensors."""
+    """Rank 0, before a checkpoint input is opened (source.py): an output the import may not write, and with
+    --hf-config, a layout its config.json does not allow; the rest is judged on the checkpoint's tensors."""
     store = open_store(opts.output)
     store.check(str(opts.input), opts.overwrite)
     if opts.hf_config is not None:
         target.check_config(discover_config(opts.hf_config), opts.layout)
 
 
-def _import_model(target: Target, opts: ImportOptions, comm: Comm, start: float) -> ImportResult:
-    store = open_store(opts.output)
-    held: list[Lease] = []
-    unregister = comm.on_abort(lambda: _release(held))
-    try:
-        comm.phase("discovery")
-        model = comm.root_only(lambda: _discover(target, opts, store, held))
-        plan = target.plan(model, opts.layout, comm.world)  # rank 0 made it already: it cannot fail here
-        comm.phase("writing")
-        entries = comm.gather(lambda: write_owned(plan, model, store, target.folder, comm.rank))
-        comm.phase("finalize")
-        comm.agree(lambda: _finalize(target, opts, store, model, plan, [e for mine in entries for e in mine], held)
-                   if comm.rank == 0 else None)
-    finally:
-        unregister()
-        _release(held)
-    return ImportResult(files=len(plan.files), tensors=len(plan.tensors), chunks=sum(len(f.chunks) for f in plan.files),
-                        nbytes=sum(f.nbytes for f in plan.files), padded_vocab=target.padded_vocab(plan),
-                        seconds=time.perf_counter() - start, processes=comm.world)
-
-
-def _discover(target: Target, opts: ImportOptions, store: Store, held: list[Lease]) -> Model:
-    """Rank 0: the model read and the plan made (each refusal here, before the output is touched), then the
+def _discover(target: Target, opts: ImportOptions, store: Store, held: list[Lease], model: Model) -> None:
+    """Rank 0, the model found: the plan made (each refusal here, before the output is touched), then the
     output's lock, the output checked under it and made ready (a stale marker removed first, then the files)."""
-    model = discover(opts.input)
     target.plan(model, opts.layout, 1)
     store.check_place(model.root)
     held.append(lock.take(store.lock(), lock.this_process(model.root), store.url, take_over=opts.overwrite,
@@ -81,7 +79,6 @@ def _discover(target: Target, opts: ImportOptions, store: Store, held: list[Leas
     store.remove(target.marker)
     for name in store.list(f"{target.folder}/*"):
         store.remove(name)
-    return model
 
 
 def _finalize(target: Target, opts: ImportOptions, store: Store, model: Model, plan, entries: list,

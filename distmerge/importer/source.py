@@ -1,36 +1,61 @@
-"""Any checkpoint distmerge merges as the import's input (issue #45, item 3): a Megatron legacy TP save written as
-torch_dist at another TP, an FSDP or DCP save, ... Such an input is merged first, by the merge engine with the
-import's own processes (engine/run.merge: its discovery, plan, bounded memory, every format it reads), into a
-Hugging Face folder beside the output; the import reads that folder, and it is removed when the import ends,
-finished or not.
+"""The import's input: a Hugging Face folder, or any checkpoint distmerge merges (issue #45, item 3: a Megatron
+legacy TP save written as torch_dist at another TP, an FSDP or DCP save, ...), read in one pass.
 
-    OUT/../.OUT.distmerge-import-source/   the merge's output (config.json from --hf-config or the checkpoint's)
-    OUT/                                   the import of it
+    FolderInput       the folder's safetensors: each Megatron tensor's maker reads the rows its chunks need
+                      (write.from_folder, read.Files)
+    CheckpointInput   the checkpoint read by the merge engine (engine/run.py: discovery, plan, exchange, assemble;
+                      every format it reads, its bounded memory): each unit's owner is handed its Hugging Face
+                      tensors whole, in memory, and cuts the Megatron chunks from them (sink.ImportSink). No
+                      Hugging Face folder is written: each input byte is read once.
 
-A staged version: it reads the input once and the staged folder once, and holds a copy of the model on disk
-meanwhile. Reading the checkpoint's fragments straight into the import's chunks (one pass, no copy) is not written
-yet. A Hugging Face folder is read as it is; an input no format detects is left to the import's own discovery,
-whose refusal says what a model folder holds. Before the merge, what the import would refuse after it is refused
-(refuse_early): an output it may not write, and, with --hf-config, a layout config.json does not allow.
+Both give the Model the import plans from (names, dtypes, shapes, config.json) on every rank. A checkpoint's is
+made from the merge plan's targets, whose units are joined first (`together`) so that the Hugging Face tensors
+of one Megatron tensor reach one owner in one round. Before the checkpoint is opened, what the import would refuse
+anyway is refused (refuse_early): an output it may not write, and, with --hf-config, a layout config.json does not
+allow.
 """
 
 from __future__ import annotations
 
-import shutil
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, Protocol
 
+from distmerge.disjoint_sets import DisjointSets
 from distmerge.distributed.comm import Comm
+from distmerge.engine.discover import Discovery
+from distmerge.engine.inputs import check_inputs, discover_inputs
+from distmerge.engine.prepare import OutputSettings
+from distmerge.engine.reader import Reader
+from distmerge.engine.run import plan_checkpoint, run_rounds
+from distmerge.families.base import Unit
+from distmerge.families.joined import join_units
 from distmerge.formats import registry
 from distmerge.formats.registry import HF_MODEL_FILES
+from distmerge.importer.discover import Model, Tensor, discover
+from distmerge.importer.plan import ImportPlan
+from distmerge.importer.read import Files
+from distmerge.importer.sink import ImportSink
+from distmerge.importer.write import Output, from_folder
+from distmerge.output.store import Sharing
+from distmerge.report import Progress
+from distmerge.threads import one_thread
 
-STAGE_SUFFIX = ".distmerge-import-source"
+# The import's plan of a model at one process: its refusals, and which Hugging Face tensors make each Megatron one
+PlanOf = Callable[[Model], ImportPlan]
+# The merge engine's plan may give any rank any unit, wherever it runs: its output files are never written (sink.py)
+ANY_RANK = Sharing(within="any")
 
 
-def staged_folder(output: Path) -> Path:
-    """Where a checkpoint input is merged: beside the output, hidden, named after it."""
-    return output.parent / f".{output.name}{STAGE_SUFFIX}"
+class ImportInput(Protocol):
+    """Call order, every rank: open (collective) -> the Model; writer(plan, comm) -> write.write_files' `write_mine`
+    (collective when called); close, on every path."""
+
+    def open(self, comm: Comm) -> Model: ...
+
+    def writer(self, plan: ImportPlan, comm: Comm) -> Callable[[Output], None]: ...
+
+    def close(self) -> None: ...
 
 
 def is_checkpoint(location: Path) -> bool:
@@ -40,32 +65,94 @@ def is_checkpoint(location: Path) -> bool:
     return registry.detect(location) is not None
 
 
-@contextmanager
-def as_hf_model(location: Path, output: Path, hf_config: Path | None, comm: Comm,
-                refuse_early: Callable[[], None]) -> Iterator[Path]:
-    """Collective: the Hugging Face folder the import reads: `location` itself, or a checkpoint merged into
-    staged_folder(output) by every rank (removed on the way out), once rank 0's `refuse_early` has passed."""
+def open_input(location: Path, hf_config: Path | None, comm: Comm, refuse_early: Callable[[], None],
+               plan_of: PlanOf) -> ImportInput:
+    """Collective: the input, as rank 0 finds it. An input no format detects is left to the folder's discovery,
+    whose refusal says what a model folder holds."""
+    if comm.root_only(lambda: is_checkpoint(location)):
+        return CheckpointInput(location, hf_config, refuse_early, plan_of)
+    return FolderInput(location)
 
-    def staged() -> bool:
-        if not is_checkpoint(location):
-            return False
-        refuse_early()
-        return True
 
-    if not comm.root_only(staged):
-        yield location
-        return
-    from distmerge.engine.inputs import InputSpec
-    from distmerge.engine.run import MergeOptions, merge
-    from distmerge.report import Progress
+class FolderInput:
+    """A Hugging Face folder, discovered by rank 0 (discover.py)."""
 
-    stage = staged_folder(output)
-    try:
-        merge(MergeOptions(input=InputSpec(locations=(location,), hf_config=hf_config), output=stage,
-                           overwrite=True), comm, Progress(enabled=False))
-        yield stage
-    finally:
-        # no collective here: after an error on one rank it would wait for the others. A normal end is past the
-        # import's last collective (finalize), so no rank still reads the folder.
-        if comm.rank == 0:
-            shutil.rmtree(stage, ignore_errors=True)
+    def __init__(self, location: Path) -> None:
+        self.location = location
+        self.files: Files | None = None
+
+    def open(self, comm: Comm) -> Model:
+        self.model = comm.root_only(lambda: discover(self.location))
+        return self.model
+
+    def writer(self, plan: ImportPlan, comm: Comm) -> Callable[[Output], None]:
+        self.files = Files(self.model)
+        return from_folder(plan, self.files, comm)
+
+    def close(self) -> None:
+        if self.files is not None:
+            self.files.close()
+
+
+class CheckpointInput:
+    """A training checkpoint, read by the merge engine's phases into the import's chunks."""
+
+    def __init__(self, location: Path, hf_config: Path | None, refuse_early: Callable[[], None],
+                 plan_of: PlanOf) -> None:
+        self.location, self.hf_config, self.refuse_early, self.plan_of = location, hf_config, refuse_early, plan_of
+        self.reader: Reader | None = None
+
+    def open(self, comm: Comm) -> Model:
+        """Collective: discovery (rank 0), the inventories and the merge plan (every rank, the units joined)."""
+        found = comm.root_only(self._discover)
+        self.reader = Reader(found.scan, registry.get(found.scan.format))
+        self.merge_plan = plan_checkpoint(found, self.reader, comm, OutputSettings(), host=lambda: "",
+                                          sharing=ANY_RANK, together=self._together)
+        self.model = model_of([t for u in self.merge_plan.units for t in u.targets], found.config,
+                              str(self.location))
+        return self.model
+
+    def writer(self, plan: ImportPlan, comm: Comm) -> Callable[[Output], None]:
+        """The engine's rounds into the import's chunks, torch on one thread: the units are assembled by copies
+        (the tensor path), where a second thread only waits beside other busy processes (threads.py)."""
+        merge_plan, reader = self.merge_plan, self.reader
+
+        def rounds(out: Output) -> None:
+            with one_thread():
+                run_rounds(merge_plan, comm, reader, ImportSink(merge_plan, plan, out), Progress(enabled=False))
+        return rounds
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
+
+    def _discover(self) -> Discovery:
+        self.refuse_early()
+        return discover_inputs(check_inputs([self.location]), "auto", self.hf_config, {})
+
+    def _together(self, units: list[Unit], config: dict[str, Any]) -> list[Unit]:
+        targets = [t for u in units for t in u.targets]
+        return together(units, self.plan_of(model_of(targets, config, str(self.location))))
+
+
+def model_of(targets: list, config: dict[str, Any], root: str) -> Model:
+    """The model the merge engine's targets make (the Hugging Face tensors it hands over whole: no file holds
+    them, so no file or offset)."""
+    tensors = {t.name: Tensor(name=t.name, file="", start=0, dtype=t.dtype, shape=t.shape) for t in targets
+               if t.group == "model"}
+    return Model(root=root, config=config, tensors=tensors)
+
+
+def together(units: list[Unit], plan: ImportPlan) -> list[Unit]:
+    """The units with those whose targets make one Megatron tensor joined into one (in the place of the first): a
+    Megatron legacy save's linear_qkv is one unit already, an FSDP save's q, k and v are three."""
+    unit_of = {t.name: i for i, u in enumerate(units) for t in u.targets}
+    groups = DisjointSets(range(len(units)))
+    for made in plan.tensors.values():
+        first = unit_of[made.sources[0]]
+        for source in made.sources[1:]:
+            groups.join(first, unit_of[source])
+    joined = {min(g): join_units([units[i] for i in g]) for g in groups.groups() if len(g) > 1}
+    apart = {i for g in groups.groups() if len(g) > 1 for i in g}
+    return [joined.get(i, u) for i, u in enumerate(units) if i not in apart or i in joined]
+

@@ -3,7 +3,7 @@ small functions, for the one skeleton of run.py to run (lock, discover, plan, wr
 
     megatron     OUT/release/__{rank}_0.distcp, then .metadata, metadata.json, common.pt (finalize.py), and last
                  OUT/latest_checkpointed_iteration.txt: no tracker, no finished import. A training checkpoint
-                 input is merged first (source.py).
+                 input is read in one pass (source.py).
     torchtitan   OUT/step-0/__{i}_0.distcp, then OUT/step-0/.metadata, last: torchtitan counts a step folder as
                  a checkpoint only once it has one. A Hugging Face folder only; one layout for every world size,
                  so none of Megatron-LM's layout options.
@@ -14,8 +14,7 @@ initial_load_model_only), and as the job's checkpoint folder (a step-0 save is l
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,12 +27,12 @@ from distmerge.importer.discover import Model
 from distmerge.importer.megatron_args import common_state, megatron_args
 from distmerge.importer.plan import Layout, check_layout, make_plan
 from distmerge.importer.request import ImportOptions, ImportResult
-from distmerge.importer.source import as_hf_model
+from distmerge.importer.source import FolderInput, ImportInput, PlanOf, open_input
 from distmerge.importer.torchtitan_plan import STEP, make_titan_plan
 from distmerge.output.store import Store
 
-# as_hf_model's signature: (input, output, hf_config, comm, refuse_early) -> the Hugging Face folder to read
-Source = Callable[[Path, Path, "Path | None", Comm, Callable[[], None]], AbstractContextManager[Path]]
+# source.open_input's signature: (input, hf_config, comm, refuse_early, plan_of) -> the input, read as it is planned
+OpenInput = Callable[[Path, "Path | None", Comm, Callable[[], None], PlanOf], ImportInput]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,7 +41,7 @@ class Target:
 
     folder: str  # the output's folder that holds the .distcp files
     marker: str  # the file that says the import finished: written last, removed first when the output is prepared
-    source: Source  # the Hugging Face folder read for the input (a checkpoint merged first, or the folder as given)
+    open_input: OpenInput  # the input: a checkpoint read in one pass, or a Hugging Face folder
     plan: Callable[[Model, Layout, int], Any]  # (model, layout, processes) -> .tensors, .files, .owners
     finalize: Callable[[Store, Model, Any, list[dcp.Entry], Layout], None]  # rank 0, once every file is written
     check_options: Callable[[ImportOptions], None]  # the options this layout takes none of, refused
@@ -93,11 +92,10 @@ def _refuse_megatron_options(opts: ImportOptions) -> None:
                           "so --to torchtitan takes no such option")
 
 
-@contextmanager
-def _folder_as_given(location: Path, output: Path, hf_config: Path | None, comm: Comm,
-                     refuse_early: Callable[[], None]) -> Iterator[Path]:
+def _folder_only(location: Path, hf_config: Path | None, comm: Comm, refuse_early: Callable[[], None],
+                 plan_of: PlanOf) -> ImportInput:
     """The input read as it is: a Hugging Face folder, or the import's discovery refuses it."""
-    yield location
+    return FolderInput(location)
 
 
 def _takes_every_option(opts: ImportOptions) -> None:
@@ -113,11 +111,11 @@ def _checks_nothing_early(config: dict, layout: Layout) -> None:
     """torchtitan's input is a Hugging Face folder: nothing is merged first, so nothing to refuse before."""
 
 
-MEGATRON = Target(folder=fin.RELEASE, marker=fin.TRACKER, source=as_hf_model,
+MEGATRON = Target(folder=fin.RELEASE, marker=fin.TRACKER, open_input=open_input,
                   plan=make_plan, finalize=_finalize_megatron, check_options=_takes_every_option,
                   check_config=_check_megatron_config,
                   padded_vocab=lambda plan: plan.sizes.padded_vocab, summary=_megatron_summary)
-TORCHTITAN = Target(folder=STEP, marker=f"{STEP}/.metadata", source=_folder_as_given,
+TORCHTITAN = Target(folder=STEP, marker=f"{STEP}/.metadata", open_input=_folder_only,
                     plan=lambda model, layout, world: make_titan_plan(model, world), finalize=_finalize_torchtitan,
                     check_options=_refuse_megatron_options, check_config=_checks_nothing_early,
                     padded_vocab=lambda plan: 0, summary=_torchtitan_summary)

@@ -26,13 +26,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
-
-import torch
 
 from distmerge.disjoint_sets import DisjointSets
 from distmerge.families.base import Target, Unit
-from distmerge.families.transforms import TRANSFORMS, Params
+from distmerge.families.joined import join_units
 
 SETS: tuple[tuple[re.Pattern[str], tuple[str, ...]], ...] = tuple(
     (re.compile(rf"(?P<prefix>{prefix})(?P<member>{'|'.join(members)})\.weight"), members) for prefix, members in (
@@ -68,33 +65,6 @@ def join(units: list[Unit], quantizes: Callable[[Target], bool]) -> tuple[list[U
             if t.name in sets:
                 grouped.join(i, first.setdefault(sets[t.name], i))
     members = grouped.groups()  # each in unit order
-    joined = {min(m): _joined([units[i] for i in m]) for m in members if len(m) > 1}
+    joined = {min(m): join_units([units[i] for i in m]) for m in members if len(m) > 1}
     done = {i for m in members if len(m) > 1 for i in m}
     return [joined.get(i, u) for i, u in enumerate(units) if i not in done or i in joined], sets
-
-
-def _joined(units: list[Unit]) -> Unit:
-    sources = tuple(dict.fromkeys(s for u in units for s in u.sources))
-    at = {s: i for i, s in enumerate(sources)}
-    parts = tuple((u.transform, u.params, tuple(at[s] for s in u.sources)) for u in units)
-    return Unit(sources=sources, targets=tuple(t for u in units for t in u.targets), transform="joined",
-                params=Joined(parts=parts))
-
-
-@dataclass(frozen=True)
-class Joined(Params):
-    """joined's keywords: each part's (transform, params, its sources' places among the unit's)."""
-
-    parts: tuple[tuple[str, Params, tuple[int, ...]], ...]
-
-
-def joined(sources: list[torch.Tensor], parts: tuple[tuple[str, Params, tuple[int, ...]], ...]) -> list[torch.Tensor]:
-    """Several units as one (a fused set's, fused.join): each part's transform on its own sources, the targets in
-    the parts' order.
-
-        sources [a, b, c]   parts (identity, (0,)), (identity, (1,)), (split, (2,))   ->   [a', b', c0, c1]
-    """
-    out: list[torch.Tensor] = []
-    for name, params, at in parts:
-        out += TRANSFORMS[name]([sources[i] for i in at], **dict(params))
-    return out

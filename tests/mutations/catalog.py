@@ -247,6 +247,7 @@ MUTATIONS = MUTATIONS + SCHEMES
 
 # issue #45, `distmerge import --to megatron`: TP x PP together, MoE experts over EP (tests/test_import_megatron*.py)
 IMPORT_FILE, IMPORT_MOE_FILE = "tests/test_import_megatron.py", "tests/test_import_megatron_moe.py"
+IMPORT_CKPT_FILE = "tests/test_import_checkpoint.py"
 DIST_LAYOUT = "distmerge/formats/megatron/dist_layout.py"
 IMPORT_LAYOUTS = (
     Mutation(name="45-1-experts-round-robin-over-ep", guarantee="Megatron import layout",
@@ -275,22 +276,32 @@ IMPORT_LAYOUTS = (
              old="        e = replace(e, key=sys.intern(e.key), file=sys.intern(e.file))\n", new="",
              tests=(f"{IMPORT_FILE}::test_metadata_bytes_depend_only_on_the_entries",
                     f"{IMPORT_MOE_FILE}::test_two_processes_write_what_one_writes")),
-    Mutation(name="45-6-staged-source-left-behind", guarantee="nothing left behind",
-             why="the folder a checkpoint input is merged into stays beside the output, a second copy of the model",
-             file="distmerge/importer/source.py", old="            shutil.rmtree(stage, ignore_errors=True)",
-             new="            pass",
-             tests=(f"{IMPORT_MOE_FILE}::test_a_legacy_save_imported_merges_back_to_its_source",)),
+    Mutation(name="45-6-column-split-read-per-chunk", guarantee="each input byte read once",
+             why="each TP chunk of a column split reads the tensor's rows at full width: read TP times",
+             file="distmerge/importer/read.py",
+             old=("        block = rows_of(made, span, rows)\n        for chunk in cut:\n"
+                  "            yield chunk, _columns(chunk, block)"),
+             new="        for chunk in cut:\n            yield chunk, _columns(chunk, rows_of(made, span, rows))",
+             tests=(f"{IMPORT_CKPT_FILE}::test_column_split_tensors_are_read_once",)),
     Mutation(name="45-7-checkpoint-input-not-detected", guarantee="Megatron import layout",
              why="a checkpoint input is taken for a Hugging Face folder and refused for having no config.json",
              file="distmerge/importer/source.py", old="    return registry.detect(location) is not None",
              new="    return False",
              tests=(f"{IMPORT_MOE_FILE}::test_a_legacy_save_imported_merges_back_to_its_source",)),
-    Mutation(name="45-8-checkpoint-refused-after-its-merge", guarantee="one-line errors / exit status",
-             why="an output in use or an EP config.json forbids is refused only after the whole checkpoint is merged",
-             file="distmerge/importer/source.py", old="        refuse_early()\n        return True",
-             new="        return True",
-             tests=(f"{IMPORT_MOE_FILE}::test_a_legacy_save_at_a_layout_it_cannot_have_is_refused_before_its_merge",
-                    f"{IMPORT_MOE_FILE}::test_a_legacy_save_into_a_folder_in_use_is_refused_before_its_merge")),
+    Mutation(name="45-8-checkpoint-refused-after-reading-it", guarantee="one-line errors / exit status",
+             why="an output in use or an EP config.json forbids is refused only after the checkpoint is read",
+             file="distmerge/importer/source.py", old="        self.refuse_early()\n", new="",
+             tests=(f"{IMPORT_MOE_FILE}::test_a_legacy_save_at_a_layout_it_cannot_have_is_refused_before_it_is_read",
+                    f"{IMPORT_MOE_FILE}::test_a_legacy_save_into_a_folder_in_use_is_refused_before_it_is_read")),
+    Mutation(name="45-9-checkpoint-units-not-joined", guarantee="Megatron import layout",
+             why="an FSDP save's q, k and v stay three units: a layer's linear_qkv is cut before all its rows are in",
+             file="distmerge/importer/source.py", old="            groups.join(first, unit_of[source])",
+             new="            pass",
+             tests=(f"{IMPORT_CKPT_FILE}::test_a_checkpoint_is_written_as_the_import_of_its_merge",)),
+    Mutation(name="45-10-object-blobs-overlap", guarantee="Megatron import layout",
+             why="the objects' blobs are placed at one offset: the first chunk written over them, .metadata wrong",
+             file="distmerge/importer/place.py", old="        at += size\n", new="",
+             tests=(f"{IMPORT_FILE}::test_megatron_core_loads_it_at_the_written_layout",)),
 )
 MUTATIONS = MUTATIONS + IMPORT_LAYOUTS
 

@@ -19,6 +19,7 @@ import io
 import pickle
 import sys
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -47,6 +48,32 @@ def tensor_blob(chunk: torch.Tensor) -> bytes:
     buf = io.BytesIO()
     torch.save(own, buf)
     return buf.getvalue()
+
+
+@lru_cache(maxsize=256)
+def tensor_blob_length(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """The length of tensor_blob of any chunk of this shape and dtype, so that blobs are placed before they are
+    made (several processes write one file). torch.save's length does not depend on the values: the CRC-32s and
+    the serialization id it records are fixed-width. Measured once per shape, on an uninitialised tensor whose
+    pages are only read (the kernel's zero page: no memory taken) and a writer that keeps nothing but the count."""
+    counted = _Counted()
+    torch.save(torch.empty(shape, dtype=dtype), counted)
+    return counted.length
+
+
+class _Counted:
+    """A file torch.save writes to that keeps only how many bytes it was given."""
+
+    def __init__(self) -> None:
+        self.length = 0
+
+    def write(self, data: Any) -> int:
+        size = memoryview(data).nbytes
+        self.length += size
+        return size
+
+    def flush(self) -> None:
+        """Nothing is kept, so nothing to flush."""
 
 
 def object_blob(value: Any) -> bytes:
