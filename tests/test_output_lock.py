@@ -98,7 +98,9 @@ def test_a_requeued_merge_fails_at_once_and_the_first_keeps_its_model(fsdp_ckpts
 @pytest.mark.torchrun
 def test_under_torchrun_every_rank_learns_the_output_is_held(fsdp_ckpts, tmp_path):
     out = tmp_path / "out"
-    first = start(fsdp_ckpts[A], out, *SLOW, delay=1.0)  # still writing once torchrun has started (seconds)
+    # Rounds of 10 minutes: the first merge holds the output until it is killed below, however slowly torchrun
+    # starts (a round of 1 s lost this race on a loaded machine: the first merge had ended before torchrun's)
+    first = start(fsdp_ckpts[A], out, *SLOW, delay=600)
     try:
         wait_for(lambda: (out / LOCK).exists(), first)
         run = torchrun(2, "merge", "--quiet", "--input", fsdp_ckpts[B], "--output", out, *SLOW, "--resume",
