@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -161,6 +162,39 @@ def vl_ckpts(tmp_path_factory) -> dict[str, Path]:
     from tests.fixtures.make_vl import build_vl_fixtures
 
     return built_once("vl", build_vl_fixtures, tmp_path_factory)
+
+
+# The fixture families each test process builds first when the suite runs in several (launch/test.sh: two), before
+# its first test: the families the collected tests use, in shares of about equal build time (seconds of wall time,
+# one process, forked workers: megatron 19, deepspeed 19, many_ranks 19, torchtitan 16, mla 13, fsdp 7, critic 6,
+# dcp 2, lora_only 2, vl 1). Without it, whichever process asked first built every family while the other waited
+# for the one it needed (fsdp, needed first by both, took its turn behind others).
+BUILD_SHARES = (("fsdp_ckpts", "dcp_ckpts", "ds_ckpts", "tt_ckpts", "vl_ckpts", "lora_only_ckpts"),
+                ("megatron_ckpts", "mla_ckpts", "critic_ckpts", "twin_ckpts", "many_rank_ckpts"))
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    config.stash[_USED] = {name for item in items for name in getattr(item, "fixturenames", ())}
+
+
+_USED = pytest.StashKey[set]()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def families_built_side_by_side(request) -> None:
+    """In a test process of several (pytest-xdist, a shared DISTMERGE_FIXTURE_CACHE): its share of the families
+    the session's tests use (BUILD_SHARES), built before its first test, while the other processes build theirs."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not worker.startswith("gw") or count < 2 or not os.environ.get("DISTMERGE_FIXTURE_CACHE"):
+        return
+    used = request.config.stash.get(_USED, set())
+    order = [name for share in BUILD_SHARES for name in share]
+    mine = order[int(worker[2:]) % count::count] if count != len(BUILD_SHARES) else BUILD_SHARES[int(worker[2:])]
+    for name in mine:
+        if name in used:
+            # a family that fails to build fails its own tests (pytest keeps the error for them), not every test
+            with contextlib.suppress(Exception):
+                request.getfixturevalue(name)
 
 
 def reference_dir(ckpt: Path) -> Path:
