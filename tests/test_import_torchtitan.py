@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from distmerge import catalog
+from distmerge.errors import InputError
 from distmerge.families import transforms as tf
 from tests.conftest import input_untouched, load_merged, merge_inproc, torchrun
 from tests.fixtures import megatron_models as mm
@@ -114,6 +115,24 @@ def test_a_family_torchtitan_lacks_is_refused(tmp_path, capsys):
     assert not out.exists()
 
 
+def test_a_checkpoint_of_a_family_torchtitan_lacks_is_refused_before_it_is_read(fsdp_ckpts, tmp_path, capsys,
+                                                                                  monkeypatch):
+    """A checkpoint input is read in one pass (test_import_checkpoint.py): with --hf-config, its config.json alone
+    decides that torchtitan has no such model, before the checkpoint is opened (a reading here would fail the test
+    in other words), and nothing is written."""
+    def refused(*args, **kwargs):
+        raise InputError("the checkpoint was read before the refusal")
+
+    monkeypatch.setattr("distmerge.importer.source.discover_inputs", refused)
+    qwen2 = tmp_path / "qwen2"
+    mm.build_hf_model(mm.FAMILIES["qwen2"]).save_pretrained(qwen2, safe_serialization=True)
+    out = tmp_path / "out"
+    assert import_inproc("--input", fsdp_ckpts["fsdp2_llama_w4"], "--output", out, "--hf-config", qwen2) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Qwen2ForCausalLM has no torchtitan model" in err[0], err
+    assert not out.exists()
+
+
 def test_a_llama_with_its_own_head_dim_is_refused(tmp_path, capsys):
     """torchtitan's llama3 has heads dim / n_heads wide: a Llama with head_dim 32 (not 64 / 4) has no place there."""
     wide = tmp_path / "wide"
@@ -129,7 +148,6 @@ def test_a_llama_with_its_own_head_dim_is_refused(tmp_path, capsys):
     (("--tp", "2"), "drop --tp, --pp, --ep, --vpp"), (("--pp", "2"), "drop --tp, --pp, --ep, --vpp"),
     (("--ep", "2"), "drop --tp, --pp, --ep, --vpp"),
     (("--decoder-last-pipeline-num-layers", "1"), "--decoder-last-pipeline-num-layers (set them in torchtitan's"),
-    (("--hf-config", "."), "reads a Hugging Face model folder only"),
     (("--make-vocab-size-divisible-by", "64"), "torchtitan does not pad the vocabulary"),
 ])
 def test_a_megatron_option_is_refused(hf_models, tmp_path, capsys, option, words):
