@@ -1,8 +1,10 @@
 """`distmerge import --to torchtitan`, judged by torchtitan 0.3.0 itself: a job started from the folder with
 torchtitan's own checkpointer (tests/fixtures/load_torchtitan_import.py: `--checkpoint.initial_load_path`, then
 CheckpointManager.load) holds, at world size 1 and FSDP-sharded at 2, every parameter equal to the source laid out
-by torchtitan's documented from_hf mapping; the folder merges back to the source byte for byte, is the same for
-N=1 and N=2, and a family torchtitan lacks is refused in one line with nothing written."""
+by torchtitan's documented from_hf mapping (for Qwen3-MoE: each layer's experts stacked, the router's gate, and
+the load-balancing bias Hugging Face has no tensor for at torchtitan's init); the folder merges back to the source
+byte for byte, is the same for N=1 and N=2, and a family torchtitan lacks is refused in one line with nothing
+written."""
 
 from __future__ import annotations
 
@@ -22,16 +24,18 @@ from tests.helpers.importing import import_inproc as _import
 
 # family (as the loader script spells it) -> the seeded tiny transformers model: Llama with GQA (4 heads, 2 query
 # groups, rotary pairs to interleave); Qwen3 with q/k norm and head_dim 32 != 64 / 4; Qwen3 with tied embeddings
-# (save_pretrained writes no lm_head, torchtitan's state dict has one)
+# (save_pretrained writes no lm_head, torchtitan's state dict has one); Qwen3-MoE with 4 experts in every layer
 MODELS = {
     "llama": ("llama", mm.FAMILIES["llama"]),
     "qwen3": ("qwen3", mm.FAMILIES["qwen3"]),
     "qwen3_tied": ("qwen3", mm.Family("qwen3", "Qwen3Config", dict(mm.FAMILIES["qwen3"].hf, tie_word_embeddings=True),
                                       qk_norm=True)),
+    "qwen3_moe": ("qwen3_moe", mm.FAMILIES["qwen3_moe"]),
 }
 # torchtitan's state dict of a dense model: 3 outside the layers (tok_embeddings, norm, lm_head), 9 per layer
-# (wq, wk, wv, wo, w1, w2, w3, attention_norm, ffn_norm), 2 more with q/k norm; every model here has 2 layers
-ENTRIES = {"llama": 3 + 2 * 9, "qwen3": 3 + 2 * 11, "qwen3_tied": 3 + 2 * 11}
+# (wq, wk, wv, wo, w1, w2, w3, attention_norm, ffn_norm), 2 more with q/k norm; a MoE layer has the router's
+# gate, w1_EFD, w3_EFD, w2_EDF and expert_bias_E for w1, w2, w3; every model here has 2 layers
+ENTRIES = {"llama": 3 + 2 * 9, "qwen3": 3 + 2 * 11, "qwen3_tied": 3 + 2 * 11, "qwen3_moe": 3 + 2 * 13}
 
 
 @pytest.fixture(scope="module")
@@ -92,10 +96,12 @@ def test_merged_back_it_is_the_source(imported, hf_models, tmp_path, case):
 
 
 
-def test_two_processes_write_what_one_writes(hf_models, tmp_path):
-    one, two = tmp_path / "n1", tmp_path / "n2"
-    assert import_inproc("--input", hf_models["llama"], "--output", one) == 0
-    done = torchrun(2, "import", "--quiet", "--to", "torchtitan", "--input", str(hf_models["llama"]),
+@pytest.mark.parametrize("case", ["llama", "qwen3_moe"])
+def test_two_processes_write_what_one_writes(imported, hf_models, tmp_path, case):
+    """Qwen3-MoE: each stacked expert tensor made by one process from its experts, and expert_bias_E (no source)
+    by its file's owner, whichever rank that is."""
+    one, two = imported[case], tmp_path / "n2"
+    done = torchrun(2, "import", "--quiet", "--to", "torchtitan", "--input", str(hf_models[case]),
                     "--output", str(two))
     assert done.returncode == 0, done.stderr[-3000:]
     written = folder_bytes(one)
