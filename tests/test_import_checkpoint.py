@@ -1,7 +1,8 @@
 """`distmerge import` of a training checkpoint in one pass (#45 item 3), and each input byte read once.
 
-A checkpoint (an FSDP2 save at W=4, written as Megatron-LM's torch_dist and as torchtitan's DCP; a Megatron legacy
-save at TP=2, written at TP=1 x PP=2: resharding) is read by the merge engine and its Hugging Face tensors are cut
+A checkpoint (an FSDP2 save at W=4, written as Megatron-LM's torch_dist and as torchtitan's DCP; a torchtitan
+Qwen3-MoE save at W=4, written as torchtitan's DCP; a Megatron legacy save at TP=2, written at TP=1 x PP=2:
+resharding) is read by the merge engine and its Hugging Face tensors are cut
 into the target's chunks in memory: the folder written is, byte for byte, the import of the checkpoint's merge
 (whose loads by megatron-core and torchtitan test_import_megatron.py and test_import_torchtitan.py judge), no
 folder is made outside the output on the way, and two processes write what one writes.
@@ -29,6 +30,9 @@ from tests.helpers.two_nodes import can_simulate, last_error, run_two_nodes
 CASES = {
     "fsdp2": ("fsdp_ckpts", "fsdp2_llama_w4", ("--tp", "2", "--pp", "2"), False),
     "fsdp2_torchtitan": ("fsdp_ckpts", "fsdp2_llama_w4", ("--to", "torchtitan"), False),
+    # torchtitan's own Qwen3-MoE save (stacked experts, FSDP-sharded on dim 1) back into torchtitan's names: its
+    # experts restacked from the merge's per-expert tensors, expert_bias_E written at torchtitan's init
+    "torchtitan_moe": ("tt_ckpts", "tt_qwen3_moe_w4", ("--to", "torchtitan"), False),
     "megatron_legacy": ("megatron_ckpts", "megatron_tp2", ("--tp", "1", "--pp", "2"), True),
 }
 
@@ -86,7 +90,7 @@ def test_a_checkpoint_is_written_as_the_import_of_its_merge(case, request, merge
     assert [p.name for p in out.parent.iterdir()] == ["imported"]
 
 
-@pytest.mark.parametrize("case", ["fsdp2", "fsdp2_torchtitan"])
+@pytest.mark.parametrize("case", ["fsdp2", "fsdp2_torchtitan", "torchtitan_moe"])
 def test_two_processes_write_what_one_writes(case, request, tmp_path):
     """The FSDP2 save under torchrun: the merge engine gives the units to both processes (q, k and v of a layer to
     one, for Megatron's linear_qkv), and each writes its chunks into files the other may own: the bytes of one
