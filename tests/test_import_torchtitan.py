@@ -139,6 +139,23 @@ def test_a_checkpoint_of_a_family_torchtitan_lacks_is_refused_before_it_is_read(
     assert not out.exists()
 
 
+def test_a_moe_layer_missing_an_expert_is_refused(hf_models, tmp_path, capsys):
+    """torchtitan's stacked tensor is E experts long: a layer with one expert's weights gone has no such tensor."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    cut = tmp_path / "cut"
+    shutil.copytree(hf_models["qwen3_moe"], cut)
+    tensors = load_file(str(cut / "model.safetensors"))
+    save_file({n: t for n, t in tensors.items() if ".layers.1.mlp.experts.3." not in n}, str(cut / "model.safetensors"),
+              metadata={"format": "pt"})
+    assert import_inproc("--input", cut, "--output", tmp_path / "out") == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "config.json has 4 experts but layer 1 has 3 of" in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_llama_with_its_own_head_dim_is_refused(tmp_path, capsys):
     """torchtitan's llama3 has heads dim / n_heads wide: a Llama with head_dim 32 (not 64 / 4) has no place there."""
     wide = tmp_path / "wide"
