@@ -156,6 +156,18 @@ def test_a_moe_layer_missing_an_expert_is_refused(hf_models, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_qwen3_moe_with_a_dense_layer_is_refused(tmp_path, capsys):
+    """torchtitan's qwen3 makes every layer of a MoE model MoE: layer 1 dense (mlp_only_layers) has no place."""
+    mixed = tmp_path / "mixed"
+    fam = mm.FAMILIES["qwen3_moe"]
+    mm.build_hf_model(mm.Family("qwen3_moe", fam.config_class, dict(fam.hf, mlp_only_layers=[1]), qk_norm=True)
+                      ).save_pretrained(mixed, safe_serialization=True)
+    assert import_inproc("--input", mixed, "--output", tmp_path / "out") == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "layer 1 of this Qwen3-MoE is dense" in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_llama_with_its_own_head_dim_is_refused(tmp_path, capsys):
     """torchtitan's llama3 has heads dim / n_heads wide: a Llama with head_dim 32 (not 64 / 4) has no place there."""
     wide = tmp_path / "wide"

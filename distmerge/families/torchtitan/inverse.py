@@ -35,6 +35,7 @@ from distmerge.families.torchtitan.transforms import RopePermute
 IMPORTED = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 STACKED = ".{}"  # a row source's tail that numbers the expert of a stacked tensor (tables.py)
 ROUTER = "model.layers.{}.mlp.gate.weight"  # the Hugging Face router: its layers are the MoE layers
+DENSE = "model.layers.{}.mlp.gate_proj.weight"  # a dense layer's MLP
 HEAD, EMBEDDING = family.HEAD, family.EMBEDDING
 
 
@@ -59,6 +60,7 @@ def torchtitan_tensors(hf: dict[str, SourceMeta], config: dict[str, Any]) -> lis
     size = family.sizes(config, arch)
     _refuse_head_dim(arch, size)
     tied = base.CAUSAL_LM.ties(config)
+    _refuse_dense_layers(arch, hf)
     out: list[Imported] = []
     taken: set[str] = set()
     for row in FAMILIES[arch]:
@@ -85,6 +87,15 @@ def _refuse_head_dim(arch: str, size: dict[str, int | None]) -> None:
     if arch == "LlamaForCausalLM" and hidden and heads and hd != hidden // heads:
         raise ConfigError(f"config.json's head_dim {hd} is not hidden_size / num_attention_heads = {hidden // heads}: "
                           "torchtitan's llama3 makes each head dim / n_heads wide, so it cannot hold this model")
+
+
+def _refuse_dense_layers(arch: str, hf: dict[str, SourceMeta]) -> None:
+    """torchtitan's qwen3 MoE flavors make every layer MoE (qwen3/__init__.py, _build_qwen3_moe_layers): a
+    Qwen3-MoE with dense layers (mlp_only_layers, decoder_sparse_step) has no torchtitan model."""
+    dense = [n[0] for n in _numbers(DENSE, hf)]
+    if arch == "Qwen3MoeForCausalLM" and dense:
+        raise ConfigError(f"layer {dense[0]} of this Qwen3-MoE is dense (mlp_only_layers or decoder_sparse_step): "
+                          "torchtitan's qwen3 makes every layer of a MoE model MoE, so it cannot hold this model")
 
 
 def _numbers(target: str, hf: dict[str, SourceMeta]) -> list[tuple[int, ...]]:
