@@ -1,8 +1,10 @@
 """`distmerge import` of a training checkpoint in one pass (#45 item 3), and each input byte read once.
 
-A checkpoint (an FSDP2 save at W=4; a Megatron legacy save at TP=2, written at TP=1 x PP=2: resharding) is read by
-the merge engine and its Hugging Face tensors are cut into the Megatron chunks in memory: the folder written is,
-byte for byte, the import of the checkpoint's merge (whose megatron-core loads test_import_megatron.py judges), no
+A checkpoint (an FSDP2 save at W=4, written as Megatron-LM's torch_dist and as torchtitan's DCP; a torchtitan
+Qwen3-MoE save at W=4, written as torchtitan's DCP; a Megatron legacy save at TP=2, written at TP=1 x PP=2:
+resharding) is read by the merge engine and its Hugging Face tensors are cut
+into the target's chunks in memory: the folder written is, byte for byte, the import of the checkpoint's merge
+(whose loads by megatron-core and torchtitan test_import_megatron.py and test_import_torchtitan.py judge), no
 folder is made outside the output on the way, and two processes write what one writes.
 
 The bytes each import reads are counted by the kernel (/proc/self/io `rchar`, tests/io_probe.py): the one-pass
@@ -24,9 +26,13 @@ from tests.conftest import REPO, input_untouched, merge_inproc, reference_dir, t
 from tests.helpers.importing import folder_bytes, import_inproc
 from tests.helpers.two_nodes import can_simulate, last_error, run_two_nodes
 
-# case: (fixture family, checkpoint, the import's layout options, --hf-config from the reference folder)
+# case: (fixture family, checkpoint, the import's target and layout options, --hf-config from the reference folder)
 CASES = {
     "fsdp2": ("fsdp_ckpts", "fsdp2_llama_w4", ("--tp", "2", "--pp", "2"), False),
+    "fsdp2_torchtitan": ("fsdp_ckpts", "fsdp2_llama_w4", ("--to", "torchtitan"), False),
+    # torchtitan's own Qwen3-MoE save (stacked experts, FSDP-sharded on dim 1) back into torchtitan's names: its
+    # experts restacked from the merge's per-expert tensors, expert_bias_E written at torchtitan's init
+    "torchtitan_moe": ("tt_ckpts", "tt_qwen3_moe_w4", ("--to", "torchtitan"), False),
     "megatron_legacy": ("megatron_ckpts", "megatron_tp2", ("--tp", "1", "--pp", "2"), True),
 }
 
@@ -40,13 +46,16 @@ def checkpoint_of(request, case: str) -> tuple[Path, list[str]]:
 
 @pytest.fixture(scope="module")
 def merged(request, tmp_path_factory) -> dict[str, Path]:
-    """Each case's checkpoint merged into a Hugging Face folder by `distmerge merge`."""
+    """Each case's checkpoint merged into a Hugging Face folder by `distmerge merge`, once per checkpoint."""
     root = tmp_path_factory.mktemp("merged")
-    out = {}
+    out: dict[str, Path] = {}
+    by_checkpoint: dict[str, Path] = {}
     for case in CASES:
         ckpt, config = checkpoint_of(request, case)
-        out[case] = root / case
-        assert merge_inproc("--input", ckpt, "--output", out[case], *config) == 0
+        if CASES[case][1] not in by_checkpoint:
+            by_checkpoint[CASES[case][1]] = root / case
+            assert merge_inproc("--input", ckpt, "--output", root / case, *config) == 0
+        out[case] = by_checkpoint[CASES[case][1]]
     return out
 
 
@@ -81,11 +90,13 @@ def test_a_checkpoint_is_written_as_the_import_of_its_merge(case, request, merge
     assert [p.name for p in out.parent.iterdir()] == ["imported"]
 
 
-def test_two_processes_write_what_one_writes(request, tmp_path):
+@pytest.mark.parametrize("case", ["fsdp2", "fsdp2_torchtitan", "torchtitan_moe"])
+def test_two_processes_write_what_one_writes(case, request, tmp_path):
     """The FSDP2 save under torchrun: the merge engine gives the units to both processes (q, k and v of a layer to
-    one), and each writes its chunks into files the other may own: the bytes of one process."""
-    ckpt, _ = checkpoint_of(request, "fsdp2")
-    layout = CASES["fsdp2"][2]
+    one, for Megatron's linear_qkv), and each writes its chunks into files the other may own: the bytes of one
+    process."""
+    ckpt, _ = checkpoint_of(request, case)
+    layout = CASES[case][2]
     one, two = tmp_path / "n1", tmp_path / "n2"
     assert import_inproc("--input", ckpt, "--output", one, *layout) == 0
     done = torchrun(2, "import", "--quiet", "--input", str(ckpt), "--output", str(two), *layout)

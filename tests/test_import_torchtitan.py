@@ -1,8 +1,10 @@
 """`distmerge import --to torchtitan`, judged by torchtitan 0.3.0 itself: a job started from the folder with
 torchtitan's own checkpointer (tests/fixtures/load_torchtitan_import.py: `--checkpoint.initial_load_path`, then
 CheckpointManager.load) holds, at world size 1 and FSDP-sharded at 2, every parameter equal to the source laid out
-by torchtitan's documented from_hf mapping; the folder merges back to the source byte for byte, is the same for
-N=1 and N=2, and a family torchtitan lacks is refused in one line with nothing written."""
+by torchtitan's documented from_hf mapping (for Qwen3-MoE: each layer's experts stacked, the router's gate, and
+the load-balancing bias Hugging Face has no tensor for at torchtitan's init); the folder merges back to the source
+byte for byte, is the same for N=1 and N=2, and a family torchtitan lacks is refused in one line with nothing
+written."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from distmerge import catalog
+from distmerge.errors import InputError
 from distmerge.families import transforms as tf
 from tests.conftest import input_untouched, load_merged, merge_inproc, torchrun
 from tests.fixtures import megatron_models as mm
@@ -21,16 +24,18 @@ from tests.helpers.importing import import_inproc as _import
 
 # family (as the loader script spells it) -> the seeded tiny transformers model: Llama with GQA (4 heads, 2 query
 # groups, rotary pairs to interleave); Qwen3 with q/k norm and head_dim 32 != 64 / 4; Qwen3 with tied embeddings
-# (save_pretrained writes no lm_head, torchtitan's state dict has one)
+# (save_pretrained writes no lm_head, torchtitan's state dict has one); Qwen3-MoE with 4 experts in every layer
 MODELS = {
     "llama": ("llama", mm.FAMILIES["llama"]),
     "qwen3": ("qwen3", mm.FAMILIES["qwen3"]),
     "qwen3_tied": ("qwen3", mm.Family("qwen3", "Qwen3Config", dict(mm.FAMILIES["qwen3"].hf, tie_word_embeddings=True),
                                       qk_norm=True)),
+    "qwen3_moe": ("qwen3_moe", mm.FAMILIES["qwen3_moe"]),
 }
 # torchtitan's state dict of a dense model: 3 outside the layers (tok_embeddings, norm, lm_head), 9 per layer
-# (wq, wk, wv, wo, w1, w2, w3, attention_norm, ffn_norm), 2 more with q/k norm; every model here has 2 layers
-ENTRIES = {"llama": 3 + 2 * 9, "qwen3": 3 + 2 * 11, "qwen3_tied": 3 + 2 * 11}
+# (wq, wk, wv, wo, w1, w2, w3, attention_norm, ffn_norm), 2 more with q/k norm; a MoE layer has the router's
+# gate, w1_EFD, w3_EFD, w2_EDF and expert_bias_E for w1, w2, w3; every model here has 2 layers
+ENTRIES = {"llama": 3 + 2 * 9, "qwen3": 3 + 2 * 11, "qwen3_tied": 3 + 2 * 11, "qwen3_moe": 3 + 2 * 13}
 
 
 @pytest.fixture(scope="module")
@@ -91,10 +96,12 @@ def test_merged_back_it_is_the_source(imported, hf_models, tmp_path, case):
 
 
 
-def test_two_processes_write_what_one_writes(hf_models, tmp_path):
-    one, two = tmp_path / "n1", tmp_path / "n2"
-    assert import_inproc("--input", hf_models["llama"], "--output", one) == 0
-    done = torchrun(2, "import", "--quiet", "--to", "torchtitan", "--input", str(hf_models["llama"]),
+@pytest.mark.parametrize("case", ["llama", "qwen3_moe"])
+def test_two_processes_write_what_one_writes(imported, hf_models, tmp_path, case):
+    """Qwen3-MoE: each stacked expert tensor made by one process from its experts, and expert_bias_E (no source)
+    by its file's owner, whichever rank that is."""
+    one, two = imported[case], tmp_path / "n2"
+    done = torchrun(2, "import", "--quiet", "--to", "torchtitan", "--input", str(hf_models[case]),
                     "--output", str(two))
     assert done.returncode == 0, done.stderr[-3000:]
     written = folder_bytes(one)
@@ -114,6 +121,53 @@ def test_a_family_torchtitan_lacks_is_refused(tmp_path, capsys):
     assert not out.exists()
 
 
+def test_a_checkpoint_of_a_family_torchtitan_lacks_is_refused_before_it_is_read(fsdp_ckpts, tmp_path, capsys,
+                                                                                  monkeypatch):
+    """A checkpoint input is read in one pass (test_import_checkpoint.py): with --hf-config, its config.json alone
+    decides that torchtitan has no such model, before the checkpoint is opened (a reading here would fail the test
+    in other words), and nothing is written."""
+    def refused(*args, **kwargs):
+        raise InputError("the checkpoint was read before the refusal")
+
+    monkeypatch.setattr("distmerge.importer.source.discover_inputs", refused)
+    qwen2 = tmp_path / "qwen2"
+    mm.build_hf_model(mm.FAMILIES["qwen2"]).save_pretrained(qwen2, safe_serialization=True)
+    out = tmp_path / "out"
+    assert import_inproc("--input", fsdp_ckpts["fsdp2_llama_w4"], "--output", out, "--hf-config", qwen2) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Qwen2ForCausalLM has no torchtitan model" in err[0], err
+    assert not out.exists()
+
+
+def test_a_moe_layer_missing_an_expert_is_refused(hf_models, tmp_path, capsys):
+    """torchtitan's stacked tensor is E experts long: a layer with one expert's weights gone has no such tensor."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    cut = tmp_path / "cut"
+    shutil.copytree(hf_models["qwen3_moe"], cut)
+    tensors = load_file(str(cut / "model.safetensors"))
+    save_file({n: t for n, t in tensors.items() if ".layers.1.mlp.experts.3." not in n}, str(cut / "model.safetensors"),
+              metadata={"format": "pt"})
+    assert import_inproc("--input", cut, "--output", tmp_path / "out") == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "config.json has 4 experts but layer 1 has 3 of" in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_qwen3_moe_with_a_dense_layer_is_refused(tmp_path, capsys):
+    """torchtitan's qwen3 makes every layer of a MoE model MoE: layer 1 dense (mlp_only_layers) has no place."""
+    mixed = tmp_path / "mixed"
+    fam = mm.FAMILIES["qwen3_moe"]
+    mm.build_hf_model(mm.Family("qwen3_moe", fam.config_class, dict(fam.hf, mlp_only_layers=[1]), qk_norm=True)
+                      ).save_pretrained(mixed, safe_serialization=True)
+    assert import_inproc("--input", mixed, "--output", tmp_path / "out") == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "layer 1 of this Qwen3-MoE is dense" in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_llama_with_its_own_head_dim_is_refused(tmp_path, capsys):
     """torchtitan's llama3 has heads dim / n_heads wide: a Llama with head_dim 32 (not 64 / 4) has no place there."""
     wide = tmp_path / "wide"
@@ -129,7 +183,6 @@ def test_a_llama_with_its_own_head_dim_is_refused(tmp_path, capsys):
     (("--tp", "2"), "drop --tp, --pp, --ep, --vpp"), (("--pp", "2"), "drop --tp, --pp, --ep, --vpp"),
     (("--ep", "2"), "drop --tp, --pp, --ep, --vpp"),
     (("--decoder-last-pipeline-num-layers", "1"), "--decoder-last-pipeline-num-layers (set them in torchtitan's"),
-    (("--hf-config", "."), "reads a Hugging Face model folder only"),
     (("--make-vocab-size-divisible-by", "64"), "torchtitan does not pad the vocabulary"),
 ])
 def test_a_megatron_option_is_refused(hf_models, tmp_path, capsys, option, words):

@@ -15,11 +15,11 @@ from a merge. The same pipeline, sources and targets swapped:
 
 run.py wires them under the output's lock (output/lock.py), as a merge does, once for every training layout: what
 differs between Megatron-LM's and torchtitan's is declared in targets.py (the folder, the marker of a finished
-import, the input it reads, the plan, the last files, the refusals of options), so no phase tests which one it
-writes. request.py holds what an import is asked for and answers (the command line and api.import_checkpoint build
+import, the plan, the last files, the refusals of options), so no phase tests which one it writes; both read any
+input. request.py holds what an import is asked for and answers (the command line and api.import_checkpoint build
 the same). An input that is a training checkpoint is read in one pass (source.py): the merge engine discovers,
 plans, exchanges and assembles its Hugging Face tensors, and hands each owner its units' tensors whole in memory
-(sink.py) instead of writing safetensors; the owner cuts the Megatron chunks from them. `--to torchtitan` runs the
+(sink.py) instead of writing safetensors; the owner cuts the target's chunks from them. `--to torchtitan` runs the
 same phases with its own plan and finalize (torchtitan_plan.py, targets.py): the torchtitan table walked backwards
 (families/torchtitan/inverse.py), each tensor one whole chunk, `step-0/.metadata` last. The pipeline split (--pp,
 --vpp, uneven stages) that says which rank saves each layer is formats/megatron/pipeline.py's, megatron-core's own

@@ -15,6 +15,7 @@ import time
 from distmerge.distributed.comm import Comm
 from distmerge.importer.discover import Model, discover_config
 from distmerge.importer.request import ImportOptions, ImportResult
+from distmerge.importer.source import open_input
 from distmerge.importer.targets import TARGETS, Target
 from distmerge.importer.write import write_files
 from distmerge.output import lock, open_store
@@ -34,8 +35,8 @@ def run_import(opts: ImportOptions, comm: Comm) -> ImportResult:
     source = None
     try:
         comm.phase("discovery")
-        source = target.open_input(opts.input, opts.hf_config, comm, lambda: _refuse_early(target, opts),
-                                   lambda model: target.plan(model, opts.layout, 1))
+        source = open_input(opts.input, opts.hf_config, comm, lambda: _refuse_early(target, opts),
+                            lambda model: target.plan(model, opts.layout, 1))
         model = source.open(comm)
         comm.root_only(lambda: _discover(target, opts, store, held, model))
         plan = target.plan(model, opts.layout, comm.world)  # rank 0 made it already: it cannot fail here

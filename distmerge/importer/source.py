@@ -145,13 +145,13 @@ def model_of(targets: list, config: dict[str, Any], root: str) -> Model:
 
 def together(units: list[Unit], plan: ImportPlan) -> list[Unit]:
     """The units with those whose targets make one Megatron tensor joined into one (in the place of the first): a
-    Megatron legacy save's linear_qkv is one unit already, an FSDP save's q, k and v are three."""
+    Megatron legacy save's linear_qkv is one unit already, an FSDP save's q, k and v are three (and a torchtitan
+    stacked expert tensor's E experts, E units)."""
     unit_of = {t.name: i for i, u in enumerate(units) for t in u.targets}
     groups = DisjointSets(range(len(units)))
     for made in plan.tensors.values():
-        first = unit_of[made.sources[0]]
-        for source in made.sources[1:]:
-            groups.join(first, unit_of[source])
+        for source in made.sources[1:]:  # a tensor of no source (a torchtitan buffer's init) joins nothing
+            groups.join(unit_of[made.sources[0]], unit_of[source])
     joined = {min(g): join_units([units[i] for i in g]) for g in groups.groups() if len(g) > 1}
     apart = {i for g in groups.groups() if len(g) > 1 for i in g}
     return [joined.get(i, u) for i, u in enumerate(units) if i not in apart or i in joined]

@@ -5,8 +5,8 @@ small functions, for the one skeleton of run.py to run (lock, discover, plan, wr
                  OUT/latest_checkpointed_iteration.txt: no tracker, no finished import. A training checkpoint
                  input is read in one pass (source.py).
     torchtitan   OUT/step-0/__{i}_0.distcp, then OUT/step-0/.metadata, last: torchtitan counts a step folder as
-                 a checkpoint only once it has one. A Hugging Face folder only; one layout for every world size,
-                 so none of Megatron-LM's layout options.
+                 a checkpoint only once it has one. A training checkpoint input is read in one pass, as for
+                 megatron; one layout for every world size, so none of Megatron-LM's layout options.
 
 torchtitan's OUT starts a job as `--checkpoint.initial_load_path OUT/step-0` (model only, the default of
 initial_load_model_only), and as the job's checkpoint folder (a step-0 save is loaded as model weights only).
@@ -16,23 +16,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from distmerge.distributed.comm import Comm
 from distmerge.errors import ConfigError
+from distmerge.families.torchtitan import inverse as torchtitan_inverse
 from distmerge.formats.torch_private.dcp import write as dcp
 from distmerge.importer import finalize as fin
 from distmerge.importer.discover import Model
 from distmerge.importer.megatron_args import common_state, megatron_args
 from distmerge.importer.plan import Layout, check_layout, make_plan
 from distmerge.importer.request import ImportOptions, ImportResult
-from distmerge.importer.source import FolderInput, ImportInput, PlanOf, open_input
 from distmerge.importer.torchtitan_plan import STEP, make_titan_plan
 from distmerge.output.store import Store
-
-# source.open_input's signature: (input, hf_config, comm, refuse_early, plan_of) -> the input, read as it is planned
-OpenInput = Callable[[Path, "Path | None", Comm, Callable[[], None], PlanOf], ImportInput]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,7 +36,6 @@ class Target:
 
     folder: str  # the output's folder that holds the .distcp files
     marker: str  # the file that says the import finished: written last, removed first when the output is prepared
-    open_input: OpenInput  # the input: a checkpoint read in one pass, or a Hugging Face folder
     plan: Callable[[Model, Layout, int], Any]  # (model, layout, processes) -> .tensors, .files, .owners
     finalize: Callable[[Store, Model, Any, list[dcp.Entry], Layout], None]  # rank 0, once every file is written
     check_options: Callable[[ImportOptions], None]  # the options this layout takes none of, refused
@@ -78,24 +72,15 @@ def _torchtitan_summary(result: ImportResult, opts: ImportOptions) -> str:
 def _refuse_megatron_options(opts: ImportOptions) -> None:
     """--to torchtitan: one layout for every world size, so no --tp, --pp, --ep or pipeline split (torchtitan's run
     options, not the checkpoint's: its loader reshards), and no vocabulary padding (torchtitan's embedding is
-    vocab_size rows)."""
+    vocab_size rows). --hf-config is taken: a checkpoint input's config.json, as for merge."""
     lay = opts.layout
     if (lay.tp, lay.pp, lay.ep, lay.vpp, lay.first, lay.last) != (1, 1, 1, None, None, None):
         raise ConfigError("--to torchtitan writes one folder that torchtitan loads at any parallelism: drop --tp, "
                           "--pp, --ep, --vpp, --decoder-first-pipeline-num-layers and "
                           "--decoder-last-pipeline-num-layers (set them in torchtitan's own config)")
-    if opts.hf_config is not None:
-        raise ConfigError("--to torchtitan reads a Hugging Face model folder only: merge the checkpoint first "
-                          "(distmerge merge ... --hf-config DIR), then import the merged folder")
     if lay.divisible_by != 128:
         raise ConfigError("--make-vocab-size-divisible-by is Megatron-LM's: torchtitan does not pad the vocabulary, "
                           "so --to torchtitan takes no such option")
-
-
-def _folder_only(location: Path, hf_config: Path | None, comm: Comm, refuse_early: Callable[[], None],
-                 plan_of: PlanOf) -> ImportInput:
-    """The input read as it is: a Hugging Face folder, or the import's discovery refuses it."""
-    return FolderInput(location)
 
 
 def _takes_every_option(opts: ImportOptions) -> None:
@@ -107,17 +92,19 @@ def _check_megatron_config(config: dict, layout: Layout) -> None:
     check_layout(config, layout)
 
 
-def _checks_nothing_early(config: dict, layout: Layout) -> None:
-    """torchtitan's input is a Hugging Face folder: nothing is merged first, so nothing to refuse before."""
+def _check_torchtitan_config(config: dict, layout: Layout) -> None:
+    """An architecture torchtitan (or this import) lacks, refused from --hf-config's config.json before a
+    checkpoint's tensors are read (torchtitan_inverse.architecture)."""
+    torchtitan_inverse.architecture(config)
 
 
-MEGATRON = Target(folder=fin.RELEASE, marker=fin.TRACKER, open_input=open_input,
+MEGATRON = Target(folder=fin.RELEASE, marker=fin.TRACKER,
                   plan=make_plan, finalize=_finalize_megatron, check_options=_takes_every_option,
                   check_config=_check_megatron_config,
                   padded_vocab=lambda plan: plan.sizes.padded_vocab, summary=_megatron_summary)
-TORCHTITAN = Target(folder=STEP, marker=f"{STEP}/.metadata", open_input=_folder_only,
+TORCHTITAN = Target(folder=STEP, marker=f"{STEP}/.metadata",
                     plan=lambda model, layout, world: make_titan_plan(model, world), finalize=_finalize_torchtitan,
-                    check_options=_refuse_megatron_options, check_config=_checks_nothing_early,
+                    check_options=_refuse_megatron_options, check_config=_check_torchtitan_config,
                     padded_vocab=lambda plan: 0, summary=_torchtitan_summary)
 
 TARGETS = {"megatron": MEGATRON, "torchtitan": TORCHTITAN}  # --to's choices (options/import_options.TARGETS)

@@ -58,9 +58,10 @@ def file_number(name: str) -> int:
 
 
 def whole_chunk(t: Imported) -> dl.Chunk:
-    """The one chunk of a tensor saved whole: all its rows, at offset zero."""
+    """The one chunk of a tensor saved whole: all its rows, at offset zero. The rows are counted in its
+    segments' rows (read.rows_of): a stacked expert tensor [E, F, D] is E x F rows of its sources, reshaped."""
     return dl.Chunk(key=t.name, global_shape=t.shape, offsets=(0,) * len(t.shape), lengths=t.shape, tensor=t.name,
-                    rows=(0, t.shape[0]), cols=None, rank=0)
+                    rows=(0, sum(s.rows for s in t.segments)), cols=None, rank=0)
 
 
 def _file(number: int, chunks: list[dl.Chunk], tensors: dict[str, Imported]) -> DistFile:

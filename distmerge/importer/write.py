@@ -6,7 +6,8 @@ Call order, every rank (write_files runs it):
 
     hosts    every rank the output's machine as this rank sees it        all_gather (store.host): one, or refused
     create   owners     each file it owns made at its size through the store (output/store.py: a shared file),
-                        its objects' blobs written                      all_gather of the files' tokens
+                        its objects' blobs written, and its tensors made of no source (zeros: a torchtitan
+                        buffer Hugging Face has no place for)            all_gather of the files' tokens
     write    makers     `write_mine(out)`: each chunk's blob at its place (Output.put), the file joined on first use;
                         a folder's tensors by their makers (tensor_makers), a checkpoint's by the merge engine's
                         owners (sink.py)
@@ -58,7 +59,8 @@ class Output:
         return [e for p in self.placed for e in p.entries]
 
     def create_owned(self) -> dict[int, Any]:
-        """Owners: their files at full size, objects written; returns each one's token for the other writers."""
+        """Owners: their files at full size, objects and source-less tensors written; returns each one's token
+        for the other writers."""
         blob = memoryview(object_bytes())
         for i, (p, owner) in enumerate(zip(self.placed, self.plan.owners, strict=True)):
             if owner == self.rank:
@@ -66,6 +68,9 @@ class Output:
                 for e in p.entries:
                     if e.dtype is None:
                         handle.pwrite(blob, e.offset)
+                for chunk in self.plan.files[i].chunks:
+                    if not self.plan.tensors[chunk.tensor].sources:
+                        self.put(chunk, zeros(self.plan.tensors[chunk.tensor].dtype, chunk.lengths))
         return {i: h.token for i, h in self.handles.items()}
 
     def put(self, chunk: Chunk, tensor: torch.Tensor) -> None:
@@ -114,6 +119,11 @@ def write_files(plan: ImportPlan, store: Store, folder: str, comm: Comm,
     return out.entries()
 
 
+def zeros(dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor made of no source: zeros (the one value a table declares, tables.Row.init)."""
+    return torch.zeros(shape, dtype=dtypes.torch_dtype(dtype))
+
+
 def write_tensors(plan: ImportPlan, names: list[str], rows: RowReader, out: Output) -> None:
     """Each Megatron tensor of `names`, every chunk of it, into its place. Copies of a few MB each (rows joined,
     a blob's own storage): on one thread, as a second only waits beside other busy processes (threads.py)."""
@@ -125,8 +135,9 @@ def write_tensors(plan: ImportPlan, names: list[str], rows: RowReader, out: Outp
 
 def tensor_makers(plan: ImportPlan, world: int) -> dict[str, int]:
     """The process that makes each Megatron tensor's chunks from a folder: the least loaded, largest first (ties:
-    the name, the lower rank). A tensor's chunks go to one process, so each byte is read once."""
-    size = {n: math.prod(t.shape) * dtypes.itemsize(t.dtype) for n, t in plan.tensors.items()}
+    the name, the lower rank). A tensor's chunks go to one process, so each byte is read once; a tensor of no
+    source is its file owner's (Output.create_owned)."""
+    size = {n: math.prod(t.shape) * dtypes.itemsize(t.dtype) for n, t in plan.tensors.items() if t.sources}
     heap = [(0, rank) for rank in range(world)]
     out = {}
     for name in sorted(size, key=lambda n: (-size[n], n)):

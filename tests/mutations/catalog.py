@@ -295,8 +295,8 @@ IMPORT_LAYOUTS = (
                     f"{IMPORT_MOE_FILE}::test_a_legacy_save_into_a_folder_in_use_is_refused_before_it_is_read")),
     Mutation(name="45-9-checkpoint-units-not-joined", guarantee="Megatron import layout",
              why="an FSDP save's q, k and v stay three units: a layer's linear_qkv is cut before all its rows are in",
-             file="distmerge/importer/source.py", old="            groups.join(first, unit_of[source])",
-             new="            pass",
+             file="distmerge/importer/source.py",
+             old="            groups.join(unit_of[made.sources[0]], unit_of[source])", new="            pass",
              tests=(f"{IMPORT_CKPT_FILE}::test_a_checkpoint_is_written_as_the_import_of_its_merge",)),
     Mutation(name="45-10-object-blobs-overlap", guarantee="Megatron import layout",
              why="the objects' blobs are placed at one offset: the first chunk written over them, .metadata wrong",
@@ -336,3 +336,30 @@ IMPORT_MLA = (
              tests=(f"{IMPORT_MLA_FILE}::test_megatron_core_loads_it_at_the_written_layout",)),
 )
 MUTATIONS = MUTATIONS + IMPORT_MLA
+
+# issue #45, --to torchtitan: any checkpoint input in one pass, Qwen3-MoE (tests/test_import_torchtitan.py,
+# tests/test_import_checkpoint.py)
+IMPORT_TITAN_FILE = "tests/test_import_torchtitan.py"
+IMPORT_TITAN = (
+    Mutation(name="45-13-titan-hf-config-not-checked-early", guarantee="one-line errors / exit status",
+             why="--to torchtitan judges nothing from --hf-config: a family torchtitan lacks is refused only after "
+                 "the checkpoint is read",
+             file="distmerge/importer/targets.py", old="    torchtitan_inverse.architecture(config)\n",
+             new="    pass\n",
+             tests=(f"{IMPORT_TITAN_FILE}::test_a_checkpoint_of_a_family_torchtitan_lacks_is_refused_before_it_is_read",)),
+    Mutation(name="45-14-titan-experts-misstacked", guarantee="torchtitan import layout",
+             why="every expert after the first stacked from expert 1's tensor: loads, other experts",
+             file="distmerge/families/torchtitan/inverse.py",
+             old="segments = tuple(tf.Segment(source=e, start=0",
+             new="segments = tuple(tf.Segment(source=min(e, 1), start=0",
+             tests=(f"{IMPORT_TITAN_FILE}::test_torchtitan_starts_from_it",
+                    f"{IMPORT_TITAN_FILE}::test_merged_back_it_is_the_source")),
+    Mutation(name="45-15-titan-bias-zeros-by-rank-0", guarantee="N processes write the same bytes",
+             why="expert_bias_E (no source) written by rank 0 instead of its file's owner: at N=2 a file lacks it",
+             file="distmerge/importer/write.py",
+             old="                    if not self.plan.tensors[chunk.tensor].sources:",
+             new="                    if not self.plan.tensors[chunk.tensor].sources and self.rank == 0:",
+             tests=(f"{IMPORT_TITAN_FILE}::test_two_processes_write_what_one_writes",
+                    f"{IMPORT_CKPT_FILE}::test_two_processes_write_what_one_writes")),
+)
+MUTATIONS = MUTATIONS + IMPORT_TITAN

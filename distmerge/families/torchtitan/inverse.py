@@ -9,6 +9,12 @@ as rows of it (transforms.Segment). Only the names torchtitan 0.3.0 saves are wr
 torchtitan saves `lm_head.weight` beside `tok_embeddings.weight` when the model ties them (its state dict holds
 both names), so a tied model's head is written as a copy of the embedding: the inverse of family._tie, which
 drops that copy on export.
+
+MoE (Qwen3-MoE): torchtitan stacks a layer's experts on a leading axis (`w1_EFD` [E, F, D], `w3_EFD`, `w2_EDF`
+[E, D, F]); a merge reads them one expert at a time (`<name>.<e>`, formats/torchtitan.py). Backwards, the row's E
+Hugging Face tensors make one stacked tensor, expert e's rows after expert e-1's, none transposed. The
+load-balancing bias `expert_bias_E`, which Hugging Face has no place for, is written as torchtitan initializes it
+(the row's `init`): a tensor with no sources (the writer makes it, write.py).
 """
 
 from __future__ import annotations
@@ -25,8 +31,11 @@ from distmerge.families.torchtitan import family
 from distmerge.families.torchtitan.tables import FAMILIES, Row
 from distmerge.families.torchtitan.transforms import RopePermute
 
-# The architectures whose import is written and tested: torchtitan 0.3.0's dense llama3 and qwen3.
-IMPORTED = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+# The architectures whose import is written and tested: torchtitan 0.3.0's llama3, qwen3 and its MoE flavors.
+IMPORTED = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+STACKED = ".{}"  # a row source's tail that numbers the expert of a stacked tensor (tables.py)
+ROUTER = "model.layers.{}.mlp.gate.weight"  # the Hugging Face router: its layers are the MoE layers
+DENSE = "model.layers.{}.mlp.gate_proj.weight"  # a dense layer's MLP
 HEAD, EMBEDDING = family.HEAD, family.EMBEDDING
 
 
@@ -40,7 +49,7 @@ def architecture(config: dict[str, Any]) -> str:
                           f"{', '.join(IMPORTED)}") from None
     if arch not in IMPORTED:
         raise ConfigError(f"config.json's architecture {arch} cannot be imported to torchtitan yet: --to torchtitan "
-                          f"writes {', '.join(IMPORTED)} (MoE and MLA come later)")
+                          f"writes {', '.join(IMPORTED)} (DeepSeek-V3's MLA comes later)")
     return arch
 
 
@@ -51,15 +60,21 @@ def torchtitan_tensors(hf: dict[str, SourceMeta], config: dict[str, Any]) -> lis
     size = family.sizes(config, arch)
     _refuse_head_dim(arch, size)
     tied = base.CAUSAL_LM.ties(config)
+    _refuse_dense_layers(arch, hf)
     out: list[Imported] = []
     taken: set[str] = set()
     for row in FAMILIES[arch]:
-        if row.gen == "0.2" or row.target is None:
-            continue  # torchtitan 0.3.0 saves the 0.3 names; a row with no target has no Hugging Face tensor
-        for numbers in _numbers(row.target, hf):
-            target = row.target.format(*numbers)
-            taken.add(target)
-            out.append(_imported(row, numbers, hf[target], size))
+        if row.gen == "0.2":
+            continue  # torchtitan 0.3.0 saves the 0.3 names
+        if row.target is None:
+            out += _initialized(row, hf, size)
+            continue
+        found = _numbers(row.target, hf)
+        taken.update(row.target.format(*n) for n in found)
+        if row.source.endswith(STACKED):
+            out += _stacked(row, found, hf, size)
+        else:
+            out += [_imported(row, numbers, hf[row.target.format(*numbers)], size) for numbers in found]
         if row.target == HEAD and HEAD not in hf and tied and EMBEDDING in hf:
             out.append(_imported(row, (), hf[EMBEDDING], size))  # torchtitan's tied head: the embedding again
     _refuse_untaken(hf, taken, size)
@@ -72,6 +87,15 @@ def _refuse_head_dim(arch: str, size: dict[str, int | None]) -> None:
     if arch == "LlamaForCausalLM" and hidden and heads and hd != hidden // heads:
         raise ConfigError(f"config.json's head_dim {hd} is not hidden_size / num_attention_heads = {hidden // heads}: "
                           "torchtitan's llama3 makes each head dim / n_heads wide, so it cannot hold this model")
+
+
+def _refuse_dense_layers(arch: str, hf: dict[str, SourceMeta]) -> None:
+    """torchtitan's qwen3 MoE flavors make every layer MoE (qwen3/__init__.py, _build_qwen3_moe_layers): a
+    Qwen3-MoE with dense layers (mlp_only_layers, decoder_sparse_step) has no torchtitan model."""
+    dense = [n[0] for n in _numbers(DENSE, hf)]
+    if arch == "Qwen3MoeForCausalLM" and dense:
+        raise ConfigError(f"layer {dense[0]} of this Qwen3-MoE is dense (mlp_only_layers or decoder_sparse_step): "
+                          "torchtitan's qwen3 makes every layer of a MoE model MoE, so it cannot hold this model")
 
 
 def _numbers(target: str, hf: dict[str, SourceMeta]) -> list[tuple[int, ...]]:
@@ -87,6 +111,43 @@ def _imported(row: Row, numbers: tuple[int, ...], meta: SourceMeta, size: dict[s
     params = RopePermute(heads=base.config_int(size, row.heads, "torchtitan")) if row.heads else tf.NO_PARAMS
     segments = tf.inverse_segments(row.transform, (meta.shape[0],), params)
     return Imported(name=name, sources=(meta.name,), shape=tuple(meta.shape), dtype=meta.dtype, segments=segments)
+
+
+def _stacked(row: Row, found: list[tuple[int, ...]], hf: dict[str, SourceMeta],
+             size: dict[str, int | None]) -> list[Imported]:
+    """One stacked tensor per layer: its experts' Hugging Face tensors one after another on a new leading axis.
+    Every expert 0..E-1 of config.json must be there: torchtitan's tensor is E experts long."""
+    experts = base.config_int(size, "experts", "torchtitan")
+    by_layer: dict[int, list[int]] = {}
+    for layer, expert in found:
+        by_layer.setdefault(layer, []).append(expert)
+    out = []
+    for layer, numbers in sorted(by_layer.items()):
+        if numbers != list(range(experts)):
+            raise LayoutError(f"config.json has {experts} experts but layer {layer} has {len(numbers)} of "
+                              f"{row.target.format(layer, '{}')}: config.json is another model's, or files are "
+                              "missing")
+        metas = [hf[row.target.format(layer, e)] for e in numbers]
+        for meta in metas:
+            family._check_shape(meta, meta.name, row, size)
+        first = metas[0]
+        segments = tuple(tf.Segment(source=e, start=0, count=first.shape[0]) for e in range(experts))
+        out.append(Imported(name=row.source[: -len(STACKED)].format(layer), sources=tuple(m.name for m in metas),
+                            shape=(experts, *first.shape), dtype=first.dtype, segments=segments))
+    return out
+
+
+def _initialized(row: Row, hf: dict[str, SourceMeta], size: dict[str, int | None]) -> list[Imported]:
+    """A row Hugging Face has no tensor for, in each MoE layer (those with a router), as torchtitan initializes
+    it; a row with no `init` (one torchtitan 0.3.0 does not keep) makes nothing."""
+    if not row.init:
+        return []
+    assert row.init == "zeros", row.init  # the one init a table declares (tables._moe's expert_bias_E)
+    layers = [n[0] for n in _numbers(ROUTER, hf)]
+    experts = base.config_int(size, "experts", "torchtitan")
+    # float32 whatever the model's dtype: torchtitan registers the buffer so (common/moe.py)
+    return [Imported(name=row.source.format(layer), sources=(), shape=(experts,), dtype="F32", segments=())
+            for layer in layers]
 
 
 def _refuse_untaken(hf: dict[str, SourceMeta], taken: set[str], size: dict[str, int | None]) -> None:

@@ -29,6 +29,7 @@ class Row:
     why: str = ""
     gen: str = ""  # "0.3" or "0.2": the name generation the spelling belongs to ("": both)
     mtp: bool = False  # multi-token-prediction layer j: Hugging Face numbers it num_hidden_layers + j
+    init: str = ""  # a row with no target: the value torchtitan initializes it to, which an import writes
 
 
 def both(new: str, old: str, target: str | None, **kw) -> tuple[Row, Row]:
@@ -72,11 +73,13 @@ DENSE_MLP = (
 
 
 def _moe(bias: str | None, why: str = "") -> tuple[Row, ...]:
-    """Router, per-expert weights and the load-balancing bias torchtitan adds to the router's scores."""
+    """Router, per-expert weights and the load-balancing bias torchtitan adds to the router's scores. Without a
+    Hugging Face place, the bias is written by an import as torchtitan makes it (common/moe.py: a persistent
+    float32 buffer of zeros, which its own from_hf leaves as it is)."""
     rows = [Row(L + "moe.router.gate.weight", M + "mlp.gate.weight")]
     for w, new, proj in (("w1", "w1_EFD", "gate_proj"), ("w3", "w3_EFD", "up_proj"), ("w2", "w2_EDF", "down_proj")):
         rows += both(f"{L}{EXPERTS}{new}.{{}}", f"{L}moe.experts.{w}.{{}}", f"{M}mlp.experts.{{}}.{proj}.weight")
-    rows += both(L + "moe.expert_bias_E", L + "moe.expert_bias", bias, why=why)
+    rows += both(L + "moe.expert_bias_E", L + "moe.expert_bias", bias, why=why, init="" if bias else "zeros")
     return tuple(rows)
 
 
