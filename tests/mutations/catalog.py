@@ -309,7 +309,7 @@ MUTATIONS = MUTATIONS + IMPORT_LAYOUTS
 # (tests/test_import_megatron_mla.py)
 IMPORT_MLA_FILE = "tests/test_import_megatron_mla.py"
 IMPORT_MLA = (
-    Mutation(name="45-9-mla-rope-pairs-swapped", guarantee="Megatron import layout",
+    Mutation(name="45-16-mla-rope-pairs-swapped", guarantee="Megatron import layout",
              why="a rope_interleave=false model's rope halves put in pairs (y, x), not (x, y): loads, other logits",
              file="distmerge/families/megatron/transforms.py",
              old="out += [Segment(source=0, start=rope_at + i, count=1), Segment(source=0, start=rope_at + half + i, "
@@ -318,18 +318,18 @@ IMPORT_MLA = (
                  "count=1)]",
              tests=(f"{IMPORT_MLA_FILE}::test_megatron_core_loads_it_without_parallelism",
                     f"{IMPORT_MLA_FILE}::test_merged_back_it_is_the_source")),
-    Mutation(name="45-10-dense-moe-boundary-off-by-one", guarantee="Megatron import layout",
+    Mutation(name="45-17-dense-moe-boundary-off-by-one", guarantee="Megatron import layout",
              why="moe_layer_freq in the args makes the first MoE layer dense: Megatron-LM builds another model",
              file="distmerge/importer/megatron_args.py",
              old="[0] * sizes.dense_layers + [1] * (sizes.layers - sizes.dense_layers)",
              new="[0] * (sizes.dense_layers + 1) + [1] * (sizes.layers - sizes.dense_layers - 1)",
              tests=(f"{IMPORT_MLA_FILE}::test_megatron_core_loads_it_at_the_written_layout",)),
-    Mutation(name="45-11-expert-bias-not-written", guarantee="Megatron import layout",
+    Mutation(name="45-18-expert-bias-not-written", guarantee="Megatron import layout",
              why="the router's expert_bias row skipped: DeepSeek-V3's e_score_correction_bias has no Megatron name",
              file="distmerge/families/megatron/inverse.py", old="    if row.grouped:\n",
              new="    if row.grouped or row.source.endswith('.router.expert_bias'):\n",
              tests=(f"{IMPORT_MLA_FILE}::test_megatron_core_loads_it_at_the_written_layout",)),
-    Mutation(name="45-12-alone-expert-extra-state-one-shard", guarantee="Megatron import layout",
+    Mutation(name="45-19-alone-expert-extra-state-one-shard", guarantee="Megatron import layout",
              why="the experts' _extra_state in a layer saved alone keyed as one shard, not one per expert",
              file=DIST_LAYOUT, old='return f"{module}._extra_state/shard_{expert[1]}_{grid.experts}"',
              new='return f"{module}._extra_state/shard_0_1"',
