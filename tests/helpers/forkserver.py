@@ -193,7 +193,8 @@ def serve(preload: list[str]) -> None:
     requests, buffered, children = sys.stdin.fileno(), b"", set()
     open_ = True
     while open_ or children:
-        ready, _, _ = select.select([requests] if open_ else [], [], [], 0.02)
+        # children to reap: look for their exits every 20 ms; none: sleep until a request comes
+        ready, _, _ = select.select([requests] if open_ else [], [], [], 0.02 if children else None)
         if ready:
             chunk = os.read(requests, 65536)
             open_ = bool(chunk)
