@@ -35,6 +35,7 @@ import torch
 
 from distmerge import errors
 from distmerge import testing_seams as seams
+from distmerge.distributed import held_defaults
 from distmerge.distributed.namespaces import next_namespace
 from distmerge.distributed.watchdog.dog import Watchdog
 from distmerge.distributed.watchdog.pulse import BACKSTOP_S, Pulse, WatchedWork
@@ -106,6 +107,7 @@ class Comm:
         comm._borrowed = True
         comm._side = None
         comm._pulse, comm._aborts, comm._watchdog = Pulse(), [], None  # the job's group: no watchdog of ours
+        comm._modules_at_borrow = held_defaults.loaded_now()  # what our imports may make hold the job's group
         if "gloo" not in backend or seams.side_group_on_gloo():  # the test seam: a CPU runs it too
             comm._side = _side_group(group, timedelta(seconds=timeout_s))
         cpu_data = comm.device.type == "cpu" and "gloo" not in backend  # NCCL carries only CUDA tensors
@@ -260,6 +262,10 @@ class Comm:
 
             dist.destroy_process_group(self._side)
             self._side = None
+        if self._borrowed:
+            import torch.distributed as dist
+
+            held_defaults.give_back(dist.group.WORLD, self._modules_at_borrow)
         self._data = self._control = None
         self._aborts.clear()
         self._kept.clear()  # after the worker threads are gone (_keep)

@@ -9,8 +9,10 @@ discovery, on rank 0, before any data moves); error on one rank (one rank's inpu
 reading, mid-merge, the other rank does not); SIGINT (Ctrl-C to torchrun mid-merge, slowed down by a pause
 per round: every rank ends with exit 130); the FSDP fixture save job (make_fsdp.py, 2 ranks, what the demo
 runs first); fp8-channel (a successful merge with --quantize fp8-channel: rank 0 imports compressed-tensors,
-and with it transformers and torch.distributed.nn.functional, while the group is up, at finalize). A run counts as
-an abort when its output names SIGABRT / "terminate called" / exit -6.
+and with it transformers and torch.distributed.nn.functional, while the group is up, at finalize); api-import
+(tests/jobs/import_in_job.py: a job that starts its own group, calls distmerge.import_checkpoint twice, destroys
+its group and exits; rank 0 imports torch.distributed.checkpoint for the `.metadata` while the job's group is up).
+A run counts as an abort when its output names SIGABRT / "terminate called" / exit -6.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=50)
     parser.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temp folder)")
-    parser.add_argument("--paths", default="success,input-error,one-rank-error,sigint,fixture-save,fp8-channel")
+    parser.add_argument("--paths",
+                        default="success,input-error,one-rank-error,sigint,fixture-save,fp8-channel,api-import")
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="distmerge-aborts-"))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=str(REPO))
@@ -90,6 +93,17 @@ def main() -> int:
                            "--quiet", "--budget", "16KiB", *more)
         return run(cmd, {**env, **(extra_env or {})}, out if interrupt else None)
 
+    def api_import(i: int) -> tuple[int, str]:
+        if not (work / "hf").is_dir():
+            sys.path.insert(0, str(REPO))
+            from tests.helpers.importing import save_hf_model
+
+            save_hf_model("llama4", work / "hf")
+        out = work / "imported"
+        shutil.rmtree(out, ignore_errors=True)
+        return run(torchrun_cmd(next_port(), "tests/jobs/import_in_job.py", str(work / "hf"), str(out), "2", "2",
+                                "2"), env)
+
     paths: dict[str, Callable[[int], tuple[int, str]]] = {
         "success": lambda i: merge(ckpt),
         "input-error": lambda i: merge(work / "nope"),
@@ -97,6 +111,7 @@ def main() -> int:
         "sigint": lambda i: merge(ckpt, {"DISTMERGE_TEST_ROUND_DELAY": "0.2"}, interrupt=True),
         "fixture-save": fixture_save,
         "fp8-channel": lambda i: merge(ckpt, more=("--quantize", "fp8-channel")),
+        "api-import": api_import,
     }
     # Ctrl-C: every worker ends with distmerge's one line and exit 130; torchrun itself then exits 1 with its own
     # SignalException traceback (torch's launcher, not distmerge: docs/reliability.md shows it).
@@ -110,6 +125,7 @@ def main() -> int:
         "sigint": lambda code, out: code != 0 and out.count(interrupted) == 1,
         "fixture-save": lambda code, out: code == 0,
         "fp8-channel": lambda code, out: code == 0,
+        "api-import": lambda code, out: code == 0 and out.count("process unchanged") == 2,
     }
     print(f"{'path':16} {'runs':>5} {'aborts':>7} {'unexpected exit':>16} {'median s':>9}", flush=True)
     total_aborts = 0

@@ -43,6 +43,9 @@ def state(device: torch.device) -> dict:
         "threads": threading.active_count(),
         "files": sorted(os.listdir("/proc/self/fd")),
         "groups": len(distributed_c10d._world.pg_map),
+        # Every reference to the job's group: one held past the call (a module's default argument, a cache) makes
+        # the group outlive destroy_process_group(), and its worker threads abort the process at exit, at random.
+        "job_group_references": sys.getrefcount(dist.group.WORLD),
         "torch_threads": torch.get_num_threads(),
         "cuda_initialized": torch.cuda.is_initialized(),
         "distmerge_objects": sum(type(o).__module__.startswith("distmerge.") for o in gc.get_objects()),
