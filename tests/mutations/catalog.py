@@ -82,6 +82,13 @@ ISSUE_43 = (
              new='if [ -n "${DISTMERGE_INPUT:-}" ]; then args+=(--input "$DISTMERGE_INPUT"); fi\n',
              tests=("tests/test_slurm.py::test_arguments_win_over_the_environment",),
              env={"DISTMERGE_SLURM_TESTS": "1"}),
+    Mutation(name="43-8-borrowed-group-held-by-defaults", guarantee="the API leaves the job as it was",
+             why="the API's close leaves torch.distributed.nn.functional's defaults holding the job's group (imported "
+                 "by the call with the group up): the group outlives destroy_process_group, the job aborts at exit",
+             file="distmerge/distributed/comm.py",
+             old="            held_defaults.give_back(dist.group.WORLD, self._modules_at_borrow)\n",
+             new="            pass\n",
+             tests=("tests/test_import_api.py::test_a_running_job_imports_with_the_api_on_every_rank",)),
 )
 
 PROMISES = (
