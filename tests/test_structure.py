@@ -14,7 +14,8 @@ MAX_LINES = 400
 # the layer of the longest entry that is it or a package above it (engine.run is 5, the rest of engine/ 4).
 LAYERS = {
     0: ("errors", "dtypes", "results", "threads", "input", "s3_client", "distributed.watchdog",
-        "distributed.namespaces", "option_kinds", "natural_order", "disjoint_sets", "testing_seams"),
+        "distributed.namespaces", "distributed.held_defaults", "option_kinds", "natural_order", "disjoint_sets",
+        "testing_seams"),
     1: ("formats", "distributed.comm", "distributed.requests", "families.transforms", "quantize"),
     # output_options: its --quantize choices are the scheme registry's (quantize/schemes.py)
     2: ("families", "quantize.table", "quantize.fused", "average", "output_options"),

@@ -249,22 +249,17 @@ class Comm:
         distmerge's own error under torchrun in a third of failed runs.
 
         A borrowed group (borrow) is the caller's: it stays up; only our references (and our side group) go."""
+        import torch.distributed as dist
+
         if self._watchdog is not None:  # first: under srun rank 0's process serves the store it reads
             self._watchdog.stop()
             self._watchdog = None
-        if self.world > 1 and not self._borrowed:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        if self.world > 1 and not self._borrowed and dist.is_initialized():
+            dist.destroy_process_group()
         if self._side is not None:  # ours, beside a borrowed group
-            import torch.distributed as dist
-
             dist.destroy_process_group(self._side)
             self._side = None
-        if self._borrowed:
-            import torch.distributed as dist
-
+        if self._borrowed:  # what our imports made hold the job's group, handed back
             held_defaults.give_back(dist.group.WORLD, self._modules_at_borrow)
         self._data = self._control = None
         self._aborts.clear()
