@@ -8,6 +8,7 @@ written."""
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -25,15 +26,17 @@ from tests.helpers.importing import import_inproc as _import
 # family (as the loader script spells it) -> the seeded tiny transformers model: Llama with GQA (4 heads, 2 query
 # groups, rotary pairs to interleave); Qwen3 with q/k norm and head_dim 32 != 64 / 4; Qwen3 with tied embeddings
 # (save_pretrained writes no lm_head, torchtitan's state dict has one); Qwen3-MoE with 4 experts in every layer;
-# DeepSeek-V3 (None: helpers/importing.save_tiny_deepseek_v3): MLA with q LoRA, 4 layers of which the first is
-# dense, 4 routed experts and a shared one, random e_score_correction_bias, and one MTP layer (model.layers.4)
+# DeepSeek-V3 (helpers/importing.save_tiny_deepseek_v3): MLA with q LoRA, 4 layers of which the first is dense, 4
+# routed experts and a shared one, random e_score_correction_bias, and one MTP layer (model.layers.4); the same
+# with rope_interleave false (its rotary rows are Hugging Face's halves, torchtitan's are interleaved pairs)
 MODELS = {
     "llama": ("llama", mm.FAMILIES["llama"]),
     "qwen3": ("qwen3", mm.FAMILIES["qwen3"]),
     "qwen3_tied": ("qwen3", mm.Family("qwen3", "Qwen3Config", dict(mm.FAMILIES["qwen3"].hf, tie_word_embeddings=True),
                                       qk_norm=True)),
     "qwen3_moe": ("qwen3_moe", mm.FAMILIES["qwen3_moe"]),
-    "deepseek_v3": ("deepseek_v3", None),
+    "deepseek_v3": ("deepseek_v3", save_tiny_deepseek_v3),
+    "deepseek_v3_halves": ("deepseek_v3", partial(save_tiny_deepseek_v3, rope_interleave=False)),
 }
 # torchtitan's state dict of a dense model: 3 outside the layers (tok_embeddings, norm, lm_head), 9 per layer
 # (wq, wk, wv, wo, w1, w2, w3, attention_norm, ffn_norm), 2 more with q/k norm; a MoE layer has the router's
@@ -43,6 +46,7 @@ MODELS = {
 # layer a MoE layer's 17 plus enorm, hnorm, eh_proj and mtp_norm
 ENTRIES = {"llama": 3 + 2 * 9, "qwen3": 3 + 2 * 11, "qwen3_tied": 3 + 2 * 11, "qwen3_moe": 3 + 2 * 13,
            "deepseek_v3": 3 + (9 + 3) + 3 * (9 + 8) + (9 + 8 + 4)}
+ENTRIES["deepseek_v3_halves"] = ENTRIES["deepseek_v3"]
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +55,8 @@ def hf_models(tmp_path_factory) -> dict[str, Path]:
     out = {}
     for case, (_, fam) in MODELS.items():
         out[case] = root / case
-        if fam is None:
-            save_tiny_deepseek_v3(out[case])
+        if callable(fam):
+            fam(out[case])
         else:
             mm.build_hf_model(fam).save_pretrained(out[case], safe_serialization=True)
     return out
@@ -176,17 +180,6 @@ def test_a_qwen3_moe_with_a_dense_layer_is_refused(tmp_path, capsys):
     assert import_inproc("--input", mixed, "--output", tmp_path / "out") == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "layer 1 of this Qwen3-MoE is dense" in err[0], err
-    assert not (tmp_path / "out").exists()
-
-
-def test_a_deepseek_v3_with_rotary_halves_is_refused(tmp_path, capsys):
-    """rope_interleave false: the rope rows of q_b_proj and kv_a_proj_with_mqa rotate halves, torchtitan's
-    ComplexRoPE rotates interleaved pairs and its from_hf copies the rows as they are; the copy would load and
-    compute another function, so the import refuses it."""
-    halves = save_tiny_deepseek_v3(tmp_path / "halves", rope_interleave=False)
-    assert import_inproc("--input", halves, "--output", tmp_path / "out") == 1
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "rope_interleave is false" in err[0], err
     assert not (tmp_path / "out").exists()
 
 

@@ -15,6 +15,12 @@ MoE (Qwen3-MoE): torchtitan stacks a layer's experts on a leading axis (`w1_EFD`
 Hugging Face tensors make one stacked tensor, expert e's rows after expert e-1's, none transposed. The
 load-balancing bias `expert_bias_E`, which Hugging Face has no place for, is written as torchtitan initializes it
 (the row's `init`): a tensor with no sources (the writer makes it, write.py).
+
+DeepSeek-V3 (torchtitan's deepseek_v3): MLA's rows as they are, or with their rotary rows put in pairs when
+config.json's rope_interleave is false (family.row_transform); the first first_k_dense_replace layers dense, the
+others MoE with stacked experts, a shared expert and Hugging Face's e_score_correction_bias as expert_bias_E; the
+multi-token prediction layers, Hugging Face layer num_hidden_layers + j, as torchtitan's mtp_layers.{j} (its
+state_dict_adapter), without their copies of the embedding and head (its MTP uses the model's own).
 """
 
 from __future__ import annotations
@@ -26,11 +32,10 @@ from distmerge.errors import ConfigError, InputError, LayoutError
 from distmerge.families import base
 from distmerge.families import transforms as tf
 from distmerge.families.base import SourceMeta
-from distmerge.families.megatron import mla, mtp
+from distmerge.families.megatron import mtp
 from distmerge.families.megatron.inverse import Imported, mtp_copies
 from distmerge.families.torchtitan import family
 from distmerge.families.torchtitan.tables import FAMILIES, Row
-from distmerge.families.torchtitan.transforms import RopePermute
 
 # The architectures whose import is written and tested: torchtitan 0.3.0's llama3, qwen3 and its MoE flavors,
 # deepseek_v3.
@@ -55,10 +60,6 @@ def architecture(config: dict[str, Any]) -> str:
     if arch not in IMPORTED:
         raise ConfigError(f"config.json's architecture {arch} cannot be imported to torchtitan yet: --to torchtitan "
                           f"writes {', '.join(IMPORTED)}")
-    if arch == DEEPSEEK and not mla.rope_interleaved(config):
-        raise ConfigError("config.json's rope_interleave is false (rotary halves): torchtitan's deepseek_v3 rotates "
-                          "interleaved pairs (ComplexRoPE) and its from_hf copies the rows as they are, so "
-                          "--to torchtitan writes DeepSeek-V3 models with rope_interleave true only")
     return arch
 
 
@@ -86,9 +87,10 @@ def torchtitan_tensors(hf: dict[str, SourceMeta], config: dict[str, Any]) -> lis
         if row.source.endswith(STACKED):
             out += _stacked(row, found, hf, size, shift)
         else:
-            out += [_imported(row, numbers, hf[row.target.format(*numbers)], size, shift) for numbers in found]
+            out += [_imported(row, numbers, hf[row.target.format(*numbers)], size, config, shift)
+                    for numbers in found]
         if row.target == HEAD and HEAD not in hf and tied and EMBEDDING in hf:
-            out.append(_imported(row, (), hf[EMBEDDING], size))  # torchtitan's tied head: the embedding again
+            out.append(_imported(row, (), hf[EMBEDDING], size, config))  # torchtitan's tied head: the embedding again
     _refuse_untaken(hf, taken, layers, extra)
     return out
 
@@ -147,13 +149,14 @@ def _numbers(target: str, hf: dict[str, SourceMeta]) -> list[tuple[int, ...]]:
 
 
 def _imported(row: Row, numbers: tuple[int, ...], meta: SourceMeta, size: dict[str, int | None],
-              shift: int = 0) -> Imported:
-    """One row backwards: the torchtitan tensor made of the rows of one Hugging Face tensor; `shift`: what the
-    Hugging Face layer number is past torchtitan's (an MTP layer's, num_hidden_layers)."""
+              config: dict[str, Any], shift: int = 0) -> Imported:
+    """One row backwards: the torchtitan tensor made of the rows of one Hugging Face tensor, through the inverse of
+    the row's transform (family.row_transform); `shift`: what the Hugging Face layer number is past torchtitan's
+    (an MTP layer's, num_hidden_layers)."""
     name = row.source.format(*_shifted(numbers, shift))
     family._check_shape(meta, row.target.format(*numbers) if row.target else name, row, size)
-    params = RopePermute(heads=base.config_int(size, row.heads, "torchtitan")) if row.heads else tf.NO_PARAMS
-    segments = tf.inverse_segments(row.transform, (meta.shape[0],), params)
+    transform, params = family.row_transform(row, size, config)
+    segments = tf.inverse_segments(transform, (meta.shape[0],), params)
     return Imported(name=name, sources=(meta.name,), shape=tuple(meta.shape), dtype=meta.dtype, segments=segments)
 
 
