@@ -33,6 +33,9 @@ CASES = {
     # torchtitan's own Qwen3-MoE save (stacked experts, FSDP-sharded on dim 1) back into torchtitan's names: its
     # experts restacked from the merge's per-expert tensors, expert_bias_E written at torchtitan's init
     "torchtitan_moe": ("tt_ckpts", "tt_qwen3_moe_w4", ("--to", "torchtitan"), False),
+    # torchtitan's own DeepSeek-V3 save (MLA, a dense first layer, expert_bias_E trained, an MTP layer) back into
+    # torchtitan's names: the MTP layer through Hugging Face's layer num_hidden_layers + j and its copies
+    "torchtitan_dsv3": ("tt_ckpts", "tt_deepseek_v3_w3", ("--to", "torchtitan"), False),
     "megatron_legacy": ("megatron_ckpts", "megatron_tp2", ("--tp", "1", "--pp", "2"), True),
 }
 

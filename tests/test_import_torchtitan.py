@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from distmerge import catalog
 from distmerge.errors import InputError
 from distmerge.families import transforms as tf
-from tests.conftest import input_untouched, load_merged, merge_inproc, torchrun
+from tests.conftest import input_untouched, load_merged, merge_inproc, reference_dir, torchrun
 from tests.fixtures import megatron_models as mm
 from tests.helpers.importing import folder_bytes, load_with, save_tiny_deepseek_v3
 from tests.helpers.importing import import_inproc as _import
@@ -123,6 +123,23 @@ def test_two_processes_write_what_one_writes(imported, hf_models, tmp_path, case
     # outside the layers, then one file per layer
     assert sorted(written) == ["step-0/.metadata", *(f"step-0/__{i}_0.distcp" for i in range(files))]
     assert folder_bytes(two) == written
+
+
+def test_torchtitans_own_deepseek_v3_save_comes_back_as_torchtitan_held_it(tt_ckpts, tmp_path):
+    """torchtitan's own DeepSeek-V3 save (tt_deepseek_v3_w3: FSDP over 3 ranks, MLA, a dense first layer, a trained
+    expert_bias_E, an MTP layer) imported --to torchtitan in one pass, through Hugging Face's names (its MTP layer
+    as model.layers.2, expert_bias_E as e_score_correction_bias), is the state dict torchtitan held: the same keys,
+    every tensor equal to torchtitan's own (the fixture's reference, recorded from the live model)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    ckpt, out = tt_ckpts["tt_deepseek_v3_w3"], tmp_path / "out"
+    assert import_inproc("--input", ckpt, "--output", out) == 0
+    dcp_to_torch_save(out / "step-0", tmp_path / "state.pt")
+    got = torch.load(tmp_path / "state.pt", weights_only=True)
+    held = load_file(str(reference_dir(ckpt) / "tt_state.safetensors"))
+    assert sorted(got) == sorted(held)
+    for name, tensor in held.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
 
 
 def test_a_family_torchtitan_lacks_is_refused(tmp_path, capsys):

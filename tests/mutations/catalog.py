@@ -372,13 +372,15 @@ IMPORT_TITAN_DSV3 = (
              why="Hugging Face layer num_hidden_layers + j written as mtp_layers.{num_hidden_layers + j}, not "
                  "mtp_layers.j: torchtitan's deepseek_v3 finds no MTP weights",
              file=TITAN_INVERSE, old="        shift = layers if row.mtp else 0", new="        shift = 0",
-             tests=(f"{IMPORT_TITAN_FILE}::test_torchtitan_starts_from_it",)),
+             tests=(f"{IMPORT_TITAN_FILE}::test_torchtitan_starts_from_it",
+                    f"{IMPORT_TITAN_FILE}::test_torchtitans_own_deepseek_v3_save_comes_back_as_torchtitan_held_it")),
     Mutation(name="45-21-titan-deepseek-bias-dropped", guarantee="torchtitan import layout",
              why="DeepSeek-V3 given Qwen3-MoE's MoE rows: e_score_correction_bias has no torchtitan name and "
                  "expert_bias_E would be torchtitan's zeros",
              file="distmerge/families/torchtitan/tables.py",
              old='_moe(M + "mlp.gate.e_score_correction_bias")', new="_moe(None, QWEN3_BIAS_WHY)",
-             tests=(f"{IMPORT_TITAN_FILE}::test_torchtitan_starts_from_it",)),
+             tests=(f"{IMPORT_TITAN_FILE}::test_torchtitan_starts_from_it",
+                    f"{IMPORT_TITAN_FILE}::test_torchtitans_own_deepseek_v3_save_comes_back_as_torchtitan_held_it")),
     Mutation(name="45-22-titan-dense-layers-not-checked", guarantee="one-line errors / exit status",
              why="a DeepSeek-V3 whose dense layers are not the first first_k_dense_replace is written: torchtitan "
                  "builds another model (or a config.json of another model is believed)",
