@@ -2,9 +2,11 @@
 torchtitan's own checkpointer (tests/fixtures/load_torchtitan_import.py: `--checkpoint.initial_load_path`, then
 CheckpointManager.load) holds, at world size 1 and FSDP-sharded at 2, every parameter equal to the source laid out
 by torchtitan's documented from_hf mapping (for Qwen3-MoE: each layer's experts stacked, the router's gate, and
-the load-balancing bias Hugging Face has no tensor for at torchtitan's init); the folder merges back to the source
-byte for byte, is the same for N=1 and N=2, and a family torchtitan lacks is refused in one line with nothing
-written."""
+the load-balancing bias Hugging Face has no tensor for at torchtitan's init; for DeepSeek-V3: MLA, a dense first
+layer, MoE layers with a shared expert and e_score_correction_bias as expert_bias_E, the MTP layer as mtp_layers.0,
+rotary rows put in pairs when rope_interleave is false); the folder merges back to the source byte for byte, is the
+same for N=1 and N=2, torchtitan's own DeepSeek-V3 save comes back as torchtitan held it, and a family torchtitan
+lacks is refused in one line with nothing written."""
 
 from __future__ import annotations
 
