@@ -375,6 +375,8 @@ def tiny_qwen2_hf(dst: Path, request) -> None:
 RUN: dict[tuple[str, str], Run] = {
     ("import.md", "$ python -m distmerge import --input deepseek_v3 --output dsv3_ckpt --tp 2 --ep 2"): Run(
         layout={"deepseek_v3": tiny_deepseek_v3_hf}),
+    ("import.md", "$ python -m distmerge import --input deepseek_v3 --output titan_dsv3 --to torchtitan"): Run(
+        layout={"deepseek_v3": tiny_deepseek_v3_hf}),
     ("import.md", "$ python -m distmerge import --input hf_model --output titan_ckpt --to torchtitan"): Run(
         layout={"hf_model": tiny_llama_hf, "qwen2_model": tiny_qwen2_hf, "qwen3_moe": tiny_qwen3_moe_hf}),
     ("import.md", "$ python -m distmerge import --input hf_model --output megatron_ckpt --tp 2 --pp 2"): Run(

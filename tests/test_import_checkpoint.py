@@ -1,9 +1,9 @@
 """`distmerge import` of a training checkpoint in one pass (#45 item 3), and each input byte read once.
 
-A checkpoint (an FSDP2 save at W=4, written as Megatron-LM's torch_dist and as torchtitan's DCP; a torchtitan
-Qwen3-MoE save at W=4, written as torchtitan's DCP; a Megatron legacy save at TP=2, written at TP=1 x PP=2:
-resharding) is read by the merge engine and its Hugging Face tensors are cut
-into the target's chunks in memory: the folder written is, byte for byte, the import of the checkpoint's merge
+A checkpoint (an FSDP2 save at W=4, written as Megatron-LM's torch_dist and as torchtitan's DCP; torchtitan's
+Qwen3-MoE save at W=4 and DeepSeek-V3 save at W=3, written as torchtitan's DCP; a Megatron legacy save at TP=2,
+written at TP=1 x PP=2: resharding) is read by the merge engine and its Hugging Face tensors are cut into the
+target's chunks in memory: the folder written is, byte for byte, the import of the checkpoint's merge
 (whose loads by megatron-core and torchtitan test_import_megatron.py and test_import_torchtitan.py judge), no
 folder is made outside the output on the way, and two processes write what one writes.
 
@@ -33,6 +33,9 @@ CASES = {
     # torchtitan's own Qwen3-MoE save (stacked experts, FSDP-sharded on dim 1) back into torchtitan's names: its
     # experts restacked from the merge's per-expert tensors, expert_bias_E written at torchtitan's init
     "torchtitan_moe": ("tt_ckpts", "tt_qwen3_moe_w4", ("--to", "torchtitan"), False),
+    # torchtitan's own DeepSeek-V3 save (MLA, a dense first layer, expert_bias_E trained, an MTP layer) back into
+    # torchtitan's names: the MTP layer through Hugging Face's layer num_hidden_layers + j and its copies
+    "torchtitan_dsv3": ("tt_ckpts", "tt_deepseek_v3_w3", ("--to", "torchtitan"), False),
     "megatron_legacy": ("megatron_ckpts", "megatron_tp2", ("--tp", "1", "--pp", "2"), True),
 }
 

@@ -370,3 +370,41 @@ IMPORT_TITAN = (
                     f"{IMPORT_CKPT_FILE}::test_two_processes_write_what_one_writes")),
 )
 MUTATIONS = MUTATIONS + IMPORT_TITAN
+
+# issue #45, DeepSeek-V3 to torchtitan: MLA, dense then MoE layers, the router's bias, MTP layers
+# (tests/test_import_torchtitan.py)
+TITAN_INVERSE = "distmerge/families/torchtitan/inverse.py"
+IMPORT_TITAN_DSV3 = (
+    Mutation(name="45-20-titan-mtp-layer-not-renumbered", guarantee="torchtitan import layout",
+             why="Hugging Face layer num_hidden_layers + j written as mtp_layers.{num_hidden_layers + j}, not "
+                 "mtp_layers.j: torchtitan's deepseek_v3 finds no MTP weights",
+             file=TITAN_INVERSE, old="        shift = layers if row.mtp else 0", new="        shift = 0",
+             tests=(f"{IMPORT_TITAN_FILE}::test_torchtitan_starts_from_it",
+                    f"{IMPORT_TITAN_FILE}::test_torchtitans_own_deepseek_v3_save_comes_back_as_torchtitan_held_it")),
+    Mutation(name="45-21-titan-deepseek-bias-dropped", guarantee="torchtitan import layout",
+             why="DeepSeek-V3 given Qwen3-MoE's MoE rows: e_score_correction_bias has no torchtitan name and "
+                 "expert_bias_E would be torchtitan's zeros",
+             file="distmerge/families/torchtitan/tables.py",
+             old='_moe(M + "mlp.gate.e_score_correction_bias")', new="_moe(None, QWEN3_BIAS_WHY)",
+             tests=(f"{IMPORT_TITAN_FILE}::test_torchtitan_starts_from_it",
+                    f"{IMPORT_TITAN_FILE}::test_torchtitans_own_deepseek_v3_save_comes_back_as_torchtitan_held_it")),
+    Mutation(name="45-22-titan-dense-layers-not-checked", guarantee="one-line errors / exit status",
+             why="a DeepSeek-V3 whose dense layers are not the first first_k_dense_replace is written: torchtitan "
+                 "builds another model (or a config.json of another model is believed)",
+             file=TITAN_INVERSE,
+             old="    if dense_main != set(range(first)) or routed != set(range(first, layers)):",
+             new="    if False:",
+             tests=(f"{IMPORT_TITAN_FILE}::test_a_deepseek_v3_whose_dense_layers_are_not_first_k_dense_replace_is_refused",)),
+    Mutation(name="45-23-titan-rotary-halves-copied", guarantee="torchtitan import layout",
+             why="a rope_interleave=false DeepSeek-V3's rotary rows copied as they are (torchtitan's own from_hf "
+                 "does so): loads into torchtitan, which rotates other pairs of rows",
+             file="distmerge/families/torchtitan/family.py",
+             old="    if row.rope_rows and not mla.rope_interleaved(config):", new="    if False:",
+             tests=(f"{IMPORT_TITAN_FILE}::test_torchtitan_starts_from_it",)),
+    Mutation(name="45-24-titan-mtp-filed-with-layer-j", guarantee="N processes write the same bytes",
+             why="MTP layer j's tensors put in decoder layer j's file: the folder's files are not the documented ones",
+             file="distmerge/importer/torchtitan_plan.py",
+             old="    return 1 + int(m[2]) + (layers if m[1] else 0)", new="    return 1 + int(m[2])",
+             tests=(f"{IMPORT_TITAN_FILE}::test_two_processes_write_what_one_writes",)),
+)
+MUTATIONS = MUTATIONS + IMPORT_TITAN_DSV3

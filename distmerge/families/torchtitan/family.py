@@ -17,10 +17,11 @@ from typing import Any
 from distmerge.errors import InputError, LayoutError
 from distmerge.families import base
 from distmerge.families.base import FamilyContext, FamilyResult, SourceMeta, Target, Unit, output_dtype
-from distmerge.families.megatron import mtp
+from distmerge.families.megatron import mla, mtp
+from distmerge.families.megatron.transforms import MlaRopeHalves
 from distmerge.families.torchtitan.tables import FAMILIES, MODEL_TYPES, SHAPES, Row
 from distmerge.families.torchtitan.transforms import RopePermute
-from distmerge.families.transforms import NO_PARAMS
+from distmerge.families.transforms import NO_PARAMS, Params
 
 HEAD, EMBEDDING = base.CAUSAL_LM.tied_heads[0]
 LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
@@ -44,17 +45,32 @@ def units(sources: dict[str, SourceMeta], ctx: FamilyContext) -> FamilyResult:
         if target in written:
             raise InputError(f"{meta.name} and {written[target]} both map to {target}: mixed name generations?")
         written[target] = meta.name
-        params = RopePermute(heads=base.config_int(size, row.heads, "torchtitan")) if row.heads else NO_PARAMS
         _check_shape(meta, target, row, size)
+        transform, params = row_transform(row, size, ctx.config)
         out.append(Unit(sources=(meta.name,), targets=(Target(name=target, shape=meta.shape,
                                                                dtype=output_dtype(meta.dtype, ctx.cast)),),
-                        transform=row.transform, params=params))
+                        transform=transform, params=params))
     out, must_equal = _tie(out, written, tied)
     _check_counts(written, size, arch)
     # MTP layers also carry the embedding and the head, as DeepSeek-V3's checkpoint does (families/megatron/mtp.py)
     layers = {int(m[1]) for t, s in written.items() if s.startswith("mtp_") and (m := LAYER.match(t))}
     out, updates, notes = mtp.finish(out, layers, base.CAUSAL_LM.sizes(ctx.config))
     return FamilyResult(units=out, left_out=left_out, must_equal=must_equal, config_updates=updates, notes=notes)
+
+
+def row_transform(row: Row, size: dict[str, int | None], config: dict[str, Any]) -> tuple[str, Params]:
+    """A row's transform (torchtitan -> Hugging Face) and its parameters: llama3's wq and wk from interleaved rotary
+    pairs to halves (rope_permute, over the row's heads); DeepSeek-V3's MLA rows with rotary ones (row.rope_rows)
+    from interleaved pairs, which torchtitan's ComplexRoPE rotates, to halves when config.json says
+    rope_interleave false (mla_rope_halves, the permutation megatron-core's MLA needs too: families/megatron/
+    mla.py); otherwise the row's transform as it is."""
+    if row.heads:
+        return row.transform, RopePermute(heads=base.config_int(size, row.heads, "torchtitan"))
+    if row.rope_rows and not mla.rope_interleaved(config):
+        heads, keep = (size["heads"], size["nope"]) if row.rope_rows == "q" else (1, size["kv_lora"])
+        rope = base.config_int(size, "rope", "torchtitan")
+        return "mla_rope_halves", MlaRopeHalves(heads=heads, keep=keep, rope=rope)
+    return row.transform, NO_PARAMS
 
 
 def architecture(config: dict[str, Any]) -> str:
@@ -76,7 +92,7 @@ def sizes(config: dict[str, Any], arch: str) -> dict[str, int | None]:
     if arch == "DeepseekV3ForCausalLM":  # latent attention: per-head widths of its own, no head_dim
         nope, rope, v = c.get("qk_nope_head_dim"), c.get("qk_rope_head_dim"), c.get("v_head_dim")
         out.update(q_rows=_mul(heads, nope + rope if nope and rope else None), o_cols=_mul(heads, v),
-                   q_lora=c.get("q_lora_rank"), kv_lora=c.get("kv_lora_rank"),
+                   q_lora=c.get("q_lora_rank"), kv_lora=c.get("kv_lora_rank"), nope=nope, rope=rope,
                    kv_a_rows=(c.get("kv_lora_rank") or 0) + rope if rope else None,
                    kv_b_rows=_mul(heads, nope + v if nope and v else None),
                    shared_ffn=_mul(c.get("moe_intermediate_size"), c.get("n_shared_experts")),

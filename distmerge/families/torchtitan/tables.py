@@ -30,6 +30,9 @@ class Row:
     gen: str = ""  # "0.3" or "0.2": the name generation the spelling belongs to ("": both)
     mtp: bool = False  # multi-token-prediction layer j: Hugging Face numbers it num_hidden_layers + j
     init: str = ""  # a row with no target: the value torchtitan initializes it to, which an import writes
+    # MLA: the rows end in rotary ones, "q" (each head [qk_nope | qk_rope]) or "kv" (one block [kv latent |
+    # qk_rope]), as interleaved pairs in torchtitan; Hugging Face's halves when config.json's rope_interleave is false
+    rope_rows: str = ""
 
 
 def both(new: str, old: str, target: str | None, **kw) -> tuple[Row, Row]:
@@ -92,11 +95,11 @@ SHARED_EXPERTS = (
     Row(L + "moe.shared_experts.w2.weight", M + "mlp.shared_experts.down_proj.weight"),
 )
 MLA = (  # multi-head latent attention; wq when q_lora_rank is 0, else wq_a, q_norm, wq_b
-    Row(L + "attention.wq.weight", M + "self_attn.q_proj.weight"),
+    Row(L + "attention.wq.weight", M + "self_attn.q_proj.weight", rope_rows="q"),
     Row(L + "attention.wq_a.weight", M + "self_attn.q_a_proj.weight"),
     Row(L + "attention.q_norm.weight", M + "self_attn.q_a_layernorm.weight"),
-    Row(L + "attention.wq_b.weight", M + "self_attn.q_b_proj.weight"),
-    Row(L + "attention.wkv_a.weight", M + "self_attn.kv_a_proj_with_mqa.weight"),
+    Row(L + "attention.wq_b.weight", M + "self_attn.q_b_proj.weight", rope_rows="q"),
+    Row(L + "attention.wkv_a.weight", M + "self_attn.kv_a_proj_with_mqa.weight", rope_rows="kv"),
     Row(L + "attention.kv_norm.weight", M + "self_attn.kv_a_layernorm.weight"),
     Row(L + "attention.wkv_b.weight", M + "self_attn.kv_b_proj.weight"),
     Row(L + "attention.wo.weight", M + "self_attn.o_proj.weight"),
