@@ -59,6 +59,17 @@ def test_a_folder_in_a_bucket_imports_as_on_disk(s3, on_disk, route, tmp_path, m
     assert [p.name for p in tmp_path.iterdir()] == ([] if route == "s3-s3" else ["out"])
 
 
+def test_torchtitan_from_a_bucket_into_a_bucket_is_the_disk_import(s3, on_disk, tmp_path):
+    """--to torchtitan: its own plan and last file (step-0/.metadata), through the same store."""
+    _, s3c = s3
+    hf, _ = on_disk
+    assert import_inproc("--input", hf, "--output", tmp_path / "disk", "--to", "torchtitan") == 0
+    assert import_inproc("--input", "s3://ckpt/hf-llama", "--output", "s3://models/titan", "--to", "torchtitan") == 0
+    want = folder_bytes(tmp_path / "disk")
+    assert "step-0/.metadata" in want
+    assert download_tree(s3c, "models", "titan") == want
+
+
 @pytest.mark.torchrun
 def test_two_processes_write_into_a_bucket_what_one_writes_into_a_folder(s3, on_disk, tmp_path):
     _, s3c = s3
@@ -121,6 +132,8 @@ def test_a_failed_upload_leaves_nothing_that_looks_like_an_import(s3, on_disk, c
                                     "folders, not gs://"),
     (("--input", "gs://ckpt/hf-llama"), "input gs://ckpt/hf-llama: distmerge reads local folders and s3:// URLs"),
     (("--output", "s3://no-such-bucket/m"), "cannot reach the bucket of s3://no-such-bucket/m: it does not exist"),
+    (("--output", "s3://ckpt/hf-llama/imported"), "output s3://ckpt/hf-llama/imported and input s3://ckpt/hf-llama "
+                                                  "overlap: choose another prefix"),
     (("--hf-config", "s3://ckpt/hf-llama"), "--hf-config s3://ckpt/hf-llama: config.json's folder is read from "
                                             "this machine's disk"),
 ])
@@ -134,4 +147,4 @@ def test_a_location_that_cannot_be_used_is_one_line(s3, on_disk, tmp_path, capsy
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and words in err[0], err
     assert list(tmp_path.iterdir()) == []
-    assert download_tree(s3c, "models", "refused") == {}
+    assert download_tree(s3c, "models", "refused") == download_tree(s3c, "ckpt", "hf-llama/imported") == {}

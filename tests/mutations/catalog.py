@@ -395,5 +395,12 @@ IMPORT_S3 = (
              old="    except BaseException:\n        out.abort()\n        raise\n",
              new="    except BaseException:\n        raise\n",
              tests=(f"{IMPORT_S3_FILE}::test_a_failed_upload_leaves_nothing_that_looks_like_an_import",)),
+    Mutation(name="45-34-bucket-input-named-by-its-listing-path", guarantee="inputs never modified",
+             why="a bucket input is named by the path its listing is looked up by, not its URL: an output inside "
+                 "the input's prefix is not refused, and the import writes into the input",
+             file="distmerge/importer/discover.py",
+             old="    return Model(root=src.shown(str(root)),",
+             new="    return Model(root=str(root),",
+             tests=(f"{IMPORT_S3_FILE}::test_a_location_that_cannot_be_used_is_one_line",)),
 )
 MUTATIONS = MUTATIONS + IMPORT_S3
