@@ -3,9 +3,10 @@
 A chunk is rows [a, b) (and columns, for a row-parallel split) of one Megatron tensor, whose rows are segments of
 Hugging Face tensors (families/transforms.Segment). The segments that cover [a, b) (transforms.narrow) are each
 rows of one Hugging Face tensor: from a folder, one contiguous byte range of a safetensors file, read with one
-pread (Files); from a checkpoint, rows of the tensor the merge engine assembled (sink.py). The chunks of one tensor
-that share their rows (the TP chunks of a column split) are cut from one read of those rows at full width
-(`chunk_tensors`), so each byte is read once.
+read through the input's source (Files: a pread on disk, a ranged GET from an object store); from a checkpoint,
+rows of the tensor the merge engine assembled (sink.py). The chunks of one tensor that share their rows (the TP
+chunks of a column split) are cut from one read of those rows at full width (`chunk_tensors`), so each byte is read
+once.
 """
 
 from __future__ import annotations
