@@ -254,17 +254,16 @@ def _fill(cls: type, values: Mapping[str, Any], **computed: Any) -> Any:
 
 def import_request(values: Mapping[str, Any]) -> ImportOptions:
     """importer.request.ImportOptions from the parsed options of `import` (its own table, options/import_options.py)."""
-    from pathlib import Path
-
     from distmerge.importer.plan import Layout
-    from distmerge.importer.request import ImportOptions
+    from distmerge.importer.request import ImportOptions, local_folder
 
     layout = Layout(tp=values["tp"], pp=values["pp"], ep=values["ep"], vpp=values["vpp"],
                     first=values["decoder_first_pipeline_num_layers"], last=values["decoder_last_pipeline_num_layers"],
                     divisible_by=values["make_vocab_size_divisible_by"])
     hf_config = values["hf_config"]
-    return ImportOptions(input=Path(values["input"]), output=Path(values["output"]), layout=layout, to=values["to"],
-                         overwrite=values["overwrite"], hf_config=None if hf_config is None else Path(hf_config))
+    return ImportOptions(input=values["input"], output=values["output"], layout=layout, to=values["to"],
+                         overwrite=values["overwrite"],
+                         hf_config=None if hf_config is None else local_folder(hf_config, "--hf-config"))
 
 
 def run_import(opts: ImportOptions, comm: Comm, *, show: bool) -> ImportResult:

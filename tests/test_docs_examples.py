@@ -496,6 +496,9 @@ RUN: dict[tuple[str, str], Run] = {
 }
 
 ELSEWHERE: dict[tuple[str, str], str] = {
+    ("import.md", "python -m distmerge import --input s3://models/llama-hf"):
+        "tests/test_import_s3.py::test_a_folder_in_a_bucket_imports_as_on_disk, "
+        "tests/test_import_s3.py::test_two_processes_write_into_a_bucket_what_one_writes_into_a_folder",
     ("import.md", "--input megatron_legacy_ckpt --hf-config hf_config_dir"):
         "tests/test_import_megatron_moe.py::test_a_legacy_save_is_written_at_another_layout, "
         "tests/test_import_megatron_moe.py::test_a_legacy_save_imported_merges_back_to_its_source",

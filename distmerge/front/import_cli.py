@@ -18,6 +18,7 @@ IMPORT_EPILOG = """examples:
   torchrun --nproc-per-node 8 -m distmerge import --input hf_model/ --output megatron_ckpt/ --tp 8
   python -m distmerge import --input qwen3_moe/ --output megatron_moe/ --tp 2 --ep 4
   python -m distmerge import --input hf_model/ --output titan_ckpt/ --to torchtitan
+  python -m distmerge import --input s3://models/hf_model --output s3://ckpts/megatron_ckpt --tp 2
 
 Then start Megatron-LM with --load megatron_ckpt/ --finetune (the save is a release: iteration 0, no optimizer
 or RNG state) and the same --tensor-model-parallel-size, --pipeline-model-parallel-size,

@@ -9,9 +9,13 @@ from a merge. The same pipeline, sources and targets swapped:
     write (makers)      each Megatron tensor made by one process, its chunks read as row ranges of the Hugging
                         Face tensors (a column split's rows once for all its TP chunks) and written as DCP blobs at
                         the places the plan gave them (read.py, place.py, write.py): each file created and committed
-                        by its owner, written by every process that makes one of its tensors
+                        by its owner, written by every process that makes one of its tensors (into an object store,
+                        whose uploads take each part from one process: by its owner alone, in file order)
     finalize (rank 0)   `.metadata`, metadata.json, common.pt (Megatron-LM's args), and last the iteration
                         tracker (finalize.py): no tracker, no finished import
+
+The input and the output are merge's: a folder or an object store (`s3://bucket/prefix`), the one walked through
+input/source.py's Source, the other written through output/store.py's Store, neither asked which it is.
 
 run.py wires them under the output's lock (output/lock.py), as a merge does, once for every training layout: what
 differs between Megatron-LM's and torchtitan's is declared in targets.py (the folder, the marker of a finished

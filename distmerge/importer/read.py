@@ -3,15 +3,15 @@
 A chunk is rows [a, b) (and columns, for a row-parallel split) of one Megatron tensor, whose rows are segments of
 Hugging Face tensors (families/transforms.Segment). The segments that cover [a, b) (transforms.narrow) are each
 rows of one Hugging Face tensor: from a folder, one contiguous byte range of a safetensors file, read with one
-pread (Files); from a checkpoint, rows of the tensor the merge engine assembled (sink.py). The chunks of one tensor
-that share their rows (the TP chunks of a column split) are cut from one read of those rows at full width
-(`chunk_tensors`), so each byte is read once.
+read through the input's source (Files: a pread on disk, a ranged GET from an object store); from a checkpoint,
+rows of the tensor the merge engine assembled (sink.py). The chunks of one tensor that share their rows (the TP
+chunks of a column split) are cut from one read of those rows at full width (`chunk_tensors`), so each byte is read
+once.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -22,51 +22,47 @@ from distmerge.families import transforms as tf
 from distmerge.families.megatron.inverse import Imported
 from distmerge.formats.megatron.dist_layout import Chunk
 from distmerge.importer.discover import Model, Tensor
+from distmerge.input.source import InFile
 
 # rows(name, first, count): rows [first, first + count) of the Hugging Face tensor `name`
 RowReader = Callable[[str, int, int], torch.Tensor]
 
 
 class Files:
-    """The Hugging Face files a process reads, each opened once; `bytes_read` counts what was read."""
+    """The Hugging Face files a process reads, each opened once through the input's source, made again on this
+    rank from the record discovery made of them (Model.walked: a folder's files checked against its walk, an
+    object store's objects by their listing, read by ranged GETs pinned to the ETag listed); `bytes_read` counts
+    what was read."""
 
     def __init__(self, model: Model) -> None:
-        self.model, self.root = model, Path(model.root)
-        self.open: dict[str, object] = {}
+        self.model = model
+        self.source = model.walked.source()
+        self.source.adopt(model.walked)
+        self.root = Path(model.walked.root)
+        self.open: dict[str, InFile] = {}
         self.bytes_read = 0
 
     def rows(self, name: str, first_row: int, count: int) -> torch.Tensor:
         tensor = self.model.tensors[name]
-        raw = bytearray(self.pread(tensor, first_row, count))
+        raw = self.pread(tensor, first_row, count)
         return torch.frombuffer(raw, dtype=dtypes.torch_dtype(tensor.dtype)).view(count, *tensor.shape[1:])
 
-    def pread(self, tensor: Tensor, first_row: int, rows: int) -> bytes:
+    def pread(self, tensor: Tensor, first_row: int, rows: int) -> bytearray:
         row_bytes = math.prod(tensor.shape[1:]) * dtypes.itemsize(tensor.dtype)
         if tensor.file not in self.open:
-            # unbuffered: a buffered file reads ahead of each row range, and the ranges of a TP shard are many
-            self.open[tensor.file] = open(self.root / tensor.file, "rb", buffering=0)  # noqa: SIM115  (close())
-        data = _pread(self.open[tensor.file].fileno(), rows * row_bytes, tensor.start + first_row * row_bytes)
-        if len(data) != rows * row_bytes:
-            raise OSError(f"{self.root / tensor.file}: {tensor.name} is cut short (truncated file?)")
-        self.bytes_read += len(data)
+            self.open[tensor.file] = self.source.open(self.root / tensor.file)
+        data = bytearray(rows * row_bytes)
+        got = self.open[tensor.file].read_full(memoryview(data), tensor.start + first_row * row_bytes)
+        if got != len(data):
+            raise OSError(self.source.shown(f"{self.root / tensor.file}: {tensor.name} is cut short (truncated "
+                                            "file?)"))
+        self.bytes_read += got
         return data
 
     def close(self) -> None:
         for fh in self.open.values():
             fh.close()
         self.open.clear()
-
-
-def _pread(fd: int, nbytes: int, offset: int) -> bytes:
-    """nbytes at offset, or fewer at the end of the file (one pread returns at most about 2 GiB)."""
-    parts, done = [], 0
-    while done < nbytes:
-        part = os.pread(fd, min(nbytes - done, 1 << 30), offset + done)
-        if not part:
-            break
-        parts.append(part)
-        done += len(part)
-    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def chunk_tensors(made: Imported, chunks: list[Chunk], rows: RowReader) -> Iterator[tuple[Chunk, torch.Tensor]]:

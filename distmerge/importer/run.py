@@ -1,7 +1,9 @@
 """The import's phases in order (the package docstring), on every rank of a Comm, under the output's lock, for
 any training layout (targets.py: what differs between them is declared there, never tested for here).
 
-    rank 0       discover, plan (every refusal: nothing written yet), lock, check and prepare the output
+    rank 0       walk the input (a folder or an object store: input/source.py), discover, plan (every refusal:
+                 nothing written yet), lock, check and prepare the output (a folder or an object store:
+                 output/store.py)
                  broadcast of the model found
     every rank   the plan (the same everywhere), the files it owns written
                  all_gather of the entries
@@ -13,11 +15,12 @@ from __future__ import annotations
 import time
 
 from distmerge.distributed.comm import Comm
+from distmerge.errors import ConfigError
 from distmerge.importer.discover import Model, discover_config
 from distmerge.importer.request import ImportOptions, ImportResult
-from distmerge.importer.source import open_input
+from distmerge.importer.source import ImportInput, open_input
 from distmerge.importer.targets import TARGETS, Target
-from distmerge.importer.write import write_files
+from distmerge.importer.write import owners_alone, write_files
 from distmerge.output import lock, open_store
 from distmerge.output.lock import Lease
 from distmerge.output.store import Store
@@ -37,6 +40,7 @@ def run_import(opts: ImportOptions, comm: Comm) -> ImportResult:
         comm.phase("discovery")
         source = open_input(opts.input, opts.hf_config, comm, lambda: _refuse_early(target, opts),
                             lambda model: target.plan(model, opts.layout, 1))
+        refuse_unordered(source, store)
         model = source.open(comm)
         comm.root_only(lambda: _discover(target, opts, store, held, model))
         plan = target.plan(model, opts.layout, comm.world)  # rank 0 made it already: it cannot fail here
@@ -52,6 +56,17 @@ def run_import(opts: ImportOptions, comm: Comm) -> ImportResult:
     return ImportResult(files=len(plan.files), tensors=len(plan.tensors), chunks=sum(len(f.chunks) for f in plan.files),
                         nbytes=sum(f.nbytes for f in plan.files), padded_vocab=target.padded_vocab(plan),
                         seconds=time.perf_counter() - start, processes=comm.world)
+
+
+def refuse_unordered(source: ImportInput, store: Store) -> None:
+    """Every rank, before the input is read: a store that takes each file from its owner alone, in order (an object
+    store's parts: write.owners_alone) is written from an input whose tensors the import hands out itself (a
+    Hugging Face folder), not from a checkpoint, whose tensors the merge engine hands to the processes and in the
+    order its plan gives (the parts would wait in memory, up to the whole file, for their last bytes)."""
+    if owners_alone(store) and not source.chooses_makers:
+        raise ConfigError(f"distmerge import writes a training checkpoint into a folder, not into {store.url}: "
+                          "merge the checkpoint into a Hugging Face folder (an s3:// one too) and import that, or "
+                          "import into a folder and upload it")
 
 
 def summary(result: ImportResult, opts: ImportOptions) -> str:

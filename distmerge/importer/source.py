@@ -37,6 +37,8 @@ from distmerge.importer.plan import ImportPlan
 from distmerge.importer.read import Files
 from distmerge.importer.sink import ImportSink
 from distmerge.importer.write import Output, from_folder
+from distmerge.input import source as input_source
+from distmerge.input.source import Source
 from distmerge.output.store import Sharing
 from distmerge.report import Progress
 from distmerge.threads import one_thread
@@ -51,6 +53,8 @@ class ImportInput(Protocol):
     """Call order, every rank: open (collective) -> the Model; writer(plan, comm) -> write.write_files' `write_mine`
     (collective when called); close, on every path."""
 
+    chooses_makers: bool  # whether the import may say which process makes each tensor's chunks (write.py)
+
     def open(self, comm: Comm) -> Model: ...
 
     def writer(self, plan: ImportPlan, comm: Comm) -> Callable[[Output], None]: ...
@@ -58,31 +62,44 @@ class ImportInput(Protocol):
     def close(self) -> None: ...
 
 
-def is_checkpoint(location: Path) -> bool:
-    """Rank 0: whether the input is a training checkpoint that a format detects, not a Hugging Face folder."""
-    if not location.is_dir() or any((location / name).is_file() for name in HF_MODEL_FILES):
+def is_checkpoint(src: Source) -> bool:
+    """Rank 0: whether the walked input is a training checkpoint that a format detects, not a Hugging Face
+    folder."""
+    if any(src.is_file(src.root / name) for name in HF_MODEL_FILES):
         return False
-    return registry.detect(location) is not None
+    return registry.detect(src) is not None
 
 
-def open_input(location: Path, hf_config: Path | None, comm: Comm, refuse_early: Callable[[], None],
+def open_input(location: Any, hf_config: Path | None, comm: Comm, refuse_early: Callable[[], None],
                plan_of: PlanOf) -> ImportInput:
-    """Collective: the input, as rank 0 finds it. An input no format detects is left to the folder's discovery,
-    whose refusal says what a model folder holds."""
-    if comm.root_only(lambda: is_checkpoint(location)):
+    """Collective: the input (a folder, an object-store URL, a Source object: input/source.open_source), as rank 0
+    finds it, walked once. An input no format detects is left to the folder's discovery, whose refusal says what a
+    model folder holds."""
+    walked: list[Source] = []
+
+    def look() -> bool:
+        src = input_source.open_source(location)
+        src.walk()  # one line for an input that is missing, empty, or no folder
+        walked.append(input_source.session().use(src))  # errors name its objects by their URLs (comm.py)
+        return is_checkpoint(src)
+
+    if comm.root_only(look):
         return CheckpointInput(location, hf_config, refuse_early, plan_of)
-    return FolderInput(location)
+    return FolderInput(walked[0] if walked else None)
 
 
 class FolderInput:
-    """A Hugging Face folder, discovered by rank 0 (discover.py)."""
+    """A Hugging Face folder, discovered by rank 0 through its walked source (discover.py); the other ranks have
+    none, and open its files by the record the Model carries (read.Files)."""
 
-    def __init__(self, location: Path) -> None:
-        self.location = location
+    chooses_makers = True  # the import gives each tensor's chunks to the process it likes (write.py)
+
+    def __init__(self, walked: Source | None) -> None:
+        self.walked = walked
         self.files: Files | None = None
 
     def open(self, comm: Comm) -> Model:
-        self.model = comm.root_only(lambda: discover(self.location))
+        self.model = comm.root_only(lambda: discover(self.walked))
         return self.model
 
     def writer(self, plan: ImportPlan, comm: Comm) -> Callable[[Output], None]:
@@ -97,7 +114,9 @@ class FolderInput:
 class CheckpointInput:
     """A training checkpoint, read by the merge engine's phases into the import's chunks."""
 
-    def __init__(self, location: Path, hf_config: Path | None, refuse_early: Callable[[], None],
+    chooses_makers = False  # the merge engine hands each unit's tensors to the owner its plan gave it
+
+    def __init__(self, location: Any, hf_config: Path | None, refuse_early: Callable[[], None],
                  plan_of: PlanOf) -> None:
         self.location, self.hf_config, self.refuse_early, self.plan_of = location, hf_config, refuse_early, plan_of
         self.reader: Reader | None = None
@@ -109,7 +128,7 @@ class CheckpointInput:
         self.merge_plan = plan_checkpoint(found, self.reader, comm, OutputSettings(), host=lambda: "",
                                           sharing=ANY_RANK, together=self._together)
         self.model = model_of([t for u in self.merge_plan.units for t in u.targets], found.config,
-                              str(self.location))
+                              input_source.name_of(self.location))
         return self.model
 
     def writer(self, plan: ImportPlan, comm: Comm) -> Callable[[Output], None]:
@@ -132,7 +151,7 @@ class CheckpointInput:
 
     def _together(self, units: list[Unit], config: dict[str, Any]) -> list[Unit]:
         targets = [t for u in units for t in u.targets]
-        return together(units, self.plan_of(model_of(targets, config, str(self.location))))
+        return together(units, self.plan_of(model_of(targets, config, input_source.name_of(self.location))))
 
 
 def model_of(targets: list, config: dict[str, Any], root: str) -> Model:

@@ -15,6 +15,13 @@ Call order, every rank (write_files runs it):
     commit   owners     each file visible under its name                   all_gather (errors)
 
 A tensor's chunks are made by one process: the chunks of a column split share their rows, read once (read.py).
+
+A store that takes any byte from any process (a folder: pwrite at any offset; its `sharing`, output/store.py) is
+written by the makers, as above. An object store takes each part of an upload from the one writer the layout's
+runs name, in parts of at least `sharing.min_run` bytes, which the makers' blobs (any size, any process) are not:
+there each file is written by its owner alone (`owners_alone`), its chunks in file order (`write_owned`), so that
+its parts fill one after another and are sent as they fill (memory: a few parts, not the file). The files' bytes
+are the plan's either way (place.py): the same objects as the folder's files.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from distmerge.errors import ConfigError
 from distmerge.formats.megatron.dist_layout import Chunk
 from distmerge.formats.torch_private.dcp import write as dcp
 from distmerge.importer.discover import Model
-from distmerge.importer.place import Placed, object_bytes, place
+from distmerge.importer.place import object_bytes, place
 from distmerge.importer.plan import ImportPlan
 from distmerge.importer.read import Files, RowReader, chunk_tensors
 from distmerge.output.store import FileLayout, OutFile, Store
@@ -54,6 +61,7 @@ class Output:
                 self.chunks_of.setdefault(chunk.tensor, []).append(chunk)
         self.tokens: dict[int, Any] = {}
         self.handles: dict[int, OutFile] = {}
+        self.owners_alone = owners_alone(store)
 
     def entries(self) -> list[dcp.Entry]:
         return [e for p in self.placed for e in p.entries]
@@ -64,7 +72,7 @@ class Output:
         blob = memoryview(object_bytes())
         for i, (p, owner) in enumerate(zip(self.placed, self.plan.owners, strict=True)):
             if owner == self.rank:
-                self.handles[i] = handle = self.store.create(self._layout(p), self.rank)
+                self.handles[i] = handle = self.store.create(self._layout(i), self.rank)
                 for e in p.entries:
                     if e.dtype is None:
                         handle.pwrite(blob, e.offset)
@@ -79,7 +87,7 @@ class Output:
         blob = dcp.tensor_blob(tensor)
         assert len(blob) == entry.length, f"{chunk.key}: blob of {len(blob)} bytes, placed {entry.length}"
         if i not in self.handles:
-            self.handles[i] = self.store.join(self._layout(self.placed[i]), self.rank, self.tokens.get(i))
+            self.handles[i] = self.store.join(self._layout(i), self.rank, self.tokens.get(i))
         self.handles[i].pwrite(memoryview(blob), entry.offset)
 
     def finish(self) -> dict[int, Any]:
@@ -95,15 +103,26 @@ class Output:
         for handle in self.handles.values():
             handle.abort()
 
-    def _layout(self, p: Placed) -> FileLayout:
-        return FileLayout(name=f"{self.folder}/{p.name}", header=b"", size=p.size, runs=(), shared=True)
+    def _layout(self, i: int) -> FileLayout:
+        p = self.placed[i]
+        name = f"{self.folder}/{p.name}"
+        if self.owners_alone:  # one run, its owner's: the store sends the file as that one writer's parts
+            return FileLayout(name=name, header=b"", size=p.size, runs=((0, p.size, self.plan.owners[i]),),
+                              shared=False)
+        return FileLayout(name=name, header=b"", size=p.size, runs=(), shared=True)
+
+
+def owners_alone(store: Store) -> bool:
+    """Whether each file must be written by its owner alone: the store takes a file's bytes only as runs planned
+    ahead, each at least `min_run` long (an object store's parts), or never from several processes."""
+    return store.sharing.within == "none" or store.sharing.min_run > 0
 
 
 def write_files(plan: ImportPlan, store: Store, folder: str, comm: Comm,
                 write_mine: Callable[[Output], None]) -> list[dcp.Entry]:
     """Collective: the plan's files written into `folder` of the output (the call order above); returns the
     entries `.metadata` needs, the same on every rank."""
-    if len(set(comm.gather(store.host))) > 1:
+    if not owners_alone(store) and len(set(comm.gather(store.host))) > 1:
         raise ConfigError("distmerge import writes each file of its output from several processes, which needs "
                           "them on one machine: run it with the processes of one node")
     out = Output(plan, store, folder, comm.rank)
@@ -147,11 +166,32 @@ def tensor_makers(plan: ImportPlan, world: int) -> dict[str, int]:
     return out
 
 
+def write_owned(plan: ImportPlan, rows: RowReader, out: Output) -> None:
+    """Every chunk of the files this rank owns, in file order (Output.owners_alone): each chunk's rows read for it
+    alone (a row split's TP chunks, in the files of several owners, each read their rows at full width)."""
+    with one_thread():
+        for i, f in enumerate(plan.files):
+            if plan.owners[i] != out.rank:
+                continue
+            for chunk in f.chunks:  # the file's order: place.py lays the blobs out in this order
+                made = plan.tensors[chunk.tensor]
+                if made.sources:  # a tensor of no source is written at the file's creation (create_owned)
+                    for cut, tensor in chunk_tensors(made, [chunk], rows):
+                        out.put(cut, tensor)
+
+
 def from_folder(plan: ImportPlan, files: Files, comm: Comm) -> Callable[[Output], None]:
-    """write_files' `write_mine` for a Hugging Face folder: this rank's tensors (tensor_makers), read by rows."""
+    """write_files' `write_mine` for a Hugging Face folder, read by rows: this rank's tensors (tensor_makers), or
+    where the store takes each file from its owner alone, the chunks of the files it owns."""
     makers = tensor_makers(plan, comm.world)
     mine = sorted(n for n, r in makers.items() if r == comm.rank)
-    return lambda out: comm.gather(lambda: write_tensors(plan, mine, files.rows, out))
+
+    def write_mine(out: Output) -> None:
+        if out.owners_alone:
+            comm.gather(lambda: write_owned(plan, files.rows, out))
+        else:
+            comm.gather(lambda: write_tensors(plan, mine, files.rows, out))
+    return write_mine
 
 
 def write_folder(plan: ImportPlan, model: Model, store: Store, folder: str, comm: Comm) -> list[dcp.Entry]:

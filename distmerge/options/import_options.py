@@ -27,14 +27,15 @@ def positive(text: str) -> int:
 
 
 ROWS: tuple[tuple[str | None, Opt], ...] = (
-    ("input", Opt(name="input", flags=("--input", "-i"), commands=IMPORT, kind=Kind.PATH, required=True,
+    ("input", Opt(name="input", flags=("--input", "-i"), commands=IMPORT, kind=Kind.LOCATION, required=True,
                   metavar="HF_DIR", help="Hugging Face model folder (config.json and safetensors weights), or any "
-                                            "checkpoint distmerge merges")),
-    ("input", Opt(name="hf_config", flags=("--hf-config",), commands=IMPORT, kind=Kind.PATH, metavar="DIR",
+                                            "checkpoint distmerge merges; a folder or s3://bucket/prefix")),
+    ("input", Opt(name="hf_config", flags=("--hf-config",), commands=IMPORT, kind=Kind.LOCATION, metavar="DIR",
                   help="config.json's folder, when --input is a training checkpoint (merged first, as "
                        "`distmerge merge` merges it) and does not carry one")),
-    ("output", Opt(name="output", flags=("--output", "-o"), commands=IMPORT, kind=Kind.PATH, required=True,
-                   metavar="OUT", help="folder for the training checkpoint (Megatron-LM: pass it as --load)")),
+    ("output", Opt(name="output", flags=("--output", "-o"), commands=IMPORT, kind=Kind.LOCATION, required=True,
+                   metavar="OUT", help="folder or s3://bucket/prefix for the training checkpoint (Megatron-LM: pass "
+                                       "it as --load)")),
     ("output", Opt(name="to", flags=("--to",), commands=IMPORT, default="megatron", choices=TARGETS,
                    help="the training layout: megatron (Megatron-LM torch_dist, the default) or torchtitan (a DCP "
                         "step-0 folder in torchtitan's names, loaded at any world size)")),

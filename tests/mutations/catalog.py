@@ -292,7 +292,7 @@ IMPORT_LAYOUTS = (
              tests=(f"{IMPORT_CKPT_FILE}::test_column_split_tensors_are_read_once",)),
     Mutation(name="45-7-checkpoint-input-not-detected", guarantee="Megatron import layout",
              why="a checkpoint input is taken for a Hugging Face folder and refused for having no config.json",
-             file="distmerge/importer/source.py", old="    return registry.detect(location) is not None",
+             file="distmerge/importer/source.py", old="    return registry.detect(src) is not None",
              new="    return False",
              tests=(f"{IMPORT_MOE_FILE}::test_a_legacy_save_imported_merges_back_to_its_source",)),
     Mutation(name="45-8-checkpoint-refused-after-reading-it", guarantee="one-line errors / exit status",
@@ -408,3 +408,44 @@ IMPORT_TITAN_DSV3 = (
              tests=(f"{IMPORT_TITAN_FILE}::test_two_processes_write_what_one_writes",)),
 )
 MUTATIONS = MUTATIONS + IMPORT_TITAN_DSV3
+
+# issue #45, s3:// input and output for import (tests/test_import_s3.py)
+IMPORT_S3_FILE = "tests/test_import_s3.py"
+IMPORT_S3 = (
+    Mutation(name="45-30-import-output-a-path", guarantee="exactness (object store)",
+             why="--output is parsed as a Path: s3://models/x becomes a local folder s3:/models/x, 'written'",
+             file="distmerge/options/import_options.py",
+             old='("output", Opt(name="output", flags=("--output", "-o"), commands=IMPORT, kind=Kind.LOCATION,',
+             new='("output", Opt(name="output", flags=("--output", "-o"), commands=IMPORT, kind=Kind.PATH,',
+             tests=(f"{IMPORT_S3_FILE}::test_a_folder_in_a_bucket_imports_as_on_disk",
+                    f"{IMPORT_S3_FILE}::test_a_location_that_cannot_be_used_is_one_line")),
+    Mutation(name="45-31-object-store-written-by-makers", guarantee="exactness (object store)",
+             why="an object store's files are written by the tensors' makers, as a folder's: the uploads have no "
+                 "runs to cut into parts (one writer each)",
+             file="distmerge/importer/write.py",
+             old="    return store.sharing.within == \"none\" or store.sharing.min_run > 0\n",
+             new="    return store.sharing.within == \"none\"\n",
+             tests=(f"{IMPORT_S3_FILE}::test_a_folder_in_a_bucket_imports_as_on_disk",
+                    f"{IMPORT_S3_FILE}::test_two_processes_write_into_a_bucket_what_one_writes_into_a_folder")),
+    Mutation(name="45-32-checkpoint-into-a-bucket-not-refused", guarantee="one-line errors / exit status",
+             why="a training checkpoint is imported into an object store, whose parts wait in memory for bytes the "
+                 "merge engine hands out in its own order",
+             file="distmerge/importer/run.py",
+             old="    if owners_alone(store) and not source.chooses_makers:\n",
+             new="    if False:\n",
+             tests=(f"{IMPORT_S3_FILE}::test_a_checkpoint_in_a_bucket_imports_as_on_disk",)),
+    Mutation(name="45-33-failed-import-uploads-left-open", guarantee="atomic output",
+             why="a failed import does not abort its uploads: parts stay stored (and billed), never completed",
+             file="distmerge/importer/write.py",
+             old="    except BaseException:\n        out.abort()\n        raise\n",
+             new="    except BaseException:\n        raise\n",
+             tests=(f"{IMPORT_S3_FILE}::test_a_failed_upload_leaves_nothing_that_looks_like_an_import",)),
+    Mutation(name="45-34-bucket-input-named-by-its-listing-path", guarantee="inputs never modified",
+             why="a bucket input is named by the path its listing is looked up by, not its URL: an output inside "
+                 "the input's prefix is not refused, and the import writes into the input",
+             file="distmerge/importer/discover.py",
+             old="    return Model(root=src.shown(str(root)),",
+             new="    return Model(root=str(root),",
+             tests=(f"{IMPORT_S3_FILE}::test_a_location_that_cannot_be_used_is_one_line",)),
+)
+MUTATIONS = MUTATIONS + IMPORT_S3
