@@ -6,6 +6,7 @@ Every dense family is also written at TP=2 x PP=2; megatron-core loads all the f
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,8 @@ from safetensors.torch import load_file
 
 from distmerge import catalog
 from distmerge.families import transforms as tf
+from distmerge.output import lock
+from distmerge.output.names import LOCK
 from tests.conftest import input_untouched, load_merged, merge_inproc, torchrun
 from tests.fixtures import megatron_models as mm
 from tests.helpers.importing import folder_bytes, import_inproc, load_with, padded_vocab
@@ -139,6 +142,24 @@ def test_a_layout_the_model_cannot_have_is_refused(hf_models, tmp_path, capsys, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and words in err[0], err
     assert not out.exists()
+
+
+def test_an_output_in_use_is_refused_with_what_import_takes(hf_models, tmp_path, capsys):
+    """A folder holding files, then one holding the lock of an import that is gone: one line each, naming
+    --overwrite, which import has, never merge's --resume, which it has not; nothing written."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("not ours")
+    gone = dataclasses.replace(lock.this_process(str(hf_models["llama"])), pid=2**22 + 1, pid_start="0")
+    for leftover in ("notes.txt", LOCK):
+        if leftover == LOCK:
+            (out / "notes.txt").unlink()
+            (out / LOCK).write_bytes(gone.encode())
+        before = sorted(p.name for p in out.iterdir())
+        assert import_inproc("--input", hf_models["llama"], "--output", out, "--tp", "2") == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--overwrite" in err[0] and "--resume" not in err[0], err
+        assert sorted(p.name for p in out.iterdir()) == before
 
 
 def test_a_folder_that_is_not_a_model_is_refused(tmp_path, capsys):

@@ -78,7 +78,7 @@ def _refuse_early(target: Target, opts: ImportOptions) -> None:
     """Rank 0, before a checkpoint input is opened (source.py): an output the import may not write, and with
     --hf-config, a layout its config.json does not allow; the rest is judged on the checkpoint's tensors."""
     store = open_store(opts.output)
-    store.check(str(opts.input), opts.overwrite)
+    store.check(str(opts.input), opts.overwrite, resumable=False)
     if opts.hf_config is not None:
         target.check_config(discover_config(opts.hf_config), opts.layout)
 
@@ -89,8 +89,8 @@ def _discover(target: Target, opts: ImportOptions, store: Store, held: list[Leas
     target.plan(model, opts.layout, 1)
     store.check_place(model.root)
     held.append(lock.take(store.lock(), lock.this_process(model.root), store.url, take_over=opts.overwrite,
-                          say=lambda line: None))
-    store.check(model.root, opts.overwrite)
+                          say=lambda line: None, resumable=False))
+    store.check(model.root, opts.overwrite, resumable=False)
     store.prepare(keep_finished=False)
     store.remove(target.marker)
     for name in store.list(f"{target.folder}/*"):

@@ -22,7 +22,7 @@ from distmerge.errors import OutputError
 from distmerge.input import tree
 from distmerge.output.local_lock import FolderLock
 from distmerge.output.names import FINISHED, INDEX_NAME, LOCK, PARTIAL, RECORDS, partial_name
-from distmerge.output.store import FileLayout, Sharing
+from distmerge.output.store import FileLayout, Sharing, not_empty
 from distmerge.output.writeback import Writeback
 
 # Large single write() calls into the page cache are several times slower than 1 MiB ones here
@@ -50,14 +50,13 @@ class LocalStore:
     def lock(self) -> FolderLock:
         return FolderLock(self.root)
 
-    def check(self, input_root: str, overwrite: bool) -> None:
+    def check(self, input_root: str, overwrite: bool, *, resumable: bool = True) -> None:
         """Refuse outputs that would touch the input or clobber work (the lock aside); never modify anything."""
         self.check_place(input_root)
         out = self.root.resolve()
         # the lock, and the names other merges make it under while they try to take it (local_lock.py)
         if out.exists() and any(not p.name.startswith(LOCK) for p in out.iterdir()) and not overwrite:
-            raise OutputError(f"output {self.url} is not empty: pass --overwrite to replace its model files, or "
-                              "--resume to finish an interrupted merge")
+            raise not_empty(self.url, resumable)
 
     def prepare(self, keep_finished: bool) -> None:
         """Create the folder and remove the old index first, so a stale model never looks done. --overwrite

@@ -123,9 +123,11 @@ def gone(holder: Holder, renewed: float) -> bool:
     return time.time() - renewed > holder.lease_s
 
 
-def take(lock: LockFile, me: Holder, url: str, take_over: bool, say: Callable[[str], None]) -> Lease:
+def take(lock: LockFile, me: Holder, url: str, take_over: bool, say: Callable[[str], None], *,
+         resumable: bool = True) -> Lease:
     """Take the output's lock for `me`, or raise OutputError naming the holder. `take_over` (--resume,
-    --overwrite): a gone holder's lock is removed and taken, and `say` tells the user so."""
+    --overwrite): a gone holder's lock is removed and taken, and `say` tells the user so. `resumable`: the command
+    has --resume (merge; not the import), which the refusal then offers."""
     for _ in range(TAKE_TRIES):
         if lock.create(me.encode()):
             return Lease(lock)
@@ -142,8 +144,9 @@ def take(lock: LockFile, me: Holder, url: str, take_over: bool, say: Callable[[s
                               "to end, or choose another --output")
         if not take_over:
             holder = other.describe() if other else "unknown"
-            raise OutputError(f"output {url} holds the lock of a merge that is gone ({holder}): pass --resume to "
-                              "finish its work, or --overwrite to start over")
+            finish = "--resume to finish its work, or " if resumable else ""
+            raise OutputError(f"output {url} holds the lock of a merge that is gone ({holder}): pass {finish}"
+                              "--overwrite to start over")
         if lock.remove_if(found.version):
             say(f"lock: taking over {lock.where} from a merge that is gone ({other.describe() if other else '?'})")
     raise OutputError(f"output {url}: its lock {lock.where} kept changing hands while this merge tried to take it: "

@@ -29,7 +29,7 @@ from distmerge import testing_seams as seams
 from distmerge.errors import OutputError
 from distmerge.output.names import FINISHED, INDEX_NAME, LOCK, RECORDS
 from distmerge.output.s3_lock import ObjectLock
-from distmerge.output.store import FileLayout, Sharing
+from distmerge.output.store import FileLayout, Sharing, not_empty
 
 MIN_PART = 5 << 20  # S3's smallest part (all but the last)
 MAX_PARTS = 10_000  # S3's most parts per upload
@@ -74,14 +74,13 @@ class ObjectStore:
     def lock(self) -> ObjectLock:
         return ObjectLock(self.loc)
 
-    def check(self, input_root: str, overwrite: bool) -> None:
+    def check(self, input_root: str, overwrite: bool, *, resumable: bool = True) -> None:
         """check_place; and without --overwrite or --resume, nothing but the lock lies under the prefix."""
         self.check_place(input_root)
         listed = self.call("list", "", "list_objects_v2", Prefix=self.loc.key(""), MaxKeys=2).get("Contents", [])
         held = [o for o in listed if o["Key"] != self.loc.key(LOCK)]
         if held and not overwrite:
-            raise OutputError(f"output {self.url} is not empty: pass --overwrite to replace its model files, or "
-                              "--resume to finish an interrupted merge")
+            raise not_empty(self.url, resumable)
 
     def prepare(self, keep_finished: bool) -> None:
         """Abort the uploads an interrupted merge left (invisible, but stored and billed); without --resume also

@@ -49,6 +49,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from distmerge.errors import OutputError
 from distmerge.output.lock import LockFile
 
 
@@ -100,8 +101,8 @@ class PlaceChecks(Protocol):
     def check_place(self, input_root: str) -> None:
         """Refuse an output inside the input, creating nothing."""
 
-    def check(self, input_root: str, overwrite: bool) -> None:
-        """Refuse an output holding work (the lock aside) without --overwrite / --resume."""
+    def check(self, input_root: str, overwrite: bool, *, resumable: bool = True) -> None:
+        """Refuse an output holding work (the lock aside) without --overwrite / --resume (not_empty)."""
 
     def prepare(self, keep_finished: bool) -> None:
         """Remove the index and half-written files (and, unless `keep_finished`, earlier model files)."""
@@ -177,3 +178,10 @@ def missing_members(value: object) -> list[str]:
     attributes = {n for role in (Store, *ROLES) for n in vars(role).get("__annotations__", {})}
     return [n for n in store_members()
             if not (hasattr(value, n) if n in attributes else callable(getattr(value, n, None)))]
+
+
+def not_empty(url: str, resumable: bool) -> OutputError:
+    """The refusal of an output that holds work, naming the options the command has (`resumable`: merge's
+    --resume; the import has only --overwrite)."""
+    finish = ", or --resume to finish an interrupted merge" if resumable else ""
+    return OutputError(f"output {url} is not empty: pass --overwrite to replace its model files{finish}")

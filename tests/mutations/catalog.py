@@ -449,3 +449,14 @@ IMPORT_S3 = (
              tests=(f"{IMPORT_S3_FILE}::test_a_location_that_cannot_be_used_is_one_line",)),
 )
 MUTATIONS = MUTATIONS + IMPORT_S3
+
+# The import's refusals name the options it has (--overwrite), never merge's --resume (tests/test_import_megatron.py)
+IMPORT_REFUSALS = (
+    Mutation(name="45-35-import-refusal-offers-resume", guarantee="one-line errors / exit status",
+             why="an import into a folder holding files is told to pass --resume, an option import does not have",
+             file="distmerge/importer/run.py",
+             old="    store.check(model.root, opts.overwrite, resumable=False)\n",
+             new="    store.check(model.root, opts.overwrite)\n",
+             tests=("tests/test_import_megatron.py::test_an_output_in_use_is_refused_with_what_import_takes",)),
+)
+MUTATIONS = MUTATIONS + IMPORT_REFUSALS
